@@ -1,0 +1,1 @@
+"""The ``tokenfleet`` command line."""

@@ -1,0 +1,201 @@
+"""Engine profiles: a model, a GPU, a parallelism degree and efficiency factors.
+
+A profile is plain data plus a roofline step-time model. Routers may read a
+profile (operators configure it, so a live router knows it); only the engine
+model uses it to decide how long a step really takes. Formulas and constants
+are documented, with the calibration against public measurements, in
+``docs/engine-model.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from tokenfleet.core.registry import Registry
+from tokenfleet.core.types import BLOCK_SIZE_TOKENS
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str
+    n_params: float  # total parameters (weights read once per step)
+    n_layers: int
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    max_model_len_tokens: int
+    bytes_per_param: float = 2.0  # bf16
+    kv_bytes_per_elem: float = 2.0  # bf16 KV cache
+    n_active_params: float | None = None  # MoE: parameters touched per token
+
+    @property
+    def active_params(self) -> float:
+        return self.n_active_params if self.n_active_params is not None else self.n_params
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """K and V, every layer, every KV head."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.kv_bytes_per_elem
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.n_params * self.bytes_per_param
+
+
+@dataclass(frozen=True, slots=True)
+class GPUSpec:
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s
+    hbm_bytes_per_s: float
+    hbm_bytes: float
+    interconnect_bytes_per_s: float  # per-GPU NVLink all-reduce bus bandwidth
+
+
+@dataclass(frozen=True, slots=True)
+class EngineProfile:
+    """A deployable engine configuration with a roofline step-time model."""
+
+    name: str
+    model: ModelSpec
+    gpu: GPUSpec
+    tp: int = 1
+    # vLLM scheduler knobs
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    block_size_tokens: int = BLOCK_SIZE_TOKENS
+    gpu_memory_utilization: float = 0.9
+    activation_reserve_bytes: float = 6e9  # per GPU: activations, CUDA graphs
+    # efficiency factors (calibrated, see docs/engine-model.md)
+    mfu: float = 0.6  # achieved fraction of peak FLOP/s in compute-bound steps
+    mbu: float = 0.75  # achieved fraction of HBM bandwidth in memory-bound steps
+    step_overhead_s: float = 0.002  # scheduler + sampling + launch, per step
+    allreduce_latency_s: float = 8e-6  # per all-reduce call under TP
+    notes: str = field(default="", compare=False)
+
+    # -- capacity -----------------------------------------------------------
+    @property
+    def kv_capacity_tokens(self) -> int:
+        per_gpu = (
+            self.gpu.hbm_bytes * self.gpu_memory_utilization
+            - self.model.weight_bytes / self.tp
+            - self.activation_reserve_bytes
+        )
+        total = per_gpu * self.tp
+        tokens = int(total // self.model.kv_bytes_per_token)
+        return max(0, tokens - tokens % self.block_size_tokens)
+
+    @property
+    def kv_capacity_blocks(self) -> int:
+        return self.kv_capacity_tokens // self.block_size_tokens
+
+    # -- roofline step time ---------------------------------------------------
+    def step_time_s(
+        self,
+        prefill_new_tokens: int,
+        prefill_attn_pairs: float,
+        prefill_ctx_tokens: int,
+        decode_seqs: int,
+        decode_ctx_tokens: int,
+    ) -> float:
+        """Duration of one engine step (one forward pass of the whole batch).
+
+        ``prefill_attn_pairs`` is sum over prefill chunks of
+        ``q * ctx + q * (q + 1) / 2`` (query-key pairs attended),
+        ``prefill_ctx_tokens`` the cached context those chunks read, and
+        ``decode_ctx_tokens`` the summed context lengths of decoding sequences.
+        """
+        m = self.model
+        tokens = prefill_new_tokens + decode_seqs
+        if tokens == 0:
+            return 0.0
+        attn_dim = m.n_heads * m.head_dim
+        # 2 FLOPs per MAC: linear layers touch every active weight once per token;
+        # attention does QK^T and AV, 2 * 2 * attn_dim per (query, key) pair per layer.
+        flops = 2.0 * m.active_params * tokens + 4.0 * m.n_layers * attn_dim * (
+            prefill_attn_pairs + decode_ctx_tokens + decode_seqs
+        )
+        kv_read = (prefill_ctx_tokens + decode_ctx_tokens) * m.kv_bytes_per_token
+        kv_write = tokens * m.kv_bytes_per_token
+        hbm = m.weight_bytes + kv_read + kv_write
+        compute_s = flops / (self.tp * self.gpu.peak_flops * self.mfu)
+        memory_s = hbm / (self.tp * self.gpu.hbm_bytes_per_s * self.mbu)
+        comm_s = 0.0
+        if self.tp > 1:
+            # Two all-reduces of the hidden state per layer (Megatron-style TP).
+            calls = 2 * m.n_layers
+            ring_bytes = 2.0 * (self.tp - 1) / self.tp * tokens * m.hidden_size * 2
+            comm_s = calls * (self.allreduce_latency_s
+                              + ring_bytes / self.gpu.interconnect_bytes_per_s)
+        return self.step_overhead_s + max(compute_s, memory_s) + comm_s
+
+    # -- conveniences used by estimators -------------------------------------
+    def prefill_time_s(self, uncached_tokens: int, cached_tokens: int = 0) -> float:
+        """Time to prefill alone, in chunks of ``max_num_batched_tokens``."""
+        t = 0.0
+        done = cached_tokens
+        left = uncached_tokens
+        while left > 0:
+            q = min(left, self.max_num_batched_tokens)
+            t += self.step_time_s(q, q * done + q * (q + 1) / 2, done, 0, 0)
+            done += q
+            left -= q
+        return t
+
+    def decode_step_time_s(self, batch: int, mean_ctx_tokens: float) -> float:
+        return self.step_time_s(0, 0.0, 0, batch, int(batch * mean_ctx_tokens))
+
+    def with_overrides(self, **kwargs: object) -> EngineProfile:
+        return replace(self, **kwargs)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------
+# Built-in hardware and models (public spec sheets / HF configs)
+# --------------------------------------------------------------------------
+H200 = GPUSpec(
+    name="H200-SXM",
+    peak_flops=989e12,  # dense BF16, NVIDIA H200 datasheet
+    hbm_bytes_per_s=4.8e12,
+    hbm_bytes=141e9,
+    interconnect_bytes_per_s=450e9,  # NVLink 4: 900 GB/s bidirectional
+)
+
+H100 = GPUSpec(
+    name="H100-SXM",
+    peak_flops=989e12,
+    hbm_bytes_per_s=3.35e12,
+    hbm_bytes=80e9,
+    interconnect_bytes_per_s=450e9,
+)
+
+LLAMA3_8B = ModelSpec(
+    name="meta-llama/Llama-3.1-8B-Instruct",
+    n_params=8.03e9, n_layers=32, hidden_size=4096, n_heads=32, n_kv_heads=8,
+    head_dim=128, max_model_len_tokens=131072,
+)
+
+LLAMA3_70B = ModelSpec(
+    name="meta-llama/Llama-3.1-70B-Instruct",
+    n_params=70.6e9, n_layers=80, hidden_size=8192, n_heads=64, n_kv_heads=8,
+    head_dim=128, max_model_len_tokens=131072,
+)
+
+PROFILES: Registry[EngineProfile] = Registry("profile")
+
+
+def _builtin(profile: EngineProfile) -> None:
+    PROFILES.add(profile.name, lambda: profile)
+
+
+_builtin(EngineProfile(name="llama3-8b-h200", model=LLAMA3_8B, gpu=H200, tp=1,
+                       notes="8B dense on one H200"))
+_builtin(EngineProfile(name="llama3-70b-h200-tp4", model=LLAMA3_70B, gpu=H200, tp=4,
+                       notes="70B dense on 4xH200, tensor parallel"))
+_builtin(EngineProfile(name="llama3-8b-h100", model=LLAMA3_8B, gpu=H100, tp=1,
+                       notes="8B dense on one H100 (calibration reference)"))
+_builtin(EngineProfile(name="llama3-70b-h100-tp4", model=LLAMA3_70B, gpu=H100, tp=4,
+                       notes="70B dense on 4xH100 (calibration reference)"))
+
+
+def get_profile(name: str) -> EngineProfile:
+    return PROFILES.create(name)

@@ -1,0 +1,1 @@
+"""Workloads: trace loaders, synthetic generators and load scaling."""
