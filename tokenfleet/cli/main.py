@@ -12,14 +12,21 @@ import argparse
 import importlib
 import pkgutil
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from tokenfleet import __version__
 from tokenfleet.errors import TokenFleetError
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad flags print one line and exit 2, like every other user error."""
+
+    def error(self, message: str) -> "NoReturn":  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tokenfleet",
         description="TokenFleet: goodput-first scheduling for LLM inference fleets.",
     )

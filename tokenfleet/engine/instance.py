@@ -30,9 +30,13 @@ from tokenfleet.engine.profiles import EngineProfile
 from tokenfleet.errors import CapacityError
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class EngineRequest:
-    """Engine-side request state. ``output_tokens`` is the true length."""
+    """Engine-side request state. ``output_tokens`` is the true length.
+
+    ``eq=False``: requests compare by identity; field-wise equality would make
+    every ``list.remove`` compare whole hash tuples.
+    """
 
     request_id: str
     input_tokens: int
@@ -181,17 +185,14 @@ class EngineInstance:
         max_seqs = self.profile.max_num_seqs
         while self.waiting and budget > 0 and len(self.running) < max_seqs:
             req = self.waiting[0]
-            if not req.admitted and req.computed_tokens == 0:
-                hit = self._match(req)
-            else:
-                hit = 0
-            start = hit * blk if hit else req.computed_tokens
-            # always recompute at least the last prompt token (vLLM does too)
-            start = min(start, req.prompt_tokens - 1)
+            hit, revived = self._match(req)
+            start = hit * blk
             q = min(req.prompt_tokens - start, budget)
             need = -(-(start + q) // blk) - hit
-            if need > self.free_blocks:
+            # cached blocks we revive stop being free, so they count against us
+            if need + revived > self.free_blocks:
                 break
+            self._count_query(req, hit)
             self.waiting.popleft()
             self._acquire(req, hit, start)
             self._grow(req, need)
@@ -261,20 +262,31 @@ class EngineInstance:
             tokens = req.input_tokens + req.generated_tokens
         return -(-tokens // self.block)
 
-    def _match(self, req: EngineRequest) -> int:
+    def _match(self, req: EngineRequest) -> tuple[int, int]:
+        """Leading prompt blocks in the cache, and how many of them are unreferenced.
+
+        At least the last prompt token is always recomputed (vLLM does too),
+        so at most ``(prompt - 1) // block`` blocks can hit.
+        """
         cache = self._cache
         n = 0
-        full = (req.prompt_tokens - 1) // self.block
+        revived = 0
         hashes = req.block_hashes
-        lim = min(full, len(hashes))
-        while n < lim and hashes[n] in cache:
+        lim = min((req.prompt_tokens - 1) // self.block, len(hashes))
+        while n < lim:
+            rc = cache.get(hashes[n])
+            if rc is None:
+                break
+            if rc == 0:
+                revived += 1
             n += 1
-        tokens = req.prompt_tokens
-        self.counters.prefix_queries_tokens += tokens
-        self.counters.prefix_hits_tokens += n * self.block
+        return n, revived
+
+    def _count_query(self, req: EngineRequest, hit: int) -> None:
+        self.counters.prefix_queries_tokens += req.prompt_tokens
+        self.counters.prefix_hits_tokens += hit * self.block
         if req.preemptions == 0:
-            req.cached_tokens = n * self.block
-        return n
+            req.cached_tokens = hit * self.block
 
     def _acquire(self, req: EngineRequest, hit: int, start: int) -> None:
         cache = self._cache

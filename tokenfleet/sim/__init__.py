@@ -1,0 +1,1 @@
+"""Discrete-event simulator: drives the shipped policies against engine models."""
