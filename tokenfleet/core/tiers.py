@@ -59,7 +59,7 @@ class SLOConfig:
         raw = data.get("tiers", {})
         if not isinstance(raw, Mapping):
             raise ValidationError(source, "tiers", "must be a mapping of tier name to limits")
-        allowed = set(TierSLO.__slots__)  # type: ignore[attr-defined]
+        allowed = set(TierSLO.__slots__)
         for name, limits in raw.items():
             if not isinstance(limits, Mapping):
                 raise ValidationError(source, f"tiers.{name}", "must be a mapping")
@@ -71,8 +71,9 @@ class SLOConfig:
                 if v is not None and (not isinstance(v, (int, float)) or v < 0):
                     raise ValidationError(source, f"tiers.{name}.{k}",
                                           "must be a non-negative number")
-            tiers[str(name)] = TierSLO(**{k: (float(v) if v is not None else None)
-                                         for k, v in limits.items()})
+            values: dict[str, Any] = {k: (float(v) if v is not None else None)
+                                      for k, v in limits.items()}
+            tiers[str(name)] = TierSLO(**values)
         thr = data.get("long_context_min_input_tokens", 8192)
         if not isinstance(thr, int) or thr < 1:
             raise ValidationError(source, "long_context_min_input_tokens",

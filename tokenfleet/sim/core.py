@@ -20,19 +20,19 @@ class Environment:
 
     def __init__(self, initial_time_s: float = 0.0) -> None:
         self.now = initial_time_s
-        self._heap: list[tuple[float, int, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._heap: list[tuple[float, int, int, Callable[..., object], tuple[Any, ...]]] = []
         self._seq = 0
         self.events_processed = 0
         self._stopped = False
 
-    def schedule(self, delay_s: float, callback: Callable[..., None], *args: Any,
+    def schedule(self, delay_s: float, callback: Callable[..., object], *args: Any,
                  priority: int = NORMAL) -> None:
         if delay_s < 0:
             raise ValueError(f"negative delay {delay_s}")
         self._seq += 1
         heapq.heappush(self._heap, (self.now + delay_s, priority, self._seq, callback, args))
 
-    def schedule_at(self, time_s: float, callback: Callable[..., None], *args: Any,
+    def schedule_at(self, time_s: float, callback: Callable[..., object], *args: Any,
                     priority: int = NORMAL) -> None:
         self.schedule(max(0.0, time_s - self.now), callback, *args, priority=priority)
 

@@ -1,0 +1,156 @@
+"""Scenario tests for the simulator driver: determinism, honesty, staleness, CLI errors."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from tokenfleet.cli.main import main
+from tokenfleet.core.routing import ROUTERS, BaseRouter
+from tokenfleet.core.routing.base import eligible
+from tokenfleet.core.tiers import SLOConfig
+from tokenfleet.core.types import PoolSnapshot, RequestInfo, RouteDecision
+from tokenfleet.engine.profiles import get_profile
+from tokenfleet.sim.cluster import PoolConfig, run_pool
+from tokenfleet.sim.metrics import summarize
+from tokenfleet.workloads.trace import TraceRequest
+
+PROFILE = get_profile("llama3-8b-h200")
+
+
+def burst(n: int, outputs: list[int], seed: int = 1, spacing_s: float = 0.002,
+          prefixes: int = 5) -> list[TraceRequest]:
+    """n requests with shared prefixes arriving close together."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        p = rng.randrange(prefixes)
+        shared = tuple(10_000 * (p + 1) + j for j in range(rng.randint(20, 200)))
+        own = tuple(10_000_000 + i * 1000 + j for j in range(rng.randint(5, 100)))
+        hashes = shared + own
+        info = RequestInfo(request_id=f"r{i}", arrival_s=i * spacing_s,
+                           input_tokens=len(hashes) * 16 + 7, max_tokens=1024,
+                           block_hashes=hashes)
+        out.append(TraceRequest(info, outputs[i]))
+    return out
+
+
+def run(reqs: list[TraceRequest], policy: str, seed: int = 0, **kw: object):
+    cfg = PoolConfig(profile=PROFILE, n_instances=4, router=policy, seed=seed, **kw)  # type: ignore[arg-type]
+    return run_pool(reqs, cfg, SLOConfig())
+
+
+def test_same_seed_same_result() -> None:
+    reqs = burst(150, [random.Random(i).randint(50, 400) for i in range(150)])
+    a, _ = run(reqs, "random", seed=3)
+    b, _ = run(reqs, "random", seed=3)
+    assert [(r.instance_id, r.first_token_s, r.finish_s) for r in a] == \
+           [(r.instance_id, r.first_token_s, r.finish_s) for r in b]
+    c, _ = run(reqs, "random", seed=4)
+    assert [r.instance_id for r in a] != [r.instance_id for r in c]
+
+
+@pytest.mark.parametrize("policy", ROUTERS.names())
+def test_no_policy_can_read_true_output_length(policy: str) -> None:
+    """Before the first request finishes, nothing observable depends on output
+    lengths. So if two runs differ only in true output lengths, every routing
+    decision made before the first completion must be identical. A policy that
+    peeked at the truth (through any back door) would diverge."""
+    n = 120
+    a_out = [400] * n
+    b_out = [random.Random(i).randint(300, 1000) for i in range(n)]
+    ra, _ = run(burst(n, a_out, spacing_s=0.01), policy, seed=7)
+    rb, _ = run(burst(n, b_out, spacing_s=0.01), policy, seed=7)
+    first_done = min(min(r.finish_s for r in ra if r.finish_s),
+                     min(r.finish_s for r in rb if r.finish_s))
+    before = [(x.instance_id, y.instance_id) for x, y in zip(ra, rb)
+              if x.arrival_s < first_done]
+    assert len(before) >= 50, "scenario must route many requests before any completes"
+    assert all(x == y for x, y in before)
+
+
+class _Spy(BaseRouter):
+    """Records the metric ages it is shown, to check scrape staleness."""
+
+    ages: list[float] = []
+
+    def __init__(self, seed: int = 0) -> None:
+        self.i = 0
+
+    def route(self, request: RequestInfo, pool: PoolSnapshot) -> RouteDecision:
+        for inst in pool.instances:
+            _Spy.ages.append(pool.now_s - inst.metrics.scraped_at_s)
+        c = eligible(request, pool)
+        self.i += 1
+        return RouteDecision(c[self.i % len(c)].instance_id)
+
+
+def test_routers_see_metrics_stale_by_at_most_one_scrape_interval() -> None:
+    if "_spy" not in ROUTERS:
+        ROUTERS.add("_spy", _Spy)
+    try:
+        _Spy.ages = []
+        reqs = burst(200, [100] * 200, spacing_s=0.013)
+        run(reqs, "_spy", scrape_interval_s=0.25)
+        ages = _Spy.ages
+        assert max(ages) <= 0.25 + 1e-9
+        assert max(ages) > 0.2  # really stale, not magically fresh
+    finally:
+        ROUTERS.remove("_spy")
+
+
+def test_goodput_counts_only_completed_requests_within_slo() -> None:
+    reqs = burst(60, [50] * 60, spacing_s=0.05)
+    recs, pool = run(reqs, "round_robin")
+    s = summarize(recs, SLOConfig(), busy_s=pool.busy_s())
+    good = sum(r.output_tokens for r in recs if r.slo_met)
+    assert s["completed"] == 60
+    assert s["goodput_tok_s"] == pytest.approx(good / s["duration_s"])
+    assert 0 < s["utilization"] <= 1
+    assert s["throughput_tok_s"] >= s["goodput_tok_s"]
+
+
+def test_kv_limit_queues_instead_of_overcommitting() -> None:
+    reqs = burst(40, [300] * 40, spacing_s=0.001)
+    recs, pool = run(reqs, "round_robin", kv_capacity_blocks=600)
+    assert all(r.status == "completed" for r in recs)
+    for e in pool.engines:
+        assert e.used_blocks == 0
+
+
+# -- CLI: bad input is one clear line and exit code 2 ----------------------------
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    try:
+        rc = main(list(argv))
+    except SystemExit as exc:  # argparse
+        rc = int(exc.code or 0)
+    err = capsys.readouterr().err
+    return rc, err
+
+
+def test_cli_rejects_malformed_trace_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = tmp_path / "bad.jsonl"
+    good = {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}
+    p.write_text(json.dumps(good) + "\n" + "{not json\n")
+    rc, err = _cli(capsys, "sim", "--trace", str(p), "--trace-format", "mooncake",
+                   "--policy", "round_robin", "--quiet")
+    assert rc == 2
+    assert f"{p}:2" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--policy", "no_such_router"], "no_such_router"),
+    (["--profile", "no_such_profile"], "no_such_profile"),
+    (["--load", "-0.5"], "--load"),
+])
+def test_cli_bad_arguments(argv: list[str], needle: str,
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = _cli(capsys, "sim", "--synthetic", "chat", "--synthetic-requests", "20",
+                   "--quiet", *argv)
+    assert rc == 2
+    assert needle in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
