@@ -120,8 +120,8 @@ def _load_slo(path: str) -> Any:
 
 
 def _base_requests(args: argparse.Namespace) -> list[Any]:
-    from tokenfleet.workloads.loaders import load_workload
-    from tokenfleet.workloads.synthetic import SYNTHETIC
+    from tokenfleet.workloads.loader import load_workload
+    from tokenfleet.workloads.synthetic import generate
 
     if args.trace and args.synthetic:
         raise ConfigError("give either --trace or --synthetic, not both")
@@ -131,8 +131,8 @@ def _base_requests(args: argparse.Namespace) -> list[Any]:
         reqs = load_workload(args.trace, args.trace_format, limit=args.limit)
     else:
         name = args.synthetic or "mixed"
-        reqs = SYNTHETIC.create(name, n_requests=args.limit or args.synthetic_requests,
-                                seed=args.seed)
+        # Generated at a nominal rate; --load / --rate-scale rescale it afterwards.
+        reqs = generate(name, args.limit or args.synthetic_requests, args.seed, 10.0)
     if not reqs:
         raise ConfigError("the workload has no requests")
     return list(reqs)
@@ -202,7 +202,7 @@ def _print_table(runs: Sequence[Any], title: str) -> None:
                   f(s["throughput_tok_s"], fmt="{:.0f}"), f(s["goodput_tok_s"], fmt="{:.0f}"),
                   f(s["slo_attainment"], 100, "{:.1f}%"), f(s["prefix_hit_ratio"], 100, "{:.1f}%"),
                   f(s["utilization"], 100, "{:.0f}%"), f"{r.wall_s:.1f}")
-    Console(stderr=False).print(t)
+    Console(width=None if sys.stdout.isatty() else 160).print(t)
 
 
 def _describe(args: argparse.Namespace, load: float | None) -> str:
