@@ -153,6 +153,7 @@ class EngineInstance:
         d_ctx = 0
         blk = self.block
         # 1) running requests, in admission order; preempt from the back on OOM
+        preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -164,9 +165,10 @@ class EngineInstance:
             while need > self.free_blocks:
                 victim = self.running[-1]
                 self._preempt(victim)
+                preempted = True
                 if victim is req:
                     break
-            if req not in self.running:
+            if not req.admitted:  # req itself was preempted
                 break
             self._grow(req, need)
             req.scheduled = q
@@ -179,11 +181,16 @@ class EngineInstance:
                 p_ctx += c
             else:
                 d_seqs += 1
-                d_ctx += req.computed_tokens + req.generated_tokens
+                # KV already cached (the new token's own KV is written this step);
+                # computed_tokens would double-count tokens recomputed after preemption
+                d_ctx += req.input_tokens + req.generated_tokens - 1
             i += 1
-        # 2) waiting requests, FCFS, while budget, seats and KV blocks allow
+        # 2) waiting requests, FCFS, while budget, seats and KV blocks allow; none
+        # in a step that preempted (vllm/v1/core/sched/scheduler.py:
+        # `if not preempted_reqs`), else the victim could be readmitted at once
         max_seqs = self.profile.max_num_seqs
-        while self.waiting and budget > 0 and len(self.running) < max_seqs:
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < max_seqs):
             req = self.waiting[0]
             hit, revived = self._match(req)
             start = hit * blk
@@ -245,10 +252,15 @@ class EngineInstance:
             self.counters.generation_tokens += 1
             if req.generated_tokens >= req.output_tokens:
                 done.append(req)
-        for req in done:
-            self.running.remove(req)
-            self._free(req)
-            self.by_id.pop(req.request_id, None)
+        if done:
+            if len(done) == 1:
+                self.running.remove(done[0])
+            else:
+                gone = {id(r) for r in done}
+                self.running = [r for r in self.running if id(r) not in gone]
+            for req in done:
+                self._free(req)
+                self.by_id.pop(req.request_id, None)
         self._batch = []
         self.stepping = False
         return StepResult(firsts, done, emitted)
