@@ -10,8 +10,9 @@ Capacity estimate (docs/workloads.md): one request keeps one instance busy for
 
 where ``ctx`` is the decode-token-weighted mean context,
 ``sum(out * (in + out / 2)) / sum(out)``. Capacity is
-``instances / mean(busy_s)`` requests per second. Ignoring prefix reuse makes
-it conservative for prefix-heavy traces (load 1.0 is then below saturation).
+``instances / mean(busy_s)`` requests per second. It ignores prefix reuse,
+so a cache-aware router has headroom at load 1.0 on prefix-heavy traces and a
+cache-oblivious one does not: load is a relative knob for comparing policies.
 """
 
 from __future__ import annotations
