@@ -51,9 +51,8 @@ class PrefixIndex:
                 break
             if alive is None:
                 alive = set(holders)
-            else:
-                dropped = alive - holders
-                for inst in dropped:
+            elif not alive <= holders:  # fast path: nobody dropped out
+                for inst in alive - holders:
                     out[inst] = n
                 alive &= holders
                 if not alive:
@@ -81,19 +80,31 @@ class PrefixIndex:
     # -- updates ----------------------------------------------------------
     def insert(self, instance_id: str, block_hashes: Sequence[int]) -> None:
         """Record (or refresh) that ``instance_id`` now holds this prefix."""
-        lru = self._lru.setdefault(instance_id, OrderedDict())
+        lru = self._lru.get(instance_id)
+        if lru is None:
+            lru = self._lru[instance_id] = OrderedDict()
         holders = self._holders
+        get = holders.get
+        touch = lru.move_to_end
         for h in self.sampled(block_hashes):
             if h in lru:
-                lru.move_to_end(h)
+                touch(h)
+                continue
+            lru[h] = None
+            held = get(h)
+            if held is None:
+                holders[h] = {instance_id}
             else:
-                lru[h] = None
-                holders.setdefault(h, set()).add(instance_id)
+                held.add(instance_id)
         cap = self._capacity.get(instance_id)
         if cap is not None:
+            pop = lru.popitem
             while len(lru) > cap:
-                old, _ = lru.popitem(last=False)
-                self._drop(old, instance_id)
+                old, _ = pop(last=False)
+                held = holders[old]
+                held.discard(instance_id)
+                if not held:
+                    del holders[old]
 
     def remove(self, instance_id: str, block_hashes: Iterable[int]) -> None:
         """Forget blocks, e.g. on a vLLM ``BlockRemoved`` event."""

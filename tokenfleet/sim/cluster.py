@@ -12,6 +12,7 @@ seeded random draw, as a load balancer in front of them would.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -109,6 +110,7 @@ class PoolSim:
     def submit(self, trace: TraceRequest, record: RequestRecord | None = None) -> None:
         """A request reaches this pool now: route it and hand it to an engine."""
         env = self.env
+        self._ensure_scraping()
         info = trace.info
         if not info.tier:
             info = _with_tier(info, classify(info, self.slo))
@@ -143,7 +145,6 @@ class PoolSim:
         self.inflight += 1
         if not engine.stepping:
             self._start_step(idx)
-        self._ensure_scraping()
 
     def cancel(self, request_id: str, status: str = "cancelled") -> bool:
         """Client gave up: abort in the engine; spent work becomes waste."""
@@ -223,12 +224,29 @@ class PoolSim:
 
     # -- metrics scraping -----------------------------------------------------
     def _ensure_scraping(self) -> None:
-        if not self._scraping:
-            self._scraping = True
-            self.env.schedule(0.0, self._scrape)
+        """Resume the scrape loop after an idle spell, on the same time grid.
+
+        While the pool is idle nothing changes, so the scrape a continuous
+        scraper took at the last grid point shows the current state: record it
+        with that timestamp, then continue ticking from the next grid point.
+        """
+        if self._scraping:
+            return
+        self._scraping = True
+        iv = self.cfg.scrape_interval_s
+        grid = math.floor(self.env.now / iv) * iv
+        self._read_metrics(grid)
+        self.env.schedule_at(grid + iv, self._scrape)
 
     def _scrape(self) -> None:
-        now = self.env.now
+        self._read_metrics(self.env.now)
+        if self.inflight > 0:
+            self.env.schedule(self.cfg.scrape_interval_s, self._scrape)
+        else:
+            # Idle pool: stop ticking so the event loop can end; resume on submit.
+            self._scraping = False
+
+    def _read_metrics(self, now: float) -> None:
         for eng, m in zip(self.engines, self.metrics):
             m.scraped_at_s = now
             m.num_running = len(eng.running)
@@ -236,11 +254,6 @@ class PoolSim:
             m.kv_usage = eng.kv_usage
             m.prefix_queries_total = eng.counters.prefix_queries_tokens
             m.prefix_hits_total = eng.counters.prefix_hits_tokens
-        if self.inflight > 0:
-            self.env.schedule(self.cfg.scrape_interval_s, self._scrape)
-        else:
-            # Idle pool: stop ticking so the event loop can end; resume on submit.
-            self._scraping = False
 
     # -- summaries ----------------------------------------------------------------
     def busy_s(self) -> list[float]:
