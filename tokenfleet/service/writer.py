@@ -1,0 +1,563 @@
+"""Batching, loss-free writer for the ``requests`` ledger.
+
+The token path calls :meth:`LedgerWriter.record`, which only appends to an
+in-memory deque (no I/O in the common case). A background thread flushes
+batches of up to ``batch_size`` rows, or whatever is there every
+``flush_interval_s``, as one ``INSERT .. ON CONFLICT (request_id) DO UPDATE``.
+
+Delivery is at-least-once and the upsert is idempotent, which together give
+exactly one row per ``request_id``:
+
+* database down (connection refused, restart, failover): the batch goes back
+  to the front of the queue and is retried with exponential backoff;
+* queue full (``max_buffer_rows``): new rows are appended to a spill file
+  ``<data_dir>/spill/ledger-<pid>-<n>.jsonl.part``; once the database answers
+  again the thread replays spill files, its own and those left behind by
+  processes that died or closed while the database was down;
+* ``close()`` that cannot drain in time spills the rest, so a later writer
+  on the same data dir finishes the job;
+* a row the database rejects as data (constraint, bad value) is isolated by
+  bisection and written to ``rejected-*.jsonl`` with the error instead of
+  blocking the rows behind it.
+
+Merge rule when a ``request_id`` is seen again (retry, replay, lifecycle
+update): a non-final status (``in_flight``, ``duplicate``) never replaces a
+stored status; other columns take the new value, except that a NULL never
+erases a stored value and ``attempts`` keeps the maximum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from tokenfleet.service.ledger import RequestRow, RequestStatus, utcnow
+
+log = logging.getLogger(__name__)
+
+TIMESTAMP_FIELDS = ("arrival_ts", "admitted_ts", "dispatched_ts", "first_token_ts", "finished_ts")
+NON_FINAL = frozenset({RequestStatus.IN_FLIGHT.value, RequestStatus.DUPLICATE.value})
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One ledger row as the token path produces it.
+
+    Timestamps may be ``datetime`` (naive = UTC) or Unix epoch seconds as float.
+    """
+
+    request_id: str
+    tenant_id: str
+    tier: str
+    model: str
+    status: RequestStatus | str
+    arrival_ts: datetime | float
+    model_version: str | None = None
+    dc: str | None = None
+    instance: str | None = None
+    admitted_ts: datetime | float | None = None
+    dispatched_ts: datetime | float | None = None
+    first_token_ts: datetime | float | None = None
+    finished_ts: datetime | float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    attempts: int = 1
+    error: str | None = None
+
+
+RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
+
+
+def _to_datetime(value: datetime | float | int | str | None) -> datetime | None:
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    if isinstance(value, str):
+        return _to_datetime(datetime.fromisoformat(value))
+    return datetime.fromtimestamp(float(value), tz=timezone.utc)
+
+
+def normalize_row(row: RequestRecord | Mapping[str, Any]) -> dict[str, Any]:
+    """Validate and convert a record into column values; raises ValueError on bad input."""
+    if isinstance(row, RequestRecord):
+        data = {name: getattr(row, name) for name in RECORD_FIELDS}
+    else:
+        data = dict(row)
+    unknown = set(data) - set(RECORD_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown ledger fields {sorted(unknown)}; valid: {', '.join(RECORD_FIELDS)}")
+    for required in ("request_id", "tenant_id", "tier", "model", "status", "arrival_ts"):
+        if data.get(required) in (None, ""):
+            raise ValueError(f"ledger row needs '{required}'")
+    out: dict[str, Any] = {name: data.get(name) for name in RECORD_FIELDS}
+    out["request_id"] = str(out["request_id"])
+    out["status"] = RequestStatus(out["status"]).value  # ValueError names the bad status
+    for name in TIMESTAMP_FIELDS:
+        out[name] = _to_datetime(out[name])
+    for name in ("prompt_tokens", "cached_tokens", "completion_tokens"):
+        out[name] = int(out[name] or 0)
+    out["attempts"] = int(out["attempts"] or 1)
+    return out
+
+
+def merge_rows(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The upsert's merge rule in Python, for two rows of one request_id in one batch."""
+    merged = dict(old)
+    keep_status = new["status"] in NON_FINAL and old["status"] not in NON_FINAL
+    for key, value in new.items():
+        if key == "attempts":
+            merged[key] = max(old.get(key) or 1, value or 1)
+        elif keep_status and key in ("status", "prompt_tokens", "cached_tokens", "completion_tokens"):
+            continue
+        elif value is not None:
+            merged[key] = value
+    return merged
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError(f"not JSON serialisable: {value!r}")
+
+
+def _row_from_json(line: str) -> dict[str, Any]:
+    data = json.loads(line)
+    for name in TIMESTAMP_FIELDS:
+        data[name] = _to_datetime(data.get(name))
+    return data  # type: ignore[no-any-return]
+
+
+@dataclass
+class WriterStats:
+    recorded: int = 0
+    written: int = 0  # rows sent in successful upserts (replays count again)
+    batches: int = 0
+    failures: int = 0  # failed flush attempts (database unreachable etc.)
+    spilled: int = 0
+    replayed: int = 0
+    rejected: int = 0  # rows the database refused as data; see rejected-*.jsonl
+    merged_in_batch: int = 0  # same request_id twice within one batch
+    last_error: str | None = None
+    healthy: bool = True
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "_lock"}
+
+
+_TRANSIENT = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError,
+              sa.exc.ProgrammingError, sa.exc.DisconnectionError)
+_ROW_ERRORS = (sa.exc.IntegrityError, sa.exc.DataError)
+
+
+class _SpillReplay:
+    """A claimed spill file being fed back into the database in chunks."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fh = open(path, "r", encoding="utf-8")
+
+    def chunk(self, size: int) -> list[dict[str, Any]]:
+        rows = []
+        for line in itertools.islice(self.fh, size):
+            line = line.strip()
+            if line:
+                with contextlib.suppress(ValueError):
+                    rows.append(_row_from_json(line))
+        return rows
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+class LedgerWriter:
+    """Non-blocking ``record()``; batched, retried, spilled, idempotent writes.
+
+    ``engine`` may be an Engine (shared, not disposed) or a URL (owned).
+    """
+
+    def __init__(
+        self,
+        engine: Engine | str,
+        *,
+        spill_dir: str | Path,
+        batch_size: int = 500,
+        flush_interval_s: float = 0.25,
+        max_buffer_rows: int = 100_000,
+        retry_initial_s: float = 0.05,
+        retry_max_s: float = 5.0,
+        spill_scan_interval_s: float = 5.0,
+        name: str = "ledger-writer",
+    ) -> None:
+        from tokenfleet.service.db import make_engine
+
+        self._owns_engine = isinstance(engine, str)
+        self.engine: Engine = make_engine(engine) if isinstance(engine, str) else engine
+        self.spill_dir = Path(spill_dir).expanduser().resolve()
+        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        self.batch_size = batch_size
+        self.flush_interval_s = flush_interval_s
+        self.max_buffer_rows = max_buffer_rows
+        self.retry_initial_s = retry_initial_s
+        self.retry_max_s = retry_max_s
+        self.spill_scan_interval_s = spill_scan_interval_s
+        self.stats = WriterStats()
+
+        self._cond = threading.Condition()
+        self._buf: deque[dict[str, Any]] = deque()
+        self._oldest_at: float | None = None
+        self._inflight: list[dict[str, Any]] = []
+        self._flush_requested = False
+        self._stopping = False
+        self._spill_fh: Any = None
+        self._spill_path: Path | None = None
+        self._spill_rows_open = 0
+        self._spill_seq = itertools.count()
+        self._replay: _SpillReplay | None = None
+        self._next_spill_scan = 0.0  # scan at start: pick up leftovers of earlier runs
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: Any, database_url: str) -> "LedgerWriter":
+        """A writer with the ledger_* settings of a ServiceConfig."""
+        return cls(
+            database_url,
+            spill_dir=config.resolved_data_dir() / "spill",
+            batch_size=config.ledger_batch_size,
+            flush_interval_s=config.ledger_flush_interval_s,
+            max_buffer_rows=config.ledger_max_buffer_rows,
+            retry_max_s=config.ledger_retry_max_s,
+        )
+
+    # ---- producer side ------------------------------------------------------
+    def record(self, row: RequestRecord | Mapping[str, Any]) -> None:
+        """Queue one row; never blocks on the database. Raises ValueError for a malformed row."""
+        data = normalize_row(row)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("LedgerWriter is closed; create a new one")
+            self.stats.recorded += 1
+            if len(self._buf) >= self.max_buffer_rows:
+                self._spill_locked([data])
+                return
+            self._buf.append(data)
+            if self._oldest_at is None:
+                self._oldest_at = time.monotonic()
+            if len(self._buf) >= self.batch_size:
+                self._cond.notify_all()
+
+    def record_many(self, rows: Iterable[RequestRecord | Mapping[str, Any]]) -> None:
+        for row in rows:
+            self.record(row)
+
+    def pending(self) -> int:
+        """Rows not yet confirmed written, counting this process's spill only."""
+        with self._cond:
+            return len(self._buf) + len(self._inflight) + self._spill_rows_open
+
+    def flush(self, timeout: float | None = 10.0) -> bool:
+        """Write everything queued and every spill file now; True if fully drained in time."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._flush_requested = True
+            self._next_spill_scan = 0.0
+            self._cond.notify_all()
+            while not self._drained_locked():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                if not self._thread.is_alive():
+                    return False
+                self._cond.wait(0.05 if remaining is None else min(0.05, remaining))
+                self._flush_requested = True
+            return True
+
+    def close(self, timeout: float | None = 10.0) -> bool:
+        """Flush, stop the thread; spill what could not be written. True if nothing was spilled."""
+        if self._closed:
+            return True
+        drained = self.flush(timeout)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10.0)
+        with self._cond:
+            self._closed = True
+            leftovers = list(self._inflight) + list(self._buf)
+            self._buf.clear()
+            self._inflight = []
+            if leftovers:
+                log.warning("ledger writer closing with %d unwritten rows; spilled to %s",
+                            len(leftovers), self.spill_dir)
+                self._spill_locked(leftovers)
+            self._rotate_spill_locked()
+            if self._replay is not None:
+                self._release_replay_locked()
+        if self._owns_engine:
+            self.engine.dispose()
+        return drained and not leftovers
+
+    def __enter__(self) -> "LedgerWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- spill files ------------------------------------------------------------
+    def _spill_locked(self, rows: list[dict[str, Any]]) -> None:
+        if self._spill_fh is None:
+            self._spill_path = self.spill_dir / f"ledger-{os.getpid()}-{next(self._spill_seq)}-{time.time_ns()}.jsonl.part"
+            self._spill_fh = open(self._spill_path, "a", encoding="utf-8")
+        for row in rows:
+            self._spill_fh.write(json.dumps(row, default=_json_default) + "\n")
+        self._spill_fh.flush()
+        self._spill_rows_open += len(rows)
+        self.stats.spilled += len(rows)
+
+    def _rotate_spill_locked(self) -> None:
+        """Close the open spill file and make it replayable (.jsonl)."""
+        if self._spill_fh is None or self._spill_path is None:
+            return
+        self._spill_fh.close()
+        self._spill_path.rename(self._spill_path.with_suffix(""))  # drop ".part"
+        self._spill_fh = None
+        self._spill_path = None
+        self._spill_rows_open = 0
+
+    def _claimable(self) -> list[Path]:
+        """Replayable files: finished .jsonl, plus .part/.claimed of processes that are gone."""
+        from tokenfleet.service.embedded import pid_alive
+
+        out = []
+        for path in sorted(self.spill_dir.glob("ledger-*")):
+            name = path.name
+            if name.endswith(".jsonl"):
+                out.append(path)
+                continue
+            try:
+                pid = int(name.split("-")[1]) if name.endswith(".part") else int(name.rsplit(".claimed-", 1)[1])
+            except (IndexError, ValueError):
+                continue
+            if pid != os.getpid() and not pid_alive(pid):
+                out.append(path)
+        return out
+
+    def _claim_next(self) -> _SpillReplay | None:
+        for path in self._claimable():
+            base = path.name.split(".jsonl")[0]
+            claimed = self.spill_dir / f"{base}.jsonl.claimed-{os.getpid()}"
+            try:
+                path.rename(claimed)  # atomic: exactly one process wins a file
+            except FileNotFoundError:
+                continue
+            return _SpillReplay(claimed)
+        return None
+
+    def _release_replay_locked(self) -> None:
+        assert self._replay is not None
+        self._replay.close()
+        base = self._replay.path.name.split(".jsonl")[0]
+        with contextlib.suppress(FileNotFoundError):
+            self._replay.path.rename(self.spill_dir / f"{base}.jsonl")
+        self._replay = None
+
+    def _spill_outstanding_locked(self) -> bool:
+        if self._spill_rows_open or self._replay is not None:
+            return True
+        return bool(self._claimable())
+
+    def _drained_locked(self) -> bool:
+        return not self._buf and not self._inflight and not self._spill_outstanding_locked()
+
+    # ---- consumer thread ----------------------------------------------------
+    def _take_batch_locked(self) -> tuple[list[dict[str, Any]], bool] | None:
+        """Next batch and whether it came from a spill file; None means exit."""
+        while True:
+            now = time.monotonic()
+            if self._buf:
+                due = (
+                    len(self._buf) >= self.batch_size
+                    or self._flush_requested
+                    or self._stopping
+                    or (self._oldest_at is not None and now - self._oldest_at >= self.flush_interval_s)
+                )
+                if due:
+                    n = min(self.batch_size, len(self._buf))
+                    batch = [self._buf.popleft() for _ in range(n)]
+                    self._oldest_at = now if self._buf else None
+                    return batch, False
+            elif self._stopping:
+                return None
+            # memory is not due: feed spill files back (failures back off like any batch)
+            if len(self._buf) < self.batch_size:
+                want_scan = self._flush_requested or now >= self._next_spill_scan
+                if self._replay is None and (self._spill_rows_open or want_scan):
+                    self._rotate_spill_locked()
+                    self._replay = self._claim_next()
+                    self._next_spill_scan = now + self.spill_scan_interval_s
+                if self._replay is not None:
+                    rows = self._replay.chunk(self.batch_size)
+                    if rows:
+                        return rows, True
+                    self._replay.close()
+                    self._replay.path.unlink(missing_ok=True)
+                    self._replay = None
+                    self._cond.notify_all()
+                    continue
+            if self._flush_requested and self._drained_locked():
+                self._flush_requested = False
+                self._cond.notify_all()
+            wait = self.flush_interval_s
+            if self._oldest_at is not None:
+                wait = max(0.0, self._oldest_at + self.flush_interval_s - now)
+            self._cond.wait(min(wait, self.spill_scan_interval_s) or 0.001)
+
+    def _run(self) -> None:
+        backoff = 0.0
+        while True:
+            with self._cond:
+                taken = self._take_batch_locked()
+                if taken is None:
+                    return
+                batch, from_spill = taken
+                self._inflight = batch
+            try:
+                self._write_with_isolation(batch)
+            except _TRANSIENT as exc:
+                backoff = min(max(backoff * 2, self.retry_initial_s), self.retry_max_s)
+                with self._cond:
+                    self._inflight = []
+                    self.stats.failures += 1
+                    self.stats.healthy = False
+                    self.stats.last_error = str(getattr(exc, "orig", exc)).strip()[:500]
+                    if from_spill:
+                        self._release_replay_locked()
+                    else:
+                        self._buf.extendleft(reversed(batch))
+                        self._oldest_at = self._oldest_at or time.monotonic()
+                    log.warning("ledger flush failed (%s); retrying in %.2fs",
+                                self.stats.last_error.splitlines()[0] if self.stats.last_error else exc,
+                                backoff)
+                    if not self._stopping:
+                        self._cond.wait(backoff)
+                    else:
+                        return  # close() spills what is left
+                continue
+            except Exception:  # noqa: BLE001 - never let the thread die with rows in hand
+                log.error("unexpected ledger writer error; rows kept for retry: %s",
+                          str(sys.exc_info()[1])[:500])
+                with self._cond:
+                    self._inflight = []
+                    if from_spill:
+                        self._release_replay_locked()
+                    else:
+                        self._buf.extendleft(reversed(batch))
+                    if self._stopping:
+                        return
+                    self._cond.wait(self.retry_max_s)
+                continue
+            backoff = 0.0
+            with self._cond:
+                self._inflight = []
+                self.stats.healthy = True
+                self.stats.batches += 1
+                self.stats.written += len(batch)
+                if from_spill:
+                    self.stats.replayed += len(batch)
+                self._cond.notify_all()
+
+    # ---- database -----------------------------------------------------------
+    def _write_with_isolation(self, batch: list[dict[str, Any]]) -> None:
+        """Upsert; on a data error, bisect to dead-letter only the bad rows."""
+        try:
+            self._upsert(batch)
+        except _ROW_ERRORS as exc:
+            if len(batch) == 1:
+                self._dead_letter(batch[0], exc)
+                return
+            mid = len(batch) // 2
+            self._write_with_isolation(batch[:mid])
+            self._write_with_isolation(batch[mid:])
+
+    def _dead_letter(self, row: Mapping[str, Any], exc: Exception) -> None:
+        path = self.spill_dir / f"rejected-{os.getpid()}.jsonl"
+        entry = {"row": row, "error": str(getattr(exc, "orig", exc)).strip()[:1000]}
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(entry, default=_json_default) + "\n")
+        with self.stats._lock:
+            self.stats.rejected += 1
+        log.error("ledger row %s rejected by the database: %s (kept in %s)",
+                  row.get("request_id"), entry["error"], path)
+
+    def _upsert(self, batch: list[dict[str, Any]]) -> None:
+        merged: dict[str, dict[str, Any]] = {}
+        for row in batch:
+            rid = row["request_id"]
+            if rid in merged:
+                merged[rid] = merge_rows(merged[rid], row)
+                self.stats.merged_in_batch += 1
+            else:
+                merged[rid] = row
+        now = utcnow()
+        values = [{**row, "updated_at": now} for row in merged.values()]
+        with self.engine.begin() as conn:
+            conn.execute(upsert_statement(conn.dialect.name), values)
+
+
+def upsert_statement(dialect: str) -> Any:
+    """``INSERT .. ON CONFLICT (request_id) DO UPDATE`` implementing :func:`merge_rows`."""
+    table: sa.Table = RequestRow.__table__  # type: ignore[assignment]
+    insert: Any
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    elif dialect == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert
+    else:
+        raise NotImplementedError(f"ledger upsert not implemented for {dialect}; use PostgreSQL")
+    stmt = insert(table)
+    ex = stmt.excluded
+    cur = table.c
+    # constants inlined: expanding IN parameters are not allowed with executemany
+    non_final: list[Any] = [sa.literal_column(f"'{v}'") for v in sorted(NON_FINAL)]
+    keep = ex.status.in_(non_final) & cur.status.not_in(non_final)
+    greatest = sa.func.greatest if dialect == "postgresql" else sa.func.max
+    update: dict[str, Any] = {}
+    for name in RECORD_FIELDS:
+        if name == "request_id":
+            continue
+        if name == "attempts":
+            update[name] = greatest(cur.attempts, ex.attempts)
+        elif name in ("status", "prompt_tokens", "cached_tokens", "completion_tokens"):
+            update[name] = sa.case((keep, cur[name]), else_=ex[name])
+        else:
+            update[name] = sa.func.coalesce(ex[name], cur[name])
+    update["updated_at"] = ex.updated_at
+    return stmt.on_conflict_do_update(index_elements=[cur.request_id], set_=update)
+
+
+def iter_spill_rows(spill_dir: str | Path) -> Iterator[dict[str, Any]]:
+    """Every row currently sitting in spill files (diagnostics, ``tokenfleet db spill``)."""
+    for path in sorted(Path(spill_dir).glob("ledger-*")):
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                if line.strip():
+                    yield _row_from_json(line)
