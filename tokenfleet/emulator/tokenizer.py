@@ -1,0 +1,142 @@
+"""Approximate tokenizer and prefix-block hashing for the engine emulator.
+
+The emulator has no model vocabulary, so it uses a byte tokenizer: the UTF-8
+prompt is cut into 4-byte pieces and each piece, read as a little-endian
+uint32 (the last one NUL-padded), is one token id. Four bytes per token is
+close to the English average of BPE tokenizers (~4 characters per token), it
+is exact and invertible, and, crucially for prefix caching, two prompts that
+share their first ``64 * k`` bytes share their first ``k`` 16-token blocks.
+
+Block hashes are chained like vLLM's (``vllm/v1/core/kv_cache_utils.py``,
+``hash_block_tokens``): each full block's hash covers its parent's hash and
+its own token ids, so equal hash at block ``k`` implies an equal prefix up to
+``k``. We use BLAKE2b truncated to 64 bits, so hashes are stable across
+processes (unlike ``hash()``) and fit msgpack's uint64.
+
+A router that talks to emulators can call :func:`prompt_block_hashes` on the
+same rendered prompt and get exactly the hashes the emulator caches under.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Any, Iterable, Sequence
+
+from tokenfleet.core.types import BLOCK_SIZE_TOKENS
+
+BYTES_PER_TOKEN = 4
+_MAX_TOKEN_ID = 0xFFFFFFFF
+
+
+def encode_text(text: str) -> bytes:
+    """The prompt's token stream as bytes: UTF-8, NUL-padded to whole tokens."""
+    raw = text.encode("utf-8")
+    pad = -len(raw) % BYTES_PER_TOKEN
+    return raw + b"\0" * pad if pad else raw
+
+
+def encode_token_ids(token_ids: Iterable[int]) -> bytes:
+    """Byte stream for a prompt given as token ids (``/v1/completions``)."""
+    ids = list(token_ids)
+    for t in ids:
+        if not 0 <= t <= _MAX_TOKEN_ID:
+            raise ValueError(f"token id {t} is outside 0..{_MAX_TOKEN_ID}")
+    return array("I", ids).tobytes() if ids else b""
+
+
+def token_ids(stream: bytes) -> array[int]:
+    """Token ids of a byte stream produced by :func:`encode_text`."""
+    out = array("I")
+    out.frombytes(stream)
+    return out
+
+
+def num_tokens(stream: bytes) -> int:
+    return len(stream) // BYTES_PER_TOKEN
+
+
+def approx_num_tokens(text: str) -> int:
+    """Token count the emulator assigns to ``text`` (ceil(UTF-8 bytes / 4))."""
+    return -(-len(text.encode("utf-8")) // BYTES_PER_TOKEN)
+
+
+def block_hashes(stream: bytes, block_size_tokens: int = BLOCK_SIZE_TOKENS,
+                 parent: int | None = None) -> list[int]:
+    """Chained 64-bit hashes of every *full* block of the token stream."""
+    step = block_size_tokens * BYTES_PER_TOKEN
+    full = len(stream) // step
+    out: list[int] = []
+    prev = (parent or 0).to_bytes(8, "little")
+    blake = hashlib.blake2b
+    for j in range(full):
+        digest = blake(prev + stream[j * step:(j + 1) * step], digest_size=8).digest()
+        out.append(int.from_bytes(digest, "little"))
+        prev = digest
+    return out
+
+
+def render_chat(messages: Sequence[Any]) -> str:
+    """Flatten chat messages the way a template would: role tags + contents.
+
+    The exact template does not matter for the emulator, only that the same
+    leading messages render to the same leading bytes (so a shared system
+    prompt hits the prefix cache) and that the assistant turn is opened.
+    """
+    parts: list[str] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
+        role = msg.get("role")
+        if not isinstance(role, str):
+            raise ValueError(f"messages[{i}].role must be a string")
+        parts.append(f"<|{role}|>\n{message_text(msg.get('content'), i)}\n")
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+def message_text(content: Any, index: int = 0) -> str:
+    """Text of a message ``content``: a string or a list of typed parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts: list[str] = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text":
+                texts.append(str(part.get("text", "")))
+            elif isinstance(part, str):
+                texts.append(part)
+            else:
+                raise ValueError(
+                    f"messages[{index}].content: only text parts are supported by the "
+                    "emulator"
+                )
+        return "".join(texts)
+    raise ValueError(f"messages[{index}].content must be a string or a list of parts")
+
+
+def prompt_block_hashes(text: str, block_size_tokens: int = BLOCK_SIZE_TOKENS) -> tuple[int, ...]:
+    """Hashes a router should use for a prompt sent to an emulator."""
+    return tuple(block_hashes(encode_text(text), block_size_tokens))
+
+
+def chat_block_hashes(messages: Sequence[Any],
+                      block_size_tokens: int = BLOCK_SIZE_TOKENS) -> tuple[int, ...]:
+    return prompt_block_hashes(render_chat(messages), block_size_tokens)
+
+
+# Deterministic filler for generated text: one word per output token.
+FILLER_WORDS = (
+    "the", "fleet", "routes", "tokens", "across", "many", "engines", "while",
+    "cache", "blocks", "stay", "warm", "and", "every", "request", "finds",
+    "a", "quiet", "queue", "with", "enough", "memory", "to", "decode",
+    "quickly", "under", "load", "so", "latency", "remains", "low", "today",
+)
+
+
+def filler_word(seed: int, index: int) -> str:
+    """Word for output token ``index``; the first has no leading space."""
+    word = FILLER_WORDS[(seed + index * 7) % len(FILLER_WORDS)]
+    return word if index == 0 else " " + word
