@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -362,7 +363,7 @@ def test_crash_exits_the_process(tmp_path: Path) -> None:
         assert proc.stderr is not None
         line = proc.stderr.readline()
         assert "serving" in line, line
-        url = line.rsplit(" on ", 1)[1].split()[0]
+        url = re.search(r"http://\S+", line).group(0)  # type: ignore[union-attr]
         assert requests.get(url + "/health", timeout=2).status_code == 200
         r = chat(url, "quick", max_tokens=3)
         assert r.status_code == 200
@@ -429,13 +430,22 @@ def test_kv_event_codec_round_trips_both_vllm_formats() -> None:
         assert back == events
 
 
-@pytest.mark.parametrize("fmt", ["map", "array"])
-def test_kv_events_reach_a_subscriber(fmt: str) -> None:
-    sub = KVEventSubscriber("tcp://127.0.0.1:*", bind=True, instance_id="emu-a")
+@pytest.mark.parametrize("fmt,engine_binds", [("map", True), ("array", False)])
+def test_kv_events_reach_a_subscriber(fmt: str, engine_binds: bool) -> None:
+    """Engine binds and the subscriber connects (vLLM's usual layout), or one
+    subscriber binds and engines connect (llm-d's indexer layout)."""
+    sub: KVEventSubscriber | None = None
+    if not engine_binds:
+        sub = KVEventSubscriber("tcp://127.0.0.1:*", bind=True, instance_id="emu-a")
+    endpoint = "tcp://127.0.0.1:*" if engine_binds else sub.last_endpoint  # type: ignore[union-attr]
     try:
-        endpoint = sub.last_endpoint
         with EmulatorServer(PROFILE, time_scale=FAST, kv_capacity_blocks=1200,
-                            kv_events_endpoint=endpoint, kv_events_format=fmt) as srv:
+                            kv_events_endpoint=endpoint, kv_events_format=fmt,
+                            kv_events_connect=not engine_binds) as srv:
+            if sub is None:
+                assert srv.kv_events_endpoint is not None
+                assert not srv.kv_events_endpoint.endswith("*")
+                sub = KVEventSubscriber(srv.kv_events_endpoint, instance_id="emu-a")
             stored: list[int] = []
             removed: list[int] = []
 
@@ -471,4 +481,5 @@ def test_kv_events_reach_a_subscriber(fmt: str) -> None:
             requests.post(srv.url + "/reset_prefix_cache", timeout=5)
             assert wait_for(lambda: drain() >= 0 and set(stored) <= set(removed))
     finally:
-        sub.close()
+        if sub is not None:
+            sub.close()

@@ -15,12 +15,15 @@ every message is three frames ``(topic, seq, payload)`` where ``seq`` is an
   lora_id, medium]``.
 
 The subscriber accepts both, and a batch given as a map, so it can consume a
-real vLLM as well as the emulator. Like vLLM, the publisher *binds* when the
-endpoint has a wildcard (``tcp://*:5557``) or is ipc/inproc, and *connects*
-otherwise, which lets one router bind a SUB socket that many engines connect
-to (llm-d's layout). The replay socket is not implemented: a gap in ``seq``
-is counted in :attr:`KVEventSubscriber.missed` and the consumer should treat
-its index for that instance as stale.
+real vLLM as well as the emulator. vLLM's publisher *binds* when the endpoint
+has a wildcard (``tcp://*:5557``) or is ipc/inproc and *connects* otherwise;
+the subscriber applies the same rule by default, so a subscriber given
+``tcp://host:5557`` connects to an engine bound on ``tcp://*:5557``. The
+emulator binds to whatever endpoint it is given unless told to connect
+(``--kv-events-connect``, for llm-d's layout where one indexer binds and
+many engines connect). The replay socket is not implemented: a gap in
+``seq`` is counted in :attr:`KVEventSubscriber.missed` and the consumer
+should treat its index for that instance as stale.
 """
 
 from __future__ import annotations
@@ -157,10 +160,13 @@ def to_kv_events(instance_id: str, events: Sequence[RawEvent]) -> list[KVEvent]:
 
 # -- publisher ----------------------------------------------------------------
 class KVEventPublisher:
-    """PUB socket fed from a queue by its own thread (sockets are not thread-safe)."""
+    """PUB socket fed from a queue by its own thread (sockets are not thread-safe).
+
+    ``bind=None`` applies vLLM's bind-or-connect heuristic to the endpoint.
+    """
 
     def __init__(self, endpoint: str, topic: str = "", fmt: str = "map",
-                 hwm: int = 100_000) -> None:
+                 hwm: int = 100_000, bind: bool | None = None) -> None:
         if fmt not in EVENT_FORMATS:
             raise ConfigError(f"KV event format '{fmt}' is unknown; use one of "
                               f"{', '.join(EVENT_FORMATS)}")
@@ -176,8 +182,9 @@ class KVEventPublisher:
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.set_hwm(hwm)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self.binds = bind if bind is not None else _binds(endpoint)
         try:
-            if _binds(endpoint):
+            if self.binds:
                 self._sock.bind(endpoint)
             else:
                 self._sock.connect(endpoint)
@@ -185,6 +192,10 @@ class KVEventPublisher:
             self._sock.close(linger=0)
             raise ConfigError(f"cannot open KV events endpoint '{endpoint}': {exc}; "
                               "pick a free port or a valid address") from None
+        last = self._sock.getsockopt(zmq.LAST_ENDPOINT)
+        #: the address subscribers should use (a bound ``:*`` port resolved)
+        self.resolved_endpoint = (last.decode() if isinstance(last, bytes) and last
+                                  else endpoint)
         self._seq = 0
         self.published_batches = 0
         self._thread = threading.Thread(target=self._run, name="kv-events-pub",

@@ -71,6 +71,7 @@ class EmulatorConfig:
     kv_events_endpoint: str | None = None
     kv_events_topic: str = ""
     kv_events_format: str = "map"
+    kv_events_connect: bool = False  # default: bind the endpoint (see kv_events.py)
     seed: int = 0
     access_log: bool = False
     instance_id: str = field(default="emulator-0")
@@ -144,8 +145,12 @@ class EmulatorServer:
         self.max_model_len_tokens = self.profile.model.max_model_len_tokens
         self.metrics = EmulatorMetrics(self.served_model_names[0])
         self.publisher = (KVEventPublisher(cfg.kv_events_endpoint, cfg.kv_events_topic,
-                                           cfg.kv_events_format)
+                                           cfg.kv_events_format,
+                                           bind=not cfg.kv_events_connect)
                           if cfg.kv_events_endpoint else None)
+        #: where subscribers connect (bound ``tcp://127.0.0.1:*`` resolved to its port)
+        self.kv_events_endpoint = (self.publisher.resolved_endpoint
+                                   if self.publisher is not None else None)
         self.engine = EmulatedEngine(cfg.instance_id, self.profile, cfg.kv_capacity_blocks,
                                      record_events=self.publisher is not None)
         self.loop = EngineLoop(self.engine, self.metrics, time_scale=cfg.time_scale,

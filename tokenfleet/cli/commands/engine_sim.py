@@ -41,8 +41,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--crash-after-s", type=float, default=None,
                    help="exit the process hard (status 1) after S seconds")
     p.add_argument("--kv-events-endpoint", default=None,
-                   help="publish vLLM KV events over ZMQ: tcp://HOST:PORT connects, "
-                        "tcp://*:PORT binds")
+                   help="publish vLLM KV events on this ZMQ endpoint (bound, e.g. "
+                        "tcp://127.0.0.1:5557; subscribers connect to it)")
+    p.add_argument("--kv-events-connect", action="store_true",
+                   help="connect to --kv-events-endpoint instead (one indexer binds, "
+                        "many engines connect)")
     p.add_argument("--kv-events-topic", default="", help="ZMQ topic (vLLM default: empty)")
     p.add_argument("--kv-events-format", choices=["map", "array"], default="map",
                    help="event encoding: map (vLLM >= #42892) or array (older vLLM)")
@@ -63,15 +66,18 @@ def run(args: argparse.Namespace) -> int:
         spike_every_s=args.spike_every_s, stall_after_s=args.stall_after_s,
         crash_after_s=args.crash_after_s, kv_events_endpoint=args.kv_events_endpoint,
         kv_events_topic=args.kv_events_topic, kv_events_format=args.kv_events_format,
+        kv_events_connect=args.kv_events_connect,
         seed=args.seed, access_log=args.access_log,
         instance_id=f"engine-sim-{args.port}",
     )
     server = EmulatorServer(cfg)
 
     def announce(url: str) -> None:
+        events = (f", KV events on {server.kv_events_endpoint}"
+                  if server.kv_events_endpoint else "")
         print(f"engine-sim: serving {server.profile.name} as "
               f"{', '.join(server.served_model_names)} on {url} "
-              f"(time_scale={cfg.time_scale})", file=sys.stderr, flush=True)
+              f"(time_scale={cfg.time_scale}{events})", file=sys.stderr, flush=True)
 
     try:
         server.serve_forever(on_ready=announce)
