@@ -1,0 +1,53 @@
+"""Queue names: one per (datacenter, tier), plus one per (instance, tier).
+
+Names are computed, never looked up: the API publishes with ``routing_key ==
+queue name`` on a direct exchange of the same name (Celery's default for a
+queue it creates on demand, ``task_create_missing_queues``), so routing costs
+one string format and no topic matching. ``<dc>.<tier>`` is the shared pool
+queue of a datacenter (late binding: whichever worker frees first takes the
+request); ``<dc>.<instance>.<tier>`` is the affinity queue of one instance,
+used when the router expects a valuable prefix-cache hit there.
+"""
+
+from __future__ import annotations
+
+from tokenfleet.core.types import TIERS
+
+#: tier order = priority order: a worker consumes its queues in this order
+TIER_PRIORITY: tuple[str, ...] = TIERS
+#: queue of the control tasks run by beat (SLOMax tick, FleetMind cycle)
+CONTROL_QUEUE = "tokenfleet.control"
+
+
+def _check(part: str, what: str) -> str:
+    if not part or "." in part or any(c.isspace() for c in part):
+        raise ValueError(f"{what} '{part}' must be non-empty with no dots or spaces")
+    return part
+
+
+def pool_queue(dc: str, tier: str) -> str:
+    return f"{_check(dc, 'datacenter')}.{_check(tier, 'tier')}"
+
+
+def affinity_queue(dc: str, instance_id: str, tier: str) -> str:
+    return f"{_check(dc, 'datacenter')}.{_check(instance_id, 'instance')}.{_check(tier, 'tier')}"
+
+
+def worker_queues(dc: str, instance_id: str | None, tiers: tuple[str, ...] = TIER_PRIORITY
+                  ) -> list[str]:
+    """Queues a worker consumes, highest priority first.
+
+    For each tier the affinity queue comes before the pool queue, so work
+    that was sent here for its cache is not overtaken by pool work of the
+    same tier. A pool worker (no instance) consumes only pool queues.
+    """
+    out: list[str] = []
+    for tier in tiers:
+        if instance_id is not None:
+            out.append(affinity_queue(dc, instance_id, tier))
+        out.append(pool_queue(dc, tier))
+    return out
+
+
+def tier_of_queue(queue: str) -> str:
+    return queue.rsplit(".", 1)[-1]

@@ -1,0 +1,420 @@
+"""Live state in Redis: instance snapshots, dispatch accounting, tier shares,
+per-request idempotency state, cancel flags and queue depths.
+
+Everything the router needs to decide is here, so any number of API replicas
+make decisions from the same view. Request state is the idempotency record of
+the request path (the ledger's ``request_id`` upsert is the billing one):
+
+``tf:req:<rid>`` holds ``status`` (queued, running, done), ``attempt``,
+``first_token`` and the final status; ``tf:lease:<rid>`` exists while a worker
+runs the current attempt and is renewed by it. The transitions are Lua
+scripts, atomic in Redis, so a task redelivered by the broker (acks_late +
+reject_on_worker_lost), a retry the API sends after a worker died, and the
+original delivery can race without the engine ever running one attempt twice.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import msgpack
+import redis
+
+from tokenfleet.core.types import (
+    DispatchAccounting,
+    InstanceView,
+    KVEvent,
+    RequestInfo,
+    ScrapedMetrics,
+)
+from tokenfleet.engine.profiles import EngineProfile, get_profile
+
+#: DispatchAccounting fields kept in Redis, in dataclass order
+ACCOUNTING_FIELDS = tuple(DispatchAccounting.__slots__)  # type: ignore[attr-defined]
+
+# -- Lua: request state transitions -------------------------------------------------
+_CLAIM = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if not st then return 'missing' end
+if st == 'done' then return 'done' end
+if redis.call('EXISTS', KEYS[3]) == 1 then return 'cancelled' end
+if redis.call('EXISTS', KEYS[2]) == 1 then return 'busy' end
+local att = tonumber(redis.call('HGET', KEYS[1], 'attempt') or '1')
+if att ~= tonumber(ARGV[1]) then return 'stale' end
+if redis.call('HGET', KEYS[1], 'first_token') == '1' then return 'started' end
+redis.call('HSET', KEYS[1], 'status', 'running', 'owner', ARGV[2], 'claimed_at', ARGV[4],
+           'instance', ARGV[5])
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+return 'run'
+"""
+
+_REDISPATCH = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if st ~= 'queued' and st ~= 'running' then return -1 end
+if redis.call('HGET', KEYS[1], 'first_token') == '1' then return -2 end
+local att = tonumber(redis.call('HGET', KEYS[1], 'attempt') or '1')
+if att ~= tonumber(ARGV[1]) then return -3 end
+if ARGV[4] == '' then
+  if redis.call('EXISTS', KEYS[2]) == 1 then return -4 end
+else
+  if redis.call('GET', KEYS[2]) ~= ARGV[4] then return -4 end
+  redis.call('DEL', KEYS[2])
+end
+if att >= tonumber(ARGV[2]) then return -5 end
+redis.call('HSET', KEYS[1], 'attempt', att + 1, 'status', 'queued', 'queue', ARGV[3],
+           'owner', '', 'queued_at', ARGV[5])
+return att + 1
+"""
+
+_FINISH = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if st == 'done' then return {0, redis.call('HGET', KEYS[1], 'final') or ''} end
+if ARGV[2] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[2]
+   and redis.call('EXISTS', KEYS[2]) == 1 then
+  return {0, 'busy'}
+end
+redis.call('HSET', KEYS[1], 'status', 'done', 'final', ARGV[1])
+redis.call('DEL', KEYS[2])
+return {1, ARGV[1]}
+"""
+
+
+@dataclass(slots=True)
+class InstanceInfo:
+    """One engine instance as registered by its worker, plus the last scrape."""
+
+    instance_id: str
+    dc: str
+    model: str
+    url: str
+    profile: str
+    max_model_len_tokens: int
+    kv_capacity_tokens: int
+    slots: int
+    model_version: str = ""
+    metrics: ScrapedMetrics = field(default_factory=ScrapedMetrics)
+    heartbeat_at_s: float = float("-inf")
+    unhealthy_until_s: float = 0.0
+    unhealthy_reason: str = ""
+    running_by_tier: dict[str, int] = field(default_factory=dict)
+
+    def age_s(self, now_s: float) -> float:
+        """Seconds since the worker last wrote this snapshot."""
+        return now_s - self.heartbeat_at_s
+
+    def is_live(self, now_s: float, stale_after_s: float) -> bool:
+        return self.age_s(now_s) <= stale_after_s
+
+    def is_healthy(self, now_s: float, stale_after_s: float) -> bool:
+        return (self.is_live(now_s, stale_after_s) and self.metrics.healthy
+                and now_s >= self.unhealthy_until_s)
+
+
+def _f(raw: Mapping[bytes, bytes], key: str, default: float = 0.0) -> float:
+    v = raw.get(key.encode())
+    return float(v) if v not in (None, b"") else default
+
+
+def _i(raw: Mapping[bytes, bytes], key: str, default: int = 0) -> int:
+    v = raw.get(key.encode())
+    return int(float(v)) if v not in (None, b"") else default
+
+
+def _s(raw: Mapping[bytes, bytes], key: str, default: str = "") -> str:
+    v = raw.get(key.encode())
+    return v.decode() if v is not None else default
+
+
+class LiveState:
+    """Typed access to the live keys; one object per process, thread-safe
+    (redis-py clients use a connection pool)."""
+
+    def __init__(self, client: redis.Redis, prefix: str = "tf") -> None:
+        self.r = client
+        self.p = prefix
+        self._claim = client.register_script(_CLAIM)
+        self._redispatch = client.register_script(_REDISPATCH)
+        self._finish = client.register_script(_FINISH)
+        self._profiles: dict[str, EngineProfile] = {}
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str = "tf", **kwargs: Any) -> LiveState:
+        opts: dict[str, Any] = {"socket_connect_timeout": 1.0, "socket_timeout": 5.0,
+                                "health_check_interval": 10, "max_connections": 2000}
+        opts.update(kwargs)
+        pool = redis.BlockingConnectionPool.from_url(url, timeout=5.0, **opts)
+        return cls(redis.Redis(connection_pool=pool), prefix)
+
+    # -- key names ----------------------------------------------------------------
+    def k(self, *parts: str) -> str:
+        return ":".join((self.p,) + parts)
+
+    def stream_key(self, request_id: str) -> str:
+        return self.k("stream", request_id)
+
+    # -- instances ------------------------------------------------------------------
+    def register_instance(self, info: InstanceInfo) -> None:
+        key = self.k("inst", info.instance_id)
+        with self.r.pipeline() as pipe:
+            pipe.sadd(self.k("instances"), info.instance_id)
+            pipe.hset(key, mapping={
+                "dc": info.dc, "model": info.model, "model_version": info.model_version,
+                "url": info.url, "profile": info.profile,
+                "max_model_len": info.max_model_len_tokens,
+                "kv_capacity_tokens": info.kv_capacity_tokens, "slots": info.slots,
+                "heartbeat_at": time.time()})
+            pipe.execute()
+
+    def publish_snapshot(self, instance_id: str, m: ScrapedMetrics,
+                         running_by_tier: Mapping[str, int] | None = None) -> None:
+        mapping: dict[str, Any] = {
+            "scraped_at": m.scraped_at_s, "num_running": m.num_running,
+            "num_waiting": m.num_waiting, "kv_usage": m.kv_usage,
+            "prefix_queries_total": m.prefix_queries_total,
+            "prefix_hits_total": m.prefix_hits_total, "healthy": int(m.healthy),
+            "heartbeat_at": time.time()}
+        if running_by_tier is not None:
+            mapping["running_by_tier"] = json.dumps(dict(running_by_tier))
+        self.r.hset(self.k("inst", instance_id), mapping=mapping)
+
+    def mark_unhealthy(self, instance_id: str, for_s: float, reason: str) -> None:
+        self.r.hset(self.k("inst", instance_id), mapping={
+            "unhealthy_until": time.time() + for_s, "unhealthy_reason": reason[:200]})
+
+    def clear_unhealthy(self, instance_id: str) -> None:
+        self.r.hset(self.k("inst", instance_id), mapping={"unhealthy_until": 0,
+                                                          "unhealthy_reason": ""})
+
+    def deregister_instance(self, instance_id: str) -> None:
+        with self.r.pipeline() as pipe:
+            pipe.srem(self.k("instances"), instance_id)
+            pipe.delete(self.k("inst", instance_id), self.k("acct", instance_id))
+            pipe.execute()
+
+    def instances(self) -> list[InstanceInfo]:
+        ids = sorted(x.decode() for x in self.r.smembers(self.k("instances")))
+        if not ids:
+            return []
+        with self.r.pipeline(transaction=False) as pipe:
+            for i in ids:
+                pipe.hgetall(self.k("inst", i))
+            raws = pipe.execute()
+        out = []
+        for iid, raw in zip(ids, raws):
+            if not raw:
+                continue
+            m = ScrapedMetrics(
+                scraped_at_s=_f(raw, "scraped_at", float("-inf")),
+                num_running=_i(raw, "num_running"), num_waiting=_i(raw, "num_waiting"),
+                kv_usage=_f(raw, "kv_usage"),
+                prefix_queries_total=_i(raw, "prefix_queries_total"),
+                prefix_hits_total=_i(raw, "prefix_hits_total"),
+                healthy=_i(raw, "healthy", 1) == 1)
+            rbt = _s(raw, "running_by_tier")
+            out.append(InstanceInfo(
+                instance_id=iid, dc=_s(raw, "dc", "local"), model=_s(raw, "model"),
+                model_version=_s(raw, "model_version"), url=_s(raw, "url"),
+                profile=_s(raw, "profile"), max_model_len_tokens=_i(raw, "max_model_len"),
+                kv_capacity_tokens=_i(raw, "kv_capacity_tokens"), slots=_i(raw, "slots", 1),
+                metrics=m, heartbeat_at_s=_f(raw, "heartbeat_at", float("-inf")),
+                unhealthy_until_s=_f(raw, "unhealthy_until"),
+                unhealthy_reason=_s(raw, "unhealthy_reason"),
+                running_by_tier=json.loads(rbt) if rbt else {}))
+        return out
+
+    def profile(self, name: str) -> EngineProfile:
+        prof = self._profiles.get(name)
+        if prof is None:
+            prof = self._profiles[name] = get_profile(name)
+        return prof
+
+    def instance_views(self, now_s: float, stale_after_s: float,
+                       infos: Sequence[InstanceInfo] | None = None) -> list[InstanceView]:
+        """Router views: static facts + last scrape + shared dispatch accounting.
+
+        An instance whose worker stopped writing (dead or partitioned) is shown
+        not ready; one the worker marked unhealthy shows ``metrics.healthy``
+        False. Routers filter both through ``eligible()``.
+        """
+        infos = list(infos) if infos is not None else self.instances()
+        accts = self.accounting([i.instance_id for i in infos])
+        views = []
+        for idx, info in enumerate(infos):
+            m = info.metrics
+            m.healthy = info.is_healthy(now_s, stale_after_s)
+            views.append(InstanceView(
+                instance_id=info.instance_id, profile=self.profile(info.profile),
+                dc=info.dc, model=info.model, model_version=info.model_version,
+                ready=info.is_live(now_s, stale_after_s),
+                kv_capacity_tokens=info.kv_capacity_tokens,
+                max_model_len_tokens=info.max_model_len_tokens, metrics=m,
+                accounting=accts.get(info.instance_id, DispatchAccounting()), index=idx))
+        return views
+
+    # -- dispatch accounting ------------------------------------------------------------
+    def accounting(self, instance_ids: Iterable[str]) -> dict[str, DispatchAccounting]:
+        ids = list(instance_ids)
+        with self.r.pipeline(transaction=False) as pipe:
+            for i in ids:
+                pipe.hgetall(self.k("acct", i))
+            raws = pipe.execute()
+        out = {}
+        for iid, raw in zip(ids, raws):
+            acct = DispatchAccounting()
+            for name in ACCOUNTING_FIELDS:
+                setattr(acct, name, max(0, _i(raw, name)))
+            out[iid] = acct
+        return out
+
+    def _acct_delta(self, instance_id: str, delta: Mapping[str, int]) -> None:
+        key = self.k("acct", instance_id)
+        with self.r.pipeline(transaction=False) as pipe:
+            for name, d in delta.items():
+                if d:
+                    pipe.hincrby(key, name, d)
+            pipe.execute()
+
+    @staticmethod
+    def _delta(fn_name: str, req: RequestInfo, cached: int, **kw: Any) -> dict[str, int]:
+        """Field deltas of one DispatchAccounting transition (reuses its own rules)."""
+        acct = DispatchAccounting()
+        getattr(acct, fn_name)(req, expected_cached_tokens=cached, **kw)
+        return {name: getattr(acct, name) for name in ACCOUNTING_FIELDS}
+
+    def account_dispatch(self, instance_id: str, req: RequestInfo, cached: int) -> None:
+        self._acct_delta(instance_id, self._delta("on_dispatch", req, cached))
+
+    def account_first_token(self, instance_id: str, req: RequestInfo, cached: int) -> None:
+        self._acct_delta(instance_id, self._delta("on_first_token", req, cached))
+
+    def account_finish(self, instance_id: str, req: RequestInfo, got_first_token: bool,
+                       cached: int) -> None:
+        self._acct_delta(instance_id, self._delta("on_finish", req, cached,
+                                                  got_first_token=got_first_token))
+
+    # -- tier shares and admission thresholds (written by beat) -----------------------------
+    def set_shares(self, shares: Mapping[str, float],
+                   thresholds: Mapping[str, float | None] | None = None) -> None:
+        with self.r.pipeline() as pipe:
+            pipe.hset(self.k("shares"), mapping={t: float(s) for t, s in shares.items()})
+            if thresholds:
+                vals = {t: ("" if v is None else float(v)) for t, v in thresholds.items()}
+                pipe.hset(self.k("thresholds"), mapping=vals)
+            pipe.hset(self.k("control"), mapping={"updated_at": time.time()})
+            pipe.execute()
+
+    def shares(self) -> dict[str, float]:
+        return {k.decode(): float(v) for k, v in self.r.hgetall(self.k("shares")).items()}
+
+    def thresholds(self) -> dict[str, float | None]:
+        return {k.decode(): (float(v) if v else None)
+                for k, v in self.r.hgetall(self.k("thresholds")).items()}
+
+    # -- counters (read by the control loop) -------------------------------------------------
+    def count(self, **deltas: int) -> None:
+        with self.r.pipeline(transaction=False) as pipe:
+            for name, d in deltas.items():
+                pipe.hincrby(self.k("counters"), name, d)
+            pipe.execute()
+
+    def counters(self) -> dict[str, int]:
+        return {k.decode(): int(v) for k, v in self.r.hgetall(self.k("counters")).items()}
+
+    # -- queue depths (for tier yielding; broker-independent) ---------------------------------
+    def queued_incr(self, queue: str, n: int = 1) -> None:
+        self.r.hincrby(self.k("queued"), queue, n)
+
+    def queued(self) -> dict[str, int]:
+        return {k.decode(): max(0, int(v)) for k, v in self.r.hgetall(self.k("queued")).items()}
+
+    # -- request state ----------------------------------------------------------------
+    def _req_keys(self, rid: str) -> list[str]:
+        return [self.k("req", rid), self.k("lease", rid), self.k("cancel", rid)]
+
+    def create_request(self, rid: str, queue: str, ttl_s: float, **extra: Any) -> bool:
+        """First dispatch; False if the id is already known (client retried it)."""
+        key = self.k("req", rid)
+        if not self.r.hsetnx(key, "created", time.time()):
+            return False
+        mapping = {"status": "queued", "attempt": 1, "first_token": 0, "queue": queue,
+                   "queued_at": time.time(), **extra}
+        with self.r.pipeline() as pipe:
+            pipe.hset(key, mapping=mapping)
+            pipe.expire(key, int(ttl_s))
+            pipe.execute()
+        return True
+
+    def request_state(self, rid: str) -> dict[str, str]:
+        raw = self.r.hgetall(self.k("req", rid))
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def lease_alive(self, rid: str) -> bool:
+        return bool(self.r.exists(self.k("lease", rid)))
+
+    def claim(self, rid: str, attempt: int, owner: str, lease_ttl_s: float,
+              instance_id: str) -> str:
+        """'run' | 'done' | 'busy' | 'stale' | 'started' | 'cancelled' | 'missing'."""
+        out = self._claim(keys=self._req_keys(rid),
+                          args=[attempt, owner, int(lease_ttl_s * 1000), time.time(),
+                                instance_id])
+        return out.decode() if isinstance(out, bytes) else str(out)
+
+    def renew_leases(self, rids: Iterable[str], lease_ttl_s: float) -> None:
+        ms = int(lease_ttl_s * 1000)
+        with self.r.pipeline(transaction=False) as pipe:
+            for rid in rids:
+                pipe.pexpire(self.k("lease", rid), ms)
+            pipe.execute()
+
+    def mark_first_token(self, rid: str) -> None:
+        self.r.hset(self.k("req", rid), "first_token", 1)
+
+    def redispatch(self, rid: str, attempt: int, max_attempts: int, queue: str,
+                   owner: str = "") -> int:
+        """Move attempt ``attempt`` to a new one on ``queue``; the new attempt
+        number, or < 0: -1 finished, -2 streaming already, -3 someone else
+        moved it, -4 still leased, -5 out of attempts."""
+        return int(self._redispatch(keys=self._req_keys(rid)[:2],
+                                    args=[attempt, max_attempts, queue, owner, time.time()]))
+
+    def finish(self, rid: str, status: str, owner: str = "") -> tuple[bool, str]:
+        """Settle the final status once; (won, final status)."""
+        won, final = self._finish(keys=self._req_keys(rid)[:2], args=[status, owner])
+        return bool(won), final.decode() if isinstance(final, bytes) else str(final)
+
+    def cancel(self, rid: str, ttl_s: float = 600.0) -> None:
+        self.r.set(self.k("cancel", rid), 1, ex=int(ttl_s))
+
+    def cancelled(self, rids: Sequence[str]) -> set[str]:
+        if not rids:
+            return set()
+        with self.r.pipeline(transaction=False) as pipe:
+            for rid in rids:
+                pipe.exists(self.k("cancel", rid))
+            flags = pipe.execute()
+        return {rid for rid, f in zip(rids, flags) if f}
+
+    # -- shared prefix index feed ----------------------------------------------------------
+    def publish_kv_events(self, events: Sequence[KVEvent], maxlen: int = 200_000) -> None:
+        if not events:
+            return
+        with self.r.pipeline(transaction=False) as pipe:
+            for ev in events:
+                pipe.xadd(self.k("kv"), {"i": ev.instance_id, "k": ev.kind,
+                                         "h": msgpack.packb(list(ev.block_hashes))},
+                          maxlen=maxlen, approximate=True)
+            pipe.execute()
+
+    def read_kv_events(self, last_id: str, block_ms: int | None = None,
+                       count: int = 1000) -> tuple[str, list[KVEvent]]:
+        resp = self.r.xread({self.k("kv"): last_id}, count=count, block=block_ms)
+        out: list[KVEvent] = []
+        for _key, entries in resp or ():
+            for eid, fields in entries:
+                last_id = eid.decode()
+                out.append(KVEvent(fields[b"i"].decode(), fields[b"k"].decode(),
+                                   tuple(msgpack.unpackb(fields[b"h"]))))
+        return last_id, out

@@ -1,0 +1,116 @@
+"""The OpenAI-compatible HTTP API (Flask).
+
+``create_app(config)`` builds one app; ``config`` is a mapping with
+
+* ``REDIS_URL`` (required): live state and token streams;
+* ``BROKER_URL``: Celery broker (default: ``REDIS_URL``);
+* ``DATABASE_URL``: ledger and API-key table (optional; without it no ledger);
+* ``DATA_DIR``: where the ledger writer spills rows while the database is down;
+* ``LIVE``: a :class:`tokenfleet.live.config.LiveConfig` (default: from env);
+* ``API_KEYS``: {key: tenant} seed keys, added to ``LIVE.seed_api_keys``;
+* ``ADMISSION``: admission policy name in ``tokenfleet.core.admission.ADMISSION``
+  (default ``"slomax"``; ``"none"`` admits everything);
+* ``SLO``: a :class:`tokenfleet.core.tiers.SLOConfig`.
+
+Call ``app.extensions["tokenfleet"].close()`` (or :func:`close_app`) to stop
+its background thread and flush its ledger writer.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Mapping
+
+from flask import Flask, Response
+from werkzeug.exceptions import HTTPException
+
+from tokenfleet.live.config import LiveConfig
+from tokenfleet.live.state import LiveState
+from web.auth import Authenticator
+from web.errors import ApiError
+from web.gateway import Gateway
+from web.metrics import ApiMetrics
+
+log = logging.getLogger("tokenfleet.api")
+
+
+def create_app(config: Mapping[str, Any] | None = None) -> Flask:
+    cfg = dict(config or {})
+    if not cfg.get("REDIS_URL"):
+        raise ValueError("create_app needs REDIS_URL (the live state store)")
+    live: LiveConfig = cfg.get("LIVE") or LiveConfig.load()
+    app = Flask("tokenfleet")
+    app.config.update(cfg)
+    app.json.sort_keys = False  # type: ignore[attr-defined]
+
+    from workers.app import create_celery
+
+    state = LiveState.from_url(cfg["REDIS_URL"], prefix=live.redis_prefix)
+    celery = create_celery(cfg.get("BROKER_URL") or cfg["REDIS_URL"], live)
+    ledger = None
+    engine = None
+    if cfg.get("DATABASE_URL"):
+        from tokenfleet.service.db import make_engine
+        from tokenfleet.service.writer import LedgerWriter
+
+        data_dir = Path(cfg.get("DATA_DIR") or ".tokenfleet")
+        engine = make_engine(cfg["DATABASE_URL"])
+        ledger = LedgerWriter(engine, spill_dir=data_dir / "spill", name="api-ledger")
+    admission = None
+    adm_name = cfg.get("ADMISSION", "slomax")
+    if adm_name and adm_name != "none":
+        from tokenfleet.core.admission import ADMISSION
+
+        admission = ADMISSION.create(adm_name, adaptive=False) if adm_name == "slomax" \
+            else ADMISSION.create(adm_name)
+    gw = Gateway(state=state, celery=celery, live=live, slo=cfg.get("SLO"), ledger=ledger,
+                 admission=admission)
+    metrics = ApiMetrics(gw)
+    gw.metrics = metrics
+    keys = live.seed_keys()
+    keys.update(cfg.get("API_KEYS") or {})
+    app.extensions["tokenfleet"] = gw
+    app.extensions["tokenfleet.auth"] = Authenticator(keys, engine)
+    app.extensions["tokenfleet.metrics"] = metrics
+    app.extensions["tokenfleet.celery"] = celery
+
+    from web.routes import openai_bp, ops_bp
+
+    app.register_blueprint(openai_bp)
+    app.register_blueprint(ops_bp)
+
+    @app.errorhandler(ApiError)
+    def _api_error(err: ApiError) -> Response:
+        metrics.error(err.status)
+        return err.response()
+
+    @app.errorhandler(HTTPException)
+    def _http_error(err: HTTPException) -> Response:
+        status = err.code or 500
+        metrics.error(status)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+        return ApiError(status, err.description or err.name, code=code).response()
+
+    @app.errorhandler(Exception)
+    def _unexpected(err: Exception) -> Response:
+        log.exception("unhandled error")
+        metrics.error(500)
+        return ApiError(500, "internal error in TokenFleet; it was logged",
+                        code="internal_error").response()
+
+    return app
+
+
+def close_app(app: Flask) -> None:
+    gw: Gateway = app.extensions["tokenfleet"]
+    gw.close()
+    if gw.ledger is not None:
+        gw.ledger.close()
+    try:
+        app.extensions["tokenfleet.celery"].close()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+__all__ = ["create_app", "close_app"]

@@ -1,0 +1,1 @@
+"""Celery side of TokenFleet: the app, the request task, the worker runtime and beat."""

@@ -1,0 +1,309 @@
+"""Per-process state of a worker that serves one engine instance (or a DC pool).
+
+A worker process runs Celery's threads pool (one thread per request it may
+run) plus three small threads of its own:
+
+* the scraper: every ``scrape_interval_s`` reads the engine's ``/health`` and
+  ``/metrics`` and writes the instance snapshot (with its age) to Redis; an
+  engine that stops answering is marked unhealthy there and its requests
+  that have no first token yet are aborted and re-sent elsewhere;
+* the watchdog: renews the leases of running requests, and aborts the
+  engine call of any request the client cancelled;
+* the tier gate: decides which of the worker's queues it consumes, so it
+  pulls a tier only when its engine has capacity for that tier (SLOMax share
+  of its slots) and lower tiers yield while higher ones have work queued.
+
+Optionally a fourth relays the engine's vLLM KV events (ZeroMQ) into the
+shared prefix-index stream in Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from tokenfleet.core.tiers import SLOConfig
+from tokenfleet.live.config import LiveConfig
+from tokenfleet.live.engine_client import EngineCall
+from tokenfleet.live.queues import TIER_PRIORITY, tier_of_queue, worker_queues
+from tokenfleet.live.scrape import Scraper
+from tokenfleet.live.state import InstanceInfo, LiveState
+
+log = logging.getLogger("tokenfleet.worker")
+
+#: default share of an engine's slots per tier until beat writes real ones
+DEFAULT_SHARES = {"interactive": 1.0, "long_context": 1.0, "batch": 0.5}
+
+
+@dataclass(slots=True)
+class Flight:
+    """One request this worker is running."""
+
+    request_id: str
+    tier: str
+    attempt: int
+    call: EngineCall | None = None
+    first_token: bool = False
+    started_at: float = field(default_factory=time.time)
+
+
+class WorkerRuntime:
+    def __init__(self, live: LiveConfig, state: LiveState, info: InstanceInfo, *,
+                 ledger: Any = None, slo: SLOConfig | None = None, pool_mode: bool = False,
+                 kv_events_endpoint: str | None = None,
+                 send_task: Callable[..., Any] | None = None) -> None:
+        self.live = live
+        self.state = state
+        self.info = info
+        self.ledger = ledger
+        self.slo = slo or SLOConfig()
+        self.pool_mode = pool_mode
+        self.kv_events_endpoint = kv_events_endpoint
+        self.send_task = send_task
+        self.worker_id = f"{info.instance_id}:{uuid.uuid4().hex[:8]}"
+        self.queues = worker_queues(info.dc, None if pool_mode else info.instance_id)
+        self.scraper = Scraper(info.url, timeout_s=max(0.5, live.scrape_interval_s))
+        self.engine_healthy = True
+        self.engine_unhealthy_reason = ""
+        self.consecutive_failures = 0
+        self.unhealthy_until = 0.0
+        self._flights: dict[str, Flight] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._consumer: Any = None
+        self._shares: dict[str, float] = dict(DEFAULT_SHARES)
+        self._shares_at = 0.0
+        self.kv_events_relayed = 0
+        self.exact_kv_events = False
+
+    # -- lifecycle ------------------------------------------------------------------
+    def start(self) -> None:
+        self.state.register_instance(self.info)
+        self.scrape_once()
+        for target, name in ((self._scrape_loop, "scraper"), (self._watchdog_loop, "watchdog"),
+                             (self._gate_loop, "tier-gate")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        if self.kv_events_endpoint:
+            t = threading.Thread(target=self._kv_loop, name="kv-events", daemon=True)
+            t.start()
+            self._threads.append(t)
+            self.exact_kv_events = True
+
+    def stop(self, deregister: bool = True) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=2.0)
+        if deregister:
+            try:
+                self.state.deregister_instance(self.info.instance_id)
+            except Exception:  # noqa: BLE001 - Redis may be gone at shutdown
+                pass
+        self.scraper.close()
+
+    def attach_consumer(self, consumer: Any) -> None:
+        """Called by the consumer bootstep once Celery's task consumer runs."""
+        self._consumer = consumer
+
+    # -- flights --------------------------------------------------------------------
+    def add_flight(self, flight: Flight) -> None:
+        with self._lock:
+            self._flights[flight.request_id] = flight
+
+    def remove_flight(self, rid: str) -> None:
+        with self._lock:
+            self._flights.pop(rid, None)
+
+    def flights(self) -> list[Flight]:
+        with self._lock:
+            return list(self._flights.values())
+
+    def running_by_tier(self) -> dict[str, int]:
+        out = {t: 0 for t in TIER_PRIORITY}
+        for f in self.flights():
+            out[f.tier] = out.get(f.tier, 0) + 1
+        return out
+
+    # -- engine health ----------------------------------------------------------------
+    def is_engine_healthy(self) -> bool:
+        return self.engine_healthy and time.time() >= self.unhealthy_until
+
+    def note_engine_failure(self, reason: str) -> None:
+        """A failed call: after ``engine_fail_threshold`` in a row the instance is
+        marked unhealthy for ``engine_unhealthy_s`` (routers then skip it)."""
+        self.consecutive_failures += 1
+        if self.consecutive_failures >= self.live.engine_fail_threshold:
+            self.unhealthy_until = time.time() + self.live.engine_unhealthy_s
+            log.warning("instance %s marked unhealthy for %.1fs: %s", self.info.instance_id,
+                        self.live.engine_unhealthy_s, reason)
+            try:
+                self.state.mark_unhealthy(self.info.instance_id, self.live.engine_unhealthy_s,
+                                          reason)
+                self.state.count(instances_marked_unhealthy=1)
+            except Exception:  # noqa: BLE001
+                log.exception("could not mark instance unhealthy in Redis")
+
+    def note_engine_success(self) -> None:
+        self.consecutive_failures = 0
+
+    def scrape_once(self) -> None:
+        res = self.scraper.scrape()
+        was = self.engine_healthy
+        self.engine_healthy = res.metrics.healthy
+        self.engine_unhealthy_reason = res.error
+        if was and not res.metrics.healthy:
+            log.warning("engine %s unhealthy: %s", self.info.url, res.error)
+            self._abort_unstarted(f"engine unhealthy: {res.error}")
+        elif not was and res.metrics.healthy:
+            log.info("engine %s healthy again", self.info.url)
+        try:
+            self.state.publish_snapshot(self.info.instance_id, res.metrics,
+                                        self.running_by_tier())
+        except Exception as exc:  # noqa: BLE001 - Redis blip: next round retries
+            log.debug("snapshot not written: %r", exc)
+
+    def _abort_unstarted(self, reason: str) -> None:
+        for f in self.flights():
+            if not f.first_token and f.call is not None:
+                f.call.abort(reason)
+
+    # -- loops ----------------------------------------------------------------------
+    def _scrape_loop(self) -> None:
+        interval = self.live.scrape_interval_s
+        while not self._stop.wait(interval):
+            self.scrape_once()
+
+    def _watchdog_loop(self) -> None:
+        renew_every = self.live.lease_ttl_s / 3.0
+        next_renew = 0.0
+        while not self._stop.wait(0.1):
+            flights = self.flights()
+            if not flights:
+                continue
+            rids = [f.request_id for f in flights]
+            try:
+                now = time.monotonic()
+                if now >= next_renew:
+                    self.state.renew_leases(rids, self.live.lease_ttl_s)
+                    next_renew = now + renew_every
+                gone = self.state.cancelled(rids)
+            except Exception as exc:  # noqa: BLE001
+                log.debug("watchdog: Redis unavailable: %r", exc)
+                continue
+            for f in flights:
+                if f.request_id in gone and f.call is not None and f.call.aborted is None:
+                    f.call.abort("cancelled by client")
+
+    def shares(self) -> dict[str, float]:
+        now = time.monotonic()
+        if now - self._shares_at > 1.0:
+            self._shares_at = now
+            try:
+                got = self.state.shares()
+                if got:
+                    self._shares = {**DEFAULT_SHARES, **got}
+            except Exception:  # noqa: BLE001
+                pass
+        return self._shares
+
+    def desired_queues(self, queued: dict[str, int] | None = None) -> list[str]:
+        """Queues to consume now, highest priority first.
+
+        A tier is consumed while the engine is healthy and the tier runs fewer
+        than ``share * slots`` requests; a tier also pauses while any higher
+        tier of this worker has requests queued (it yields). The total is
+        capped by Celery itself: concurrency = slots and prefetch multiplier 1.
+        """
+        if not self.is_engine_healthy():
+            return []
+        slots = max(1, self.info.slots)
+        running = self.running_by_tier()
+        shares = self.shares()
+        queued = queued or {}
+        out: list[str] = []
+        higher_waiting = False
+        for tier in TIER_PRIORITY:
+            tier_qs = [q for q in self.queues if tier_of_queue(q) == tier]
+            cap = max(1, math.ceil(shares.get(tier, 1.0) * slots))
+            if running.get(tier, 0) < cap and not higher_waiting:
+                out.extend(tier_qs)
+            if any(queued.get(q, 0) > 0 for q in tier_qs):
+                higher_waiting = True
+        return out
+
+    def _gate_loop(self) -> None:
+        while not self._stop.wait(0.05):
+            c = self._consumer
+            if c is None or getattr(c, "task_consumer", None) is None:
+                continue
+            try:
+                queued = self.state.queued()
+            except Exception:  # noqa: BLE001
+                queued = {}
+            want = self.desired_queues(queued)
+            try:
+                have = [q.name for q in c.task_consumer.queues]
+            except Exception:  # noqa: BLE001
+                continue
+            if want == have:
+                continue
+            # keep the common prefix; re-add the rest in priority order
+            n = 0
+            while n < min(len(want), len(have)) and want[n] == have[n]:
+                n += 1
+            drop, add = have[n:], want[n:]
+            hub = getattr(c, "hub", None)
+
+            def apply(drop: list[str] = drop, add: list[str] = add) -> None:
+                for q in drop:
+                    c.cancel_task_queue(q)
+                for q in add:
+                    c.add_task_queue(q)
+
+            if hub is not None:
+                hub.call_soon(apply)
+            else:  # pragma: no cover - event loop disabled
+                apply()
+            time.sleep(0.05)
+
+    def _kv_loop(self) -> None:
+        """Relay the engine's vLLM KV events to the shared prefix index stream."""
+        from tokenfleet.emulator.kv_events import KVEventSubscriber
+
+        assert self.kv_events_endpoint is not None
+        try:
+            sub = KVEventSubscriber(self.kv_events_endpoint,
+                                    instance_id=self.info.instance_id)
+        except Exception:  # noqa: BLE001
+            log.exception("cannot subscribe to KV events at %s", self.kv_events_endpoint)
+            self.exact_kv_events = False
+            return
+        try:
+            while not self._stop.is_set():
+                events = sub.poll(timeout_s=0.2)
+                if events:
+                    try:
+                        self.state.publish_kv_events(events)
+                        self.kv_events_relayed += len(events)
+                    except Exception:  # noqa: BLE001
+                        log.debug("KV events dropped: Redis unavailable")
+        finally:
+            sub.close()
+
+
+#: the runtime of this worker process (set by ``tokenfleet worker`` before Celery starts)
+RUNTIME: WorkerRuntime | None = None
+
+
+def runtime() -> WorkerRuntime:
+    if RUNTIME is None:
+        raise RuntimeError("worker runtime not initialised; start workers with "
+                           "`tokenfleet worker`")
+    return RUNTIME

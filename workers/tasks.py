@@ -1,0 +1,290 @@
+"""Celery tasks: the request task, and beat's control tasks.
+
+``tokenfleet.chat`` runs one attempt of one request against this worker's
+engine and relays its tokens. Exactly-once against the engine comes from the
+Redis claim (``LiveState.claim``): a delivery for an attempt that finished,
+is running elsewhere or was superseded is acknowledged without calling the
+engine and recorded in the ledger as a ``duplicate`` row of its own (so the
+request's own row, and its bill, stay single).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any
+
+from tokenfleet.core.tiers import meets_slo
+from tokenfleet.core.types import RequestInfo
+from tokenfleet.emulator.tokenizer import chat_block_hashes
+from tokenfleet.live.engine_client import EngineCall, EngineError, send_abort
+from tokenfleet.live.queues import affinity_queue, pool_queue
+from tokenfleet.live.relay import RelayWriter
+from tokenfleet.live.state import LiveState
+from workers.app import TASK_CHAT, TASK_CONTROL, TASK_FLEET, app
+from workers.runtime import Flight, WorkerRuntime, runtime
+
+log = logging.getLogger("tokenfleet.worker")
+
+
+@app.task(name=TASK_CHAT, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def chat(job: dict[str, Any]) -> str:
+    return run_job(runtime(), job)
+
+
+def _info(job: dict[str, Any]) -> RequestInfo:
+    return RequestInfo(request_id=job["rid"], arrival_s=float(job["arrival_ts"]),
+                       input_tokens=int(job["input_tokens"]),
+                       max_tokens=int(job["max_tokens"]), tenant=job["tenant"],
+                       tier=job["tier"], model=job["model"])
+
+
+def _row(job: dict[str, Any], rt: WorkerRuntime, status: str, **cols: Any) -> dict[str, Any]:
+    row = {"request_id": job["rid"], "tenant_id": job["tenant"], "tier": job["tier"],
+           "model": job["model"], "status": status, "arrival_ts": float(job["arrival_ts"]),
+           "admitted_ts": job.get("admitted_ts"), "dc": rt.info.dc,
+           "instance": rt.info.instance_id, "prompt_tokens": int(job["input_tokens"]),
+           "attempts": int(job["attempt"])}
+    row.update(cols)
+    return row
+
+
+def _record(rt: WorkerRuntime, row: dict[str, Any]) -> None:
+    if rt.ledger is None:
+        return
+    try:
+        rt.ledger.record(row)
+    except Exception:  # noqa: BLE001 - a bad row must not fail the request
+        log.exception("ledger row for %s not recorded", row.get("request_id"))
+
+
+def _record_duplicate(rt: WorkerRuntime, job: dict[str, Any], why: str) -> str:
+    rt.state.count(duplicates=1)
+    log.info("duplicate delivery of %s attempt %s (%s): not run", job["rid"],
+             job["attempt"], why)
+    _record(rt, _row(job, rt, "duplicate", request_id=f"{job['rid']}:dup:{uuid.uuid4().hex[:8]}",
+                     finished_ts=time.time(), error=f"duplicate delivery ({why})"))
+    return "duplicate"
+
+
+def run_job(rt: WorkerRuntime, job: dict[str, Any]) -> str:
+    state = rt.state
+    rid = job["rid"]
+    attempt = int(job["attempt"])
+    try:
+        state.queued_incr(job["queue"], -1)
+    except Exception:  # noqa: BLE001
+        pass
+    verdict = state.claim(rid, attempt, rt.worker_id, rt.live.lease_ttl_s,
+                          rt.info.instance_id)
+    relay = RelayWriter(state, rid, rt.live.stream_ttl_s, rt.info.instance_id)
+    if verdict in ("done", "busy", "stale", "missing"):
+        return _record_duplicate(rt, job, verdict)
+    if verdict == "cancelled":
+        won, _ = state.finish(rid, "cancelled")
+        if won:
+            _record(rt, _row(job, rt, "cancelled", finished_ts=time.time()))
+        return "cancelled"
+    if verdict == "started":
+        # A previous attempt streamed tokens and its worker died: the client has
+        # a partial answer we cannot continue, so end it cleanly.
+        won, _ = state.finish(rid, "failed")
+        if won:
+            relay.error("the worker serving this request was lost after streaming began; "
+                        "retry the request", 502, "server_error")
+            _record(rt, _row(job, rt, "failed", finished_ts=time.time(),
+                             error="worker lost after first token"))
+        return "failed"
+
+    info = _info(job)
+    if not rt.is_engine_healthy() and attempt < rt.live.max_attempts:
+        # Taken from a queue just before the gate closed it: send it on, untouched.
+        if _retry_elsewhere(rt, job, relay, "engine unhealthy before start"):
+            return "retried"
+
+    flight = Flight(rid, job["tier"], attempt)
+    rt.add_flight(flight)
+    accounted = job.get("accounted") == rt.info.instance_id
+    cached_est = int(job.get("expected_cached") or 0)
+    if not accounted:
+        state.account_dispatch(rt.info.instance_id, info, cached_est)
+    dispatched = time.time()
+    first_ts: float | None = None
+    tokens = 0
+    text_chars = 0
+    usage: dict[str, Any] | None = None
+    finish_reason = "stop"
+    engine_rid = f"{rid}-{attempt}"
+    call = EngineCall(rt.info.url, job["body"], engine_rid,
+                      connect_timeout_s=rt.live.engine_connect_timeout_s,
+                      stall_timeout_s=rt.live.engine_stall_timeout_s,
+                      headers=job.get("engine_headers") or None)
+    flight.call = call
+    try:
+        for piece in call.stream():
+            if piece.tokens and first_ts is None:
+                first_ts = time.time()
+                flight.first_token = True
+                state.mark_first_token(rid)
+                state.account_first_token(rt.info.instance_id, info, cached_est)
+            if piece.text or piece.tokens:
+                relay.delta(piece.text, piece.tokens)
+                tokens += piece.tokens
+                text_chars += len(piece.text)
+            if piece.finish_reason:
+                finish_reason = piece.finish_reason
+            if piece.usage is not None:
+                usage = piece.usage
+        rt.note_engine_success()
+    except EngineError as exc:
+        return _on_engine_error(rt, job, relay, exc, first_ts, tokens, dispatched)
+    finally:
+        rt.remove_flight(rid)
+        state.account_finish(rt.info.instance_id, info, first_ts is not None, cached_est)
+
+    finished = time.time()
+    completion = int((usage or {}).get("completion_tokens", tokens))
+    cached = int(((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+    prompt = int((usage or {}).get("prompt_tokens", job["input_tokens"]))
+    if first_ts is None:  # zero-token answer: first token = end
+        first_ts = finished
+    ttft = first_ts - float(job["arrival_ts"])
+    tpot = (finished - first_ts) / (completion - 1) if completion > 1 else None
+    slo = rt.slo.slo_for(job["tier"])
+    deadline_in = None
+    if job.get("deadline_ts"):
+        deadline_in = float(job["deadline_ts"]) - float(job["arrival_ts"])
+    ok = meets_slo(slo, status="completed", input_tokens=prompt, ttft_s=ttft, tpot_s=tpot,
+                   e2e_s=finished - float(job["arrival_ts"]), deadline_in_s=deadline_in)
+    status = "completed" if ok else "slo_missed"
+    won, final = state.finish(rid, status, rt.worker_id)
+    if won:
+        relay.end(finish_reason, usage or {
+            "prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}})
+        state.count(**{f"finished_{job['tier']}": 1, f"slo_met_{job['tier']}": int(ok),
+                       "completion_tokens": completion})
+    else:
+        status = final or status
+    _record(rt, _row(job, rt, status, dispatched_ts=dispatched, first_token_ts=first_ts,
+                     finished_ts=finished, prompt_tokens=prompt, cached_tokens=cached,
+                     completion_tokens=completion))
+    if not rt.exact_kv_events and job.get("messages"):
+        # approximate prefix knowledge for routers: this instance now holds the prompt
+        try:
+            from tokenfleet.core.types import KVEvent
+
+            hashes = chat_block_hashes(job["messages"])
+            state.publish_kv_events([KVEvent(rt.info.instance_id, "stored", hashes)])
+        except Exception:  # noqa: BLE001
+            log.debug("approximate KV event not published", exc_info=True)
+    return status
+
+
+def _on_engine_error(rt: WorkerRuntime, job: dict[str, Any], relay: RelayWriter,
+                     exc: EngineError, first_ts: float | None, tokens: int,
+                     dispatched: float) -> str:
+    state = rt.state
+    rid = job["rid"]
+    attempt = int(job["attempt"])
+    now = time.time()
+    if exc.kind == "aborted":
+        send_abort(rt.info.url, f"{rid}-{attempt}")
+        if "cancelled" in str(exc):
+            won, _ = state.finish(rid, "cancelled", rt.worker_id)
+            _record(rt, _row(job, rt, "cancelled", dispatched_ts=dispatched,
+                             first_token_ts=first_ts, finished_ts=now,
+                             completion_tokens=tokens))
+            return "cancelled"
+    if exc.kind in ("error", "stall", "connect") or (exc.kind == "aborted"
+                                                    and first_ts is None):
+        rt.note_engine_failure(str(exc))
+    log.warning("request %s attempt %d failed on %s: %s", rid, attempt, rt.info.instance_id,
+                exc)
+    started = first_ts is not None
+    if not started and exc.retryable and attempt < rt.live.max_attempts:
+        if _retry_elsewhere(rt, job, relay, str(exc)):
+            _record(rt, _row(job, rt, "in_flight", attempts=attempt + 1,
+                             error=f"attempt {attempt} on {rt.info.instance_id}: {exc}"))
+            return "retried"
+    status = "timed_out" if exc.kind == "stall" else "failed"
+    won, final = state.finish(rid, status, rt.worker_id)
+    if won:
+        code = 504 if status == "timed_out" else (exc.status if not exc.retryable
+                                                   and exc.status < 500 else 502)
+        relay.error(f"{'engine timed out' if status == 'timed_out' else 'engine failed'}"
+                    f" after {attempt} attempt(s): {exc}", code,
+                    "invalid_request_error" if code < 500 else "server_error")
+        state.count(**{f"failed_{job['tier']}": 1})
+    _record(rt, _row(job, rt, final if not won else status, dispatched_ts=dispatched,
+                     first_token_ts=first_ts, finished_ts=now, completion_tokens=tokens,
+                     error=str(exc)[:500]))
+    return status
+
+
+def pick_retry_queue(state: LiveState, job: dict[str, Any], exclude: set[str],
+                     stale_after_s: float) -> tuple[str, str] | None:
+    """(queue, instance) for the next attempt: the least loaded other healthy
+    instance serving the model, same DC first; None if there is none."""
+    now = time.time()
+    best: tuple[tuple[int, int, int], str, str] | None = None
+    views = state.instance_views(now, stale_after_s)
+    home_dc = job.get("dc")
+    for v in views:
+        if v.instance_id in exclude or not v.ready or not v.metrics.healthy:
+            continue
+        if v.model != job["model"]:
+            continue
+        if v.max_model_len_tokens and int(job["input_tokens"]) + 1 > v.max_model_len_tokens:
+            continue
+        key = (0 if v.dc == home_dc else 1, v.accounting.inflight_requests,
+               v.metrics.num_running + v.metrics.num_waiting)
+        if best is None or key < best[0]:
+            best = (key, affinity_queue(v.dc, v.instance_id, job["tier"]), v.instance_id)
+    if best is None:
+        return None
+    return best[1], best[2]
+
+
+def _retry_elsewhere(rt: WorkerRuntime, job: dict[str, Any], relay: RelayWriter,
+                     why: str) -> bool:
+    state = rt.state
+    tried = set(job.get("tried") or ()) | {rt.info.instance_id}
+    target = pick_retry_queue(state, job, tried, rt.live.stale_after_s)
+    if target is None:
+        # nobody else: the pool queue of this DC (another worker, or this one later)
+        queue, instance = pool_queue(rt.info.dc, job["tier"]), ""
+        if not rt.pool_mode and len(tried) <= 1:
+            return False
+    else:
+        queue, instance = target
+    new_attempt = state.redispatch(job["rid"], int(job["attempt"]), rt.live.max_attempts,
+                                   queue, rt.worker_id)
+    if new_attempt < 0:
+        return False
+    nxt = dict(job, attempt=new_attempt, queue=queue, tried=sorted(tried),
+               accounted="", target=instance)
+    relay.retry(new_attempt)
+    state.count(retries=1)
+    log.info("request %s: attempt %d -> %s (%s)", job["rid"], new_attempt, queue, why)
+    send = rt.send_task or app.send_task
+    state.queued_incr(queue)
+    send(TASK_CHAT, args=[nxt], task_id=f"{job['rid']}.{new_attempt}", queue=queue,
+         routing_key=queue)
+    return True
+
+
+@app.task(name=TASK_CONTROL, ignore_result=True, acks_late=False)
+def control_tick() -> dict[str, Any]:
+    from workers.control import control_tick as tick
+
+    return tick()
+
+
+@app.task(name=TASK_FLEET, ignore_result=True, acks_late=False)
+def fleet_cycle() -> dict[str, Any]:
+    from workers.control import fleet_cycle as cycle
+
+    return cycle()

@@ -1,0 +1,130 @@
+"""Entry point of ``tokenfleet worker``: one Celery worker for one engine instance.
+
+The process runs Celery's threads pool with ``concurrency = slots`` (the most
+requests it lets its engine run at once) and consumes, in priority order, the
+affinity and pool queues of its instance's datacenter
+(:func:`tokenfleet.live.queues.worker_queues`); ``--pool`` serves only the
+DC's pool queues.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from celery import bootsteps
+
+from tokenfleet.engine.profiles import get_profile
+from tokenfleet.errors import ConfigError
+from tokenfleet.live.config import LiveConfig
+from tokenfleet.live.queues import CONTROL_QUEUE
+from tokenfleet.live.state import InstanceInfo, LiveState
+
+log = logging.getLogger("tokenfleet.worker")
+
+
+class AttachConsumer(bootsteps.StartStopStep):
+    """Hands Celery's consumer to the runtime so the tier gate can steer it."""
+
+    requires = {"celery.worker.consumer.tasks:Tasks"}
+
+    def start(self, c: Any) -> None:
+        from workers import runtime
+
+        if runtime.RUNTIME is not None:
+            runtime.RUNTIME.attach_consumer(c)
+
+    def stop(self, c: Any) -> None:
+        from workers import runtime
+
+        if runtime.RUNTIME is not None:
+            runtime.RUNTIME.attach_consumer(None)
+
+
+@dataclass
+class WorkerOptions:
+    dc: str
+    instance_id: str
+    engine_url: str
+    profile: str = "llama3-8b-h200"
+    slots: int = 64
+    pool_mode: bool = False
+    kv_events_endpoint: str | None = None
+    loglevel: str = "INFO"
+    control: bool = False
+
+
+def probe_engine(url: str, timeout_s: float = 30.0) -> tuple[str, int]:
+    """(served model, max_model_len) from the engine's ``/v1/models``; waits for it."""
+    u = urlsplit(url)
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80,
+                                              timeout=2.0)
+            conn.request("GET", "/v1/models")
+            resp = conn.getresponse()
+            body = json.loads(resp.read())
+            conn.close()
+            if resp.status == 200 and body.get("data"):
+                m = body["data"][0]
+                return str(m["id"]), int(m.get("max_model_len") or 0)
+            last = RuntimeError(f"/v1/models answered {resp.status}")
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            last = exc
+        time.sleep(0.2)
+    raise ConfigError(f"engine at {url} did not answer /v1/models within {timeout_s:.0f}s "
+                      f"({last!r}); start it first or fix --engine-url")
+
+
+def run_worker(opts: WorkerOptions, *, redis_url: str, broker_url: str,
+               database_url: str | None, data_dir: Any, live: LiveConfig | None = None) -> int:
+    from workers import runtime
+    from workers.app import app, celery_settings
+
+    live = live or LiveConfig.load()
+    model, max_len = probe_engine(opts.engine_url)
+    prof = get_profile(opts.profile)
+    state = LiveState.from_url(redis_url, prefix=live.redis_prefix)
+    info = InstanceInfo(instance_id=opts.instance_id, dc=opts.dc, model=model,
+                        url=opts.engine_url.rstrip("/"), profile=prof.name,
+                        max_model_len_tokens=max_len or prof.model.max_model_len_tokens,
+                        kv_capacity_tokens=prof.kv_capacity_tokens, slots=opts.slots)
+    ledger = None
+    if database_url:
+        from pathlib import Path
+
+        from tokenfleet.service.writer import LedgerWriter
+
+        ledger = LedgerWriter(database_url, spill_dir=Path(data_dir) / "spill",
+                              name=f"ledger-{opts.instance_id}")
+    app.conf.update(celery_settings(broker_url, live))
+    rt = runtime.WorkerRuntime(live, state, info, ledger=ledger, pool_mode=opts.pool_mode,
+                               kv_events_endpoint=opts.kv_events_endpoint)
+    runtime.RUNTIME = rt
+    if AttachConsumer not in app.steps["consumer"]:
+        app.steps["consumer"].add(AttachConsumer)
+    queues = list(rt.queues) + ([CONTROL_QUEUE] if opts.control else [])
+    # Celery warns about root (pickle); we accept JSON only, which is safe as root.
+    warnings.filterwarnings("ignore", message="You're running the worker with superuser")
+    rt.start()
+    log.info("worker %s (dc %s) serving %s at %s, %d slots, queues: %s", opts.instance_id,
+             opts.dc, model, opts.engine_url, opts.slots, ", ".join(queues))
+    try:
+        worker = app.Worker(hostname=f"{opts.instance_id}@{opts.dc}", pool_cls="threads",
+                            concurrency=opts.slots, queues=queues, loglevel=opts.loglevel,
+                            without_mingle=True, without_gossip=True,
+                            without_heartbeat=True, quiet=True)
+        worker.start()
+        return int(getattr(worker, "exitcode", 0) or 0)
+    finally:
+        rt.stop(deregister=True)
+        if ledger is not None:
+            ledger.close(timeout=5.0)
