@@ -7,14 +7,14 @@ For every candidate instance ``i``::
     cached_i  = reusable prefix we believe i holds (exact KV events, else the
                 prefixes we saw prefilled there, else a speculative entry
                 written when we routed a request with that prefix)
-    own_i     = kappa_i * prefill(input - cached_i | cached_i)       [profile]
+    own_i     = kappa * prefill(input - cached_i | cached_i)         [profile]
     queue_i   = max(own drain clock, scraped num_waiting * work/request
                     - time since scrape + own work dispatched since scrape)
     ttft_i    = (queue_i + own_i) * decode_inflation_i + half a decode step
 
 and the request goes to the lowest ``ttft_i`` among instances whose KV
 headroom holds the prompt plus the output reserve (a learned p90 output
-length, capped by ``max_tokens``). ``kappa_i`` starts at 1 (the engine
+length, capped by ``max_tokens``). ``kappa`` (one per engine profile) starts at 1 (the engine
 profile) and is learned from observed/predicted TTFT, so a wrong profile
 corrects itself. Near-ties (within a window that widens when scraped metrics
 show other router replicas we cannot see) are broken at random, which is
@@ -27,6 +27,7 @@ O(1) work per instance.
 from __future__ import annotations
 
 import random
+import zlib
 from collections import OrderedDict
 from typing import Sequence
 
@@ -56,11 +57,11 @@ class _Flight:
     """One of our requests, from dispatch to completion."""
 
     __slots__ = ("request", "instance_id", "dispatch_s", "work_s", "base_pred_s",
-                 "cached_tokens", "kv_tokens", "probes", "prefilling")
+                 "cached_tokens", "kv_tokens", "probes", "prefilling", "blind")
 
     def __init__(self, request: RequestInfo, instance_id: str, dispatch_s: float,
                  work_s: float, base_pred_s: float, cached_tokens: int,
-                 kv_tokens: int, probes: tuple[int, ...]) -> None:
+                 kv_tokens: int, probes: tuple[int, ...], blind: bool) -> None:
         self.request = request
         self.instance_id = instance_id
         self.dispatch_s = dispatch_s
@@ -70,6 +71,8 @@ class _Flight:
         self.kv_tokens = kv_tokens
         self.probes = probes
         self.prefilling = True
+        # sent to the family's rendezvous instance without knowing its cache
+        self.blind = blind
 
 
 class _InstState:
@@ -78,14 +81,15 @@ class _InstState:
     __slots__ = ("profile", "prefill", "inflation", "kappa", "drain_at_s", "pending",
                  "inflight", "mean_work_base_s", "since_scrape_s", "since_scrape_kv",
                  "scrape_seen_s", "cap_tokens", "spec_discount_tokens", "infl_factor",
-                 "infl_wait_base_s", "decode_step_base_s")
+                 "infl_wait_base_s", "decode_step_base_s", "rhash")
 
     def __init__(self, inst: InstanceView, prefill: PrefillModel,
-                 inflation: StepInflation, kappa: float, mean_work_base_s: float) -> None:
+                 inflation: StepInflation, kappa: LogRatioCorrector,
+                 mean_work_base_s: float) -> None:
         self.profile = inst.profile
         self.prefill = prefill
         self.inflation = inflation
-        self.kappa = LogRatioCorrector(kappa)
+        self.kappa = kappa  # shared by every instance of the same profile
         self.drain_at_s = float("-inf")
         self.pending: OrderedDict[str, _Flight] = OrderedDict()  # no first token yet
         self.inflight: dict[str, _Flight] = {}
@@ -101,6 +105,23 @@ class _InstState:
         self.infl_factor = 1.0
         self.infl_wait_base_s = 0.0
         self.decode_step_base_s = 0.0
+        # Stable across processes (str hashes are salted), so every replica ranks
+        # instances for a prefix the same way.
+        self.rhash = zlib.crc32(inst.instance_id.encode()) * 0x9E3779B97F4A7C15 & _MASK64
+
+
+_MASK64 = (1 << 64) - 1
+#: Prefix depth (engine blocks) that names a prompt "family" for rendezvous
+#: hashing: 32 x 16 = 512 tokens, enough to tell system prompts apart while a
+#: conversation's next turn keeps the same key.
+_FAMILY_BLOCKS = 32
+
+
+def _family_key(block_hashes: Sequence[int]) -> int:
+    n = len(block_hashes)
+    if n == 0:
+        return 0
+    return block_hashes[min(n, _FAMILY_BLOCKS) - 1] & _MASK64
 
 
 @ROUTERS.register("tokenpilot")
@@ -121,7 +142,7 @@ class TokenPilotRouter(BaseRouter):
         max_margin_s: float = 0.5,
         scraped_weight: float = 1.0,
         work_weight: float = 0.0,
-        correction_rate: float = 0.1,
+        correction_step: float = 0.02,
         output_prior_tokens: int = 256,
         kv_safety: float = 0.95,
         **_shared: object,
@@ -136,15 +157,18 @@ class TokenPilotRouter(BaseRouter):
         self.max_margin_s = max_margin_s
         self.scraped_weight = scraped_weight
         self.work_weight = work_weight
-        self.correction_rate = correction_rate
+        self.correction_step = correction_step
         self.kv_safety = kv_safety
         self._states: dict[str, _InstState] = {}
         self._flights: dict[str, _Flight] = {}
-        self._models: dict[int, tuple[EngineProfile, PrefillModel, StepInflation]] = {}
-        self._pool_kappa = LogRatioCorrector(1.0, correction_rate)
+        self._models: dict[int, tuple[EngineProfile, PrefillModel, StepInflation,
+                                      LogRatioCorrector]] = {}
         self._mean_work_s = 0.3  # kappa-corrected, pool-wide, for the herd window
         self.replicas_est = 1.0  # scraped load / own load: how many of us there are
         self.hit_realization = 1.0  # engine-reported cached / our expected cached
+        # Hit fraction seen when routing blind to a family's rendezvous instance:
+        # near 0 for a lone router, large when other replicas feed those caches.
+        self.ghost_hit_frac = 0.0
         self._routed = 0
 
     # -- per-instance state ---------------------------------------------------
@@ -155,11 +179,11 @@ class TokenPilotRouter(BaseRouter):
         key = id(inst.profile)
         models = self._models.get(key)
         if models is None or models[0] is not inst.profile:
-            models = (inst.profile, PrefillModel(inst.profile), StepInflation(inst.profile))
+            models = (inst.profile, PrefillModel(inst.profile), StepInflation(inst.profile),
+                      LogRatioCorrector(1.0, self.correction_step))
             self._models[key] = models
         base = models[1].seconds(4096)
-        new = _InstState(inst, models[1], models[2], self._pool_kappa.value, base)
-        new.kappa.rate = self.correction_rate
+        new = _InstState(inst, models[1], models[2], models[3], base)
         if st is not None:  # profile changed (redeploy): keep what we know in flight
             new.pending, new.inflight, new.drain_at_s = st.pending, st.inflight, st.drain_at_s
         self._states[inst.instance_id] = new
@@ -193,18 +217,18 @@ class TokenPilotRouter(BaseRouter):
         model = request.model
         version = request.model_version
         sw = self.scraped_weight
-        ww = self.work_weight
+        key = _family_key(hashes)
 
         ids: list[str] = []
         states: list[_InstState] = []
-        costs: list[float] = []
-        preds: list[float] = []
+        metrics: list[ScrapedMetrics] = []
+        queues: list[float] = []
         cached_l: list[int] = []
-        fits_l: list[bool] = []
-        best_fit = float("inf")
-        any_fit = False
+        scores: list[int] = []
         sum_scraped = 0
         sum_own = 0
+        top = -1
+        top_score = -1
         for inst in pool.instances:
             m = inst.metrics
             if (not inst.ready or not m.healthy
@@ -230,76 +254,105 @@ class TokenPilotRouter(BaseRouter):
                     c = max_cached
             else:
                 c = 0
-            u = n_in - c
-            kappa = st.kappa.value
-            own = kappa * st.prefill.seconds(u, c)
+            # queue ahead, in seconds: own drain clock vs the scrape plus our
+            # dispatches since (other replicas' work shows up only in the scrape)
             q = st.drain_at_s - now
             if q < 0.0:
                 q = 0.0
             waiting = m.num_waiting
             if waiting or st.since_scrape_s:
-                qs = waiting * st.mean_work_base_s * kappa - (now - m.scraped_at_s)
+                qs = waiting * st.mean_work_base_s * st.kappa.value - (now - m.scraped_at_s)
                 if qs < 0.0:
                     qs = 0.0
                 qs = sw * (qs + st.since_scrape_s)
                 if qs > q:
                     q = qs
-            pred = (q + own) * st.infl_factor + kappa * st.infl_wait_base_s
-            # KV headroom: prompt (uncached part) + reserved output must fit now,
-            # after what we sent since the scrape and the decodes' expected growth.
-            cap = st.cap_tokens
-            running = m.num_running
-            free = (cap * (1.0 - m.kv_usage) * self.kv_safety - st.since_scrape_kv
-                    - running * 0.5 * typical_out)
-            need = u + reserve_out
-            fits = need <= free
-            if not fits:
-                # If nobody fits, rank by how long the deficit takes to drain.
-                deficit = (need - free) / max(1.0, need)
-                pred += kappa * deficit * typical_out * max(st.decode_step_base_s, 0.01)
-            cost = pred + ww * own if ww else pred
+            score = ((key ^ st.rhash) * 0xBF58476D1CE4E5B9) & _MASK64
+            if score > top_score:
+                top_score = score
+                top = len(ids)
             ids.append(iid)
             states.append(st)
-            costs.append(cost)
-            preds.append(pred)
+            metrics.append(m)
+            queues.append(q)
             cached_l.append(c)
-            fits_l.append(fits)
-            if fits:
-                any_fit = True
-                if cost < best_fit:
-                    best_fit = cost
-            sum_scraped += running + waiting
+            scores.append(score)
+            sum_scraped += m.num_running + waiting
             sum_own += inst.accounting.inflight_requests
         if not ids:
             eligible(request, pool)  # raises NoCandidateError with a helpful message
             raise AssertionError("unreachable")  # pragma: no cover
-        if not any_fit:
-            best_fit = min(costs)
         # Replica estimate: scraped load counts every router, our accounting only us.
         if sum_own >= 4:
             ratio = sum_scraped / sum_own
             ratio = 1.0 if ratio < 1.0 else (64.0 if ratio > 64.0 else ratio)
             self.replicas_est += 0.05 * (ratio - self.replicas_est)
+        # Another replica may have sent this prompt family to its rendezvous
+        # instance: expect the hit fraction we have observed there before.
+        blind = cached_l[top] == 0
+        if blind and self.ghost_hit_frac > 0.01:
+            cached_l[top] = (int(self.ghost_hit_frac * max_cached)
+                             // BLOCK_SIZE_TOKENS * BLOCK_SIZE_TOKENS)
+
+        n = len(ids)
+        costs = [0.0] * n
+        preds = [0.0] * n
+        fits_l = [True] * n
+        best_fit = float("inf")
+        any_fit = False
+        ww = self.work_weight
+        safety = self.kv_safety
+        for j in range(n):
+            st = states[j]
+            c = cached_l[j]
+            u = n_in - c
+            kappa = st.kappa.value
+            own = kappa * st.prefill.seconds(u, c)
+            pred = (queues[j] + own) * st.infl_factor + kappa * st.infl_wait_base_s
+            # KV headroom: prompt (uncached part) + reserved output must fit now,
+            # after what we sent since the scrape and the decodes' expected growth.
+            m = metrics[j]
+            free = (st.cap_tokens * (1.0 - m.kv_usage) * safety - st.since_scrape_kv
+                    - m.num_running * 0.5 * typical_out)
+            need = u + reserve_out
+            if need > free:
+                fits_l[j] = False
+                # If nobody fits, rank by how long the deficit takes to drain.
+                deficit = (need - free) / max(1.0, need)
+                pred += kappa * deficit * typical_out * max(st.decode_step_base_s, 0.01)
+            cost = pred + ww * own if ww else pred
+            costs[j] = cost
+            preds[j] = pred
+            if fits_l[j]:
+                any_fit = True
+                if cost < best_fit:
+                    best_fit = cost
+        if not any_fit:
+            best_fit = min(costs)
         herd = self.herd_window * (1.0 - 1.0 / self.replicas_est) * self._mean_work_s
         window = self.tie_abs_s + self.tie_rel * best_fit + herd
         if window > self.max_margin_s:
             window = self.max_margin_s
         limit = best_fit + window
-        near = [j for j in range(len(ids))
-                if costs[j] <= limit and (fits_l[j] or not any_fit)]
-        j = near[0] if len(near) == 1 else self._rng.choice(near)
+        # Among the near-best, prefer the family's rendezvous instance: replicas
+        # agree on it without talking, and different families spread out.
+        j = -1
+        js = -1
+        for k in range(n):
+            if costs[k] <= limit and (fits_l[k] or not any_fit) and scores[k] > js:
+                j, js = k, scores[k]
         return self._dispatch(request, pool, ids[j], states[j], preds[j], cached_l[j],
-                              probes, reserve_out, len(near))
+                              probes, reserve_out, blind and j == top)
 
     def _dispatch(self, request: RequestInfo, pool: PoolSnapshot, iid: str,
                   st: _InstState, pred: float, cached: int, probes: tuple[int, ...],
-                  reserve_out: int, n_near: int) -> RouteDecision:
+                  reserve_out: int, blind: bool) -> RouteDecision:
         now = pool.now_s
         kappa = st.kappa.value
         base_own = st.prefill.seconds(request.input_tokens - cached, cached)
         work = kappa * base_own
         kv = request.input_tokens - cached + reserve_out
-        flight = _Flight(request, iid, now, work, pred / kappa, cached, kv, probes)
+        flight = _Flight(request, iid, now, work, pred / kappa, cached, kv, probes, blind)
         rid = request.request_id
         self._flights[rid] = flight
         st.pending[rid] = flight
@@ -316,7 +369,7 @@ class TokenPilotRouter(BaseRouter):
             instance_id=iid,
             expected_cached_tokens=cached,
             predicted_ttft_s=pred,
-            reason=f"tokenpilot ttft={pred:.3f}s cached={cached} near={n_near}",
+            reason=f"tokenpilot ttft={pred:.3f}s cached={cached}",
         )
 
     # -- learning from what a live router observes --------------------------------
@@ -349,7 +402,6 @@ class TokenPilotRouter(BaseRouter):
         if flight.base_pred_s > 0.0 and event.ttft_s > 0.0:
             sample = event.ttft_s / flight.base_pred_s
             st.kappa.update(sample)
-            self._pool_kappa.update(sample)
         self.knowledge.unspeculate(flight.instance_id, flight.probes)
         self.knowledge.confirm(flight.instance_id, flight.request.block_hashes)
 
@@ -369,7 +421,11 @@ class TokenPilotRouter(BaseRouter):
             st.inflight.pop(rid, None)
             if flight.dispatch_s > st.scrape_seen_s:
                 st.since_scrape_kv = max(0, st.since_scrape_kv - flight.kv_tokens)
-        if flight.cached_tokens >= BLOCK_SIZE_TOKENS and event.status == "completed":
+        if flight.blind and event.status == "completed":
+            n_in = max(1, flight.request.input_tokens - 1)
+            self.ghost_hit_frac += 0.05 * (min(1.0, event.cached_tokens / n_in)
+                                           - self.ghost_hit_frac)
+        elif flight.cached_tokens >= BLOCK_SIZE_TOKENS and event.status == "completed":
             got = min(1.0, event.cached_tokens / flight.cached_tokens)
             self.hit_realization += 0.02 * (got - self.hit_realization)
             if self.hit_realization < 0.3:
@@ -386,7 +442,7 @@ class TokenPilotRouter(BaseRouter):
     # -- introspection for tests and dashboards -----------------------------------
     def kappa(self, instance_id: str) -> float:
         st = self._states.get(instance_id)
-        return st.kappa.value if st is not None else self._pool_kappa.value
+        return st.kappa.value if st is not None else 1.0
 
     def queue_s(self, instance_id: str, now_s: float) -> float:
         st = self._states.get(instance_id)

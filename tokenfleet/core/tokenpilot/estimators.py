@@ -193,25 +193,35 @@ class LogRatioCorrector:
     """Multiplicative correction ``kappa`` learned from actual/expected ratios.
 
     Samples are *estimates of kappa itself* (observed / uncorrected
-    prediction), averaged in log space, so in-flight predictions made with an
-    older kappa cannot make it overshoot.
+    prediction), so in-flight predictions made with an older kappa cannot
+    make it overshoot. The first ``warmup`` samples are averaged in log space
+    (a badly wrong profile is fixed within a few requests); after that kappa
+    tracks the *median* sample with steps of at most ``step`` in log space,
+    because some observations are polluted by queueing we could not see
+    (other router replicas) and those errors are one-sided.
     """
 
-    __slots__ = ("value", "rate", "lo", "hi", "samples")
+    __slots__ = ("value", "step", "warmup", "lo", "hi", "samples")
 
-    def __init__(self, value: float = 1.0, rate: float = 0.1,
+    def __init__(self, value: float = 1.0, step: float = 0.02, warmup: int = 8,
                  lo: float = 0.05, hi: float = 20.0) -> None:
         self.value = value
-        self.rate = rate
+        self.step = step
+        self.warmup = warmup
         self.lo = lo
         self.hi = hi
         self.samples = 0
 
-    def update(self, kappa_sample: float, weight: float = 1.0) -> None:
+    def update(self, kappa_sample: float) -> None:
         if not kappa_sample > 0.0 or not math.isfinite(kappa_sample):
             return
         s = min(self.hi, max(self.lo, kappa_sample))
-        # Faster at first so a badly wrong profile is corrected within tens of requests.
-        eta = max(self.rate, 1.0 / (self.samples + 2)) * min(1.0, max(0.0, weight))
-        self.value = math.exp((1.0 - eta) * math.log(self.value) + eta * math.log(s))
+        d = math.log(s) - math.log(self.value)
+        if self.samples < self.warmup:
+            d /= self.samples + 2
+        elif d > self.step:
+            d = self.step
+        elif d < -self.step:
+            d = -self.step
+        self.value = min(self.hi, max(self.lo, self.value * math.exp(d)))
         self.samples += 1
