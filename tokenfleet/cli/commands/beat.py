@@ -1,0 +1,35 @@
+"""``tokenfleet beat``: the control loops (SLOMax tick, FleetMind cycle) on a schedule."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    from tokenfleet.service.config import add_config_arguments
+
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "beat", help="run the control loops (Celery beat + its control worker)",
+        description="Every control period, run the SLOMax feedback controller over the "
+                    "ledger and Redis counters and publish new tier shares and admission "
+                    "knobs; every long cycle, run the FleetMind planner. Run exactly one.")
+    add_config_arguments(p)
+    p.add_argument("--loglevel", default="INFO")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokenfleet.live.endpoints import resolve_endpoints
+    from tokenfleet.service.config import config_from_args
+    from workers.beat import run_beat
+
+    logging.basicConfig(level=args.loglevel.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = config_from_args(args)
+    ep = resolve_endpoints(cfg)
+    return run_beat(redis_url=ep.redis_url, broker_url=ep.broker_url,
+                    database_url=ep.database_url, data_dir=cfg.resolved_data_dir(),
+                    loglevel=args.loglevel.upper())

