@@ -1,0 +1,255 @@
+"""A whole live stack for integration tests and benchmarks: no mocks.
+
+Real Redis and (optionally) PostgreSQL from the embedded wheels, emulated
+engines over real HTTP (in this process), Celery workers as real child
+processes (so a test can ``kill -9`` one) and the Flask API on a real socket
+in this process (so a test can look at the gateway). ``stop()`` always
+cleans up everything it started; use it from a fixture finalizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from tokenfleet.live.config import LiveConfig
+from tokenfleet.live.supervisor import Supervisor
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PROFILE = "llama3-8b-h200"
+API_KEY = "tf-test-key"
+TENANT = "test-tenant"
+
+
+@dataclass
+class InstanceSpec:
+    dc: str
+    instance_id: str
+    emulator: dict[str, Any] = field(default_factory=dict)  # EmulatorServer options
+    slots: int = 16
+
+
+@dataclass
+class LiveStack:
+    data_dir: Path
+    instances: list[InstanceSpec]
+    with_postgres: bool = True
+    time_scale: float = 0.05
+    router: str = "round_robin"
+    admission: str = "none"
+    live_overrides: dict[str, Any] = field(default_factory=dict)
+    broker_url: str | None = None  # default: the embedded Redis
+    with_beat: bool = False
+
+    redis: Any = None
+    postgres: Any = None
+    database_url: str | None = None
+    emulators: dict[str, Any] = field(default_factory=dict)
+    sup: Supervisor | None = None
+    app: Any = None
+    server: Any = None
+    url: str = ""
+    live: LiveConfig | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    # -- lifecycle ------------------------------------------------------------------
+    def start(self) -> LiveStack:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        from tokenfleet.emulator import EmulatorServer
+        from tokenfleet.service.embedded import EmbeddedPostgres, EmbeddedRedis
+        from tokenfleet.service.testing import FAST_POSTGRES_SETTINGS, fresh_database
+
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.data_dir, 0o755)
+        self.redis = EmbeddedRedis(self.data_dir).start()
+        if self.with_postgres:
+            self.postgres = EmbeddedPostgres(self.data_dir, settings=FAST_POSTGRES_SETTINGS)
+            self.postgres.start()
+            self.database_url = fresh_database(self.postgres, "tokenfleet_live")
+        overrides = {"scrape_interval_s": 0.25, "stale_after_s": 1.5, "lease_ttl_s": 1.5,
+                     "engine_stall_timeout_s": 3.0, "affinity_dead_after_s": 1.0,
+                     "engine_unhealthy_s": 3.0, "control_period_s": 0.5,
+                     "request_timeout_s": 60.0, "router": self.router}
+        overrides.update(self.live_overrides)
+        self.live = LiveConfig.load(env={}, **overrides)
+        for spec in self.instances:
+            opts = {"time_scale": self.time_scale, "seed": len(self.emulators) + 1}
+            opts.update(spec.emulator)
+            emu = EmulatorServer(PROFILE, port=0, instance_id=spec.instance_id, **opts)
+            emu.start()
+            self.emulators[spec.instance_id] = emu
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENFLEET_")}
+        env.update(self.live.as_env())
+        env.update({"TOKENFLEET_REDIS_URL": self.redis.url,
+                    "TOKENFLEET_BROKER_URL": self.broker_url or self.redis.url,
+                    "TOKENFLEET_DATA_DIR": str(self.data_dir), "PYTHONUNBUFFERED": "1"})
+        if self.database_url:
+            env["TOKENFLEET_DATABASE_URL"] = self.database_url
+        self.env = env
+        self.sup = Supervisor(self.data_dir / "logs")
+        for spec in self.instances:
+            self.start_worker(spec)
+        if self.with_beat:
+            self.sup.start("beat", [sys.executable, "-m", "tokenfleet.cli.main", "beat",
+                                    "--loglevel", "WARNING"], env, restart=False)
+        self._start_api()
+        self.wait_ready()
+
+    def start_worker(self, spec: InstanceSpec) -> None:
+        assert self.sup is not None
+        emu = self.emulators[spec.instance_id]
+        self.sup.start(f"worker-{spec.instance_id}", [
+            sys.executable, "-m", "tokenfleet.cli.main", "worker", "--dc", spec.dc,
+            "--instance", spec.instance_id, "--engine-url", emu.url, "--profile", PROFILE,
+            "--slots", str(spec.slots), "--loglevel", "INFO"], self.env, restart=False,
+            stop_timeout_s=10.0)
+
+    def _start_api(self) -> None:
+        from werkzeug.serving import make_server
+
+        from web import create_app
+
+        cfg: dict[str, Any] = {"REDIS_URL": self.redis.url,
+                               "BROKER_URL": self.broker_url or self.redis.url,
+                               "DATA_DIR": str(self.data_dir), "LIVE": self.live,
+                               "API_KEYS": {API_KEY: TENANT}, "ADMISSION": self.admission}
+        if self.database_url:
+            cfg["DATABASE_URL"] = self.database_url
+        self.app = create_app(cfg)
+        self.server = make_server("127.0.0.1", 0, self.app, threaded=True)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1},
+                         name="api", daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+
+    @property
+    def gateway(self) -> Any:
+        return self.app.extensions["tokenfleet"]
+
+    def wait_ready(self, timeout_s: float = 60.0, n: int | None = None) -> None:
+        want = len(self.instances) if n is None else n
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            now = time.time()
+            infos = self.gateway.state.instances()
+            ok = [i for i in infos if i.is_healthy(now, self.live.stale_after_s)]  # type: ignore[union-attr]
+            if len(ok) >= want and self._consuming(want):
+                return
+            self._check_workers()
+            time.sleep(0.1)
+        raise TimeoutError(f"live stack not ready in {timeout_s}s; logs in {self.data_dir}/logs")
+
+    def _consuming(self, want: int) -> bool:
+        """Workers log 'ready' once their consumer runs."""
+        assert self.sup is not None
+        ready = 0
+        for name, child in self.sup.children.items():
+            if name.startswith("worker-") and child.alive():
+                with contextlib.suppress(OSError):
+                    if b" ready." in child.log_path.read_bytes():
+                        ready += 1
+        return ready >= want
+
+    def _check_workers(self) -> None:
+        assert self.sup is not None
+        for name, child in self.sup.children.items():
+            if child.proc is not None and child.proc.poll() is not None and \
+                    child.proc.returncode not in (0, -signal.SIGKILL, -signal.SIGTERM):
+                tail = child.log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{name} exited with {child.proc.returncode}:\n{tail}")
+
+    def stop(self) -> None:
+        if self.server is not None:
+            with contextlib.suppress(Exception):
+                self.server.shutdown()
+                self.server.server_close()
+        if self.app is not None:
+            from web import close_app
+
+            with contextlib.suppress(Exception):
+                close_app(self.app)
+        if self.sup is not None:
+            self.sup.stop_all()
+        for emu in self.emulators.values():
+            with contextlib.suppress(Exception):
+                emu.stop()
+        if self.postgres is not None:
+            with contextlib.suppress(Exception):
+                self.postgres.stop()
+        if self.redis is not None:
+            with contextlib.suppress(Exception):
+                self.redis.stop()
+
+    # -- helpers for tests --------------------------------------------------------------
+    def client(self, **kwargs: Any) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0,
+                             timeout=kwargs.pop("timeout", 30.0), **kwargs)
+
+    @property
+    def model(self) -> str:
+        return next(iter(self.emulators.values())).model_name
+
+    def ledger_rows(self, where: str = "", timeout_s: float = 10.0,
+                    expect: Callable[[list[dict[str, Any]]], bool] | None = None
+                    ) -> list[dict[str, Any]]:
+        """Rows of the ledger (waits until ``expect(rows)`` holds, if given)."""
+        import sqlalchemy as sa
+
+        from tokenfleet.service.db import make_engine
+
+        assert self.database_url is not None
+        engine = make_engine(self.database_url)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                with engine.connect() as conn:
+                    rows = [dict(r) for r in conn.execute(sa.text(
+                        "SELECT * FROM requests " + (f"WHERE {where} " if where else "")
+                        + "ORDER BY id")).mappings()]
+                if expect is None or expect(rows) or time.monotonic() > deadline:
+                    return rows
+                time.sleep(0.2)
+        finally:
+            engine.dispose()
+
+    def worker_log(self, instance_id: str) -> str:
+        assert self.sup is not None
+        return self.sup.children[f"worker-{instance_id}"].log_path.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def running_stack(**kwargs: Any) -> Any:
+    """A started :func:`two_dc_stack` in a fresh world-traversable temp dir
+    (PostgreSQL runs as another user when we are root), stopped and removed on exit."""
+    from tokenfleet.service.testing import temp_data_dir
+
+    with temp_data_dir("tokenfleet-live-") as d:
+        stack = two_dc_stack(d, **kwargs)
+        stack.start()
+        try:
+            yield stack
+        finally:
+            stack.stop()
+
+
+def two_dc_stack(data_dir: Path, **kwargs: Any) -> LiveStack:
+    """The default test topology: dc-a and dc-b, one instance each."""
+    specs = kwargs.pop("instances", None) or [InstanceSpec("dc-a", "a0"),
+                                               InstanceSpec("dc-b", "b0")]
+    return LiveStack(data_dir=data_dir, instances=specs, **kwargs)
