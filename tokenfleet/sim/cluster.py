@@ -105,10 +105,19 @@ class PoolSim:
         self._rng = random.Random(config.seed)
         self.inflight = 0
         self._scraping = False
+        # Optional hooks for an admission layer in front of the routers
+        # (tokenfleet.sim.admission): dispatch with the router's cache estimate,
+        # and first tokens. Completions go through ``on_done``.
+        self.on_dispatch: Callable[[RequestInfo, int, int], None] | None = None
+        self.on_first_token: Callable[[RequestInfo, int], None] | None = None
 
     # -- arrivals and routing -------------------------------------------------
-    def submit(self, trace: TraceRequest, record: RequestRecord | None = None) -> None:
-        """A request reaches this pool now: route it and hand it to an engine."""
+    def submit(self, trace: TraceRequest, record: RequestRecord | None = None,
+               allowed: Sequence[str] | None = None) -> None:
+        """A request reaches this pool now: route it and hand it to an engine.
+
+        ``allowed`` (from admission) restricts the instances the router sees.
+        """
         env = self.env
         self._ensure_scraping()
         info = trace.info
@@ -119,7 +128,8 @@ class PoolSim:
         replica = self._rng.randrange(len(self.routers)) if len(self.routers) > 1 else 0
         record.router_replica = replica
         views = self.views[replica]
-        snap = PoolSnapshot(now_s=env.now, instances=views, router_id=replica)
+        shown = views if not allowed else [v for v in views if v.instance_id in allowed]
+        snap = PoolSnapshot(now_s=env.now, instances=shown, router_id=replica)
         try:
             decision = self.routers[replica].route(info, snap)
         except NoCandidateError:
@@ -143,6 +153,8 @@ class PoolSim:
             trace, info, record, replica, idx, decision.expected_cached_tokens,
             decision.predicted_ttft_s, eng_req)
         self.inflight += 1
+        if self.on_dispatch is not None:
+            self.on_dispatch(info, idx, decision.expected_cached_tokens)
         if not engine.stepping:
             self._start_step(idx)
 
@@ -180,6 +192,8 @@ class PoolSim:
             self.routers[fl.replica].on_first_token(FirstTokenEvent(
                 fl.info, engine.instance_id, now, now - (fl.record.dispatched_s or now),
                 fl.predicted_ttft_s))
+            if self.on_first_token is not None:
+                self.on_first_token(fl.info, idx)
         for er in res.finished:
             fl = flights.get(er.request_id)
             if fl is None or fl.done:
@@ -237,6 +251,10 @@ class PoolSim:
         grid = math.floor(self.env.now / iv) * iv
         self._read_metrics(grid)
         self.env.schedule_at(grid + iv, self._scrape)
+
+    def ensure_scraping(self) -> None:
+        """Keep metrics fresh while a gateway holds queued work (public alias)."""
+        self._ensure_scraping()
 
     def _scrape(self) -> None:
         self._read_metrics(self.env.now)

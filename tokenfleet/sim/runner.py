@@ -26,6 +26,8 @@ class SimSettings:
     seed: int = 0
     slo: SLOConfig = field(default_factory=SLOConfig)
     router_kwargs: dict[str, object] = field(default_factory=dict)
+    admission_kwargs: dict[str, dict[str, object]] = field(default_factory=dict)  # per policy
+    control_period_s: float = 5.0
 
 
 @dataclass
@@ -35,10 +37,21 @@ class PolicyRun:
     records: list[RequestRecord]
     wall_s: float
     preemptions: int
+    admission: str | None = None  # None: no admission layer (routers only)
+    admission_report: dict[str, Any] | None = None
+
+    @property
+    def label(self) -> str:
+        return self.policy if self.admission is None else f"{self.policy}+{self.admission}"
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"policy": self.policy}
+        if self.admission is not None:
+            out["admission"] = self.admission
+            out["label"] = self.label
         out.update(self.summary)
+        if self.admission_report is not None:
+            out["admission_report"] = self.admission_report
         out["preemptions"] = self.preemptions
         out["wall_s"] = self.wall_s
         out["sim_requests_per_wall_s"] = (len(self.records) / self.wall_s
@@ -48,9 +61,14 @@ class PolicyRun:
 
 def run_policies(requests: Sequence[TraceRequest], policies: Sequence[str],
                  settings: SimSettings,
-                 progress: ProgressFactory | None = None) -> list[PolicyRun]:
+                 progress: ProgressFactory | None = None,
+                 admissions: Sequence[str] = ()) -> list[PolicyRun]:
+    """Every router in ``policies``; with ``admissions``, every (router,
+    admission) pair, the admission layer sitting in front of the router."""
     for name in policies:
         ROUTERS.get(name)  # fail fast on a typo, before any work
+    if admissions:
+        return _run_with_admission(requests, policies, admissions, settings, progress)
     runs = []
     for name in policies:
         cfg = PoolConfig(profile=settings.profile, n_instances=settings.instances,
@@ -63,4 +81,34 @@ def run_policies(requests: Sequence[TraceRequest], policies: Sequence[str],
         wall = time.perf_counter() - t0
         summary = summarize(records, settings.slo, busy_s=pool.busy_s())
         runs.append(PolicyRun(name, summary, records, wall, pool.preemptions()))
+    return runs
+
+
+def _run_with_admission(requests: Sequence[TraceRequest], policies: Sequence[str],
+                        admissions: Sequence[str], settings: SimSettings,
+                        progress: ProgressFactory | None) -> list[PolicyRun]:
+    from tokenfleet.core.admission import ADMISSION
+    from tokenfleet.sim.admission import admission_report, run_pool_with_admission
+
+    for adm in admissions:
+        ADMISSION.get(adm)  # fail fast on a typo
+    runs = []
+    for name in policies:
+        for adm in admissions:
+            cfg = PoolConfig(profile=settings.profile, n_instances=settings.instances,
+                             router=name, router_kwargs=dict(settings.router_kwargs),
+                             n_routers=settings.routers,
+                             scrape_interval_s=settings.scrape_interval_s, seed=settings.seed)
+            label = f"{name}+{adm}"
+            cb = progress(label, len(requests)) if progress else None
+            t0 = time.perf_counter()
+            records, pool, driver = run_pool_with_admission(
+                requests, cfg, settings.slo, adm,
+                admission_kwargs=dict(settings.admission_kwargs.get(adm, {})),
+                control_period_s=settings.control_period_s, progress=cb)
+            wall = time.perf_counter() - t0
+            summary = summarize(records, settings.slo, busy_s=pool.busy_s())
+            report = admission_report(records, driver, settings.slo)
+            runs.append(PolicyRun(name, summary, records, wall, pool.preemptions(),
+                                  admission=adm, admission_report=report))
     return runs

@@ -54,6 +54,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                      default=2000, metavar="N", help="requests to generate (default 2000)")
     src.add_argument("--limit", type=_positive_int("--limit"), metavar="N",
                      help="use only the first N requests")
+    src.add_argument("--workload", metavar="FILE.yaml",
+                     help="mixed workload: request classes from traces or generators, each "
+                          "with its own tier, rate, tenant, max_tokens, deadline or timeout "
+                          "(e.g. examples/scenarios/mixed.yaml); --load/--rate-scale scale "
+                          "its streams, jobs stay as given")
     rate = src.add_mutually_exclusive_group()
     rate.add_argument("--load", type=_positive_float("--load"), metavar="F",
                       help="scale arrivals so offered work = F x cluster capacity")
@@ -70,11 +75,23 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     pol = p.add_argument_group("policies and output")
     pol.add_argument("--policy", action="append", metavar="NAME",
                      help="router policy; repeat to compare (default: the peer routers)")
+    pol.add_argument("--admission", action="append", metavar="NAME",
+                     help="admission policy in front of the router (fcfs, strict_priority, "
+                          "llmd_flow_control, slomax); repeat to compare")
+    pol.add_argument("--control-period-s", type=_positive_float("--control-period-s"),
+                     default=5.0, metavar="S", help="admission controller period (default 5)")
     pol.add_argument("--slo", metavar="FILE", help="per-tier SLO file (YAML)")
     pol.add_argument("--seed", type=int, default=0)
     pol.add_argument("--json", metavar="OUT", help="write results as JSON")
     pol.add_argument("--plot", metavar="DIR", help="write PNG plots here")
     pol.add_argument("--quiet", action="store_true", help="no progress bar")
+    fl = p.add_argument_group("multi-datacenter (FleetMind)")
+    fl.add_argument("--topology", metavar="FILE.yaml",
+                    help="simulate a multi-DC scenario (sites, deployments, RTTs, tenants, "
+                         "workload, timeline), e.g. examples/scenarios/hotspot.yaml")
+    fl.add_argument("--fleet", action="append", metavar="NAME",
+                    help="DC-selection policy with --topology (none, nearest, least_loaded, "
+                         "fleetmind); repeat to compare (default: all)")
 
 
 def register(sub: Any) -> None:
@@ -100,9 +117,26 @@ def _settings(args: argparse.Namespace) -> Any:
     slo = SLOConfig()
     if args.slo:
         slo = _load_slo(args.slo)
+    elif getattr(args, "workload", None):
+        mix = _mix(args)
+        if mix.slo is not None:
+            slo = SLOConfig.from_mapping(mix.slo, source=f"{mix.source}: slo")
     return SimSettings(profile=profile, instances=args.instances,
                        scrape_interval_s=args.scrape_interval_ms / 1000.0,
-                       routers=args.routers, seed=args.seed, slo=slo)
+                       routers=args.routers, seed=args.seed, slo=slo,
+                       control_period_s=getattr(args, "control_period_s", 5.0))
+
+
+def _mix(args: argparse.Namespace) -> Any:
+    from tokenfleet.workloads.mix import load_mix
+
+    cached = _MIX_CACHE.get(args.workload)
+    if cached is None:
+        cached = _MIX_CACHE[args.workload] = load_mix(args.workload)
+    return cached
+
+
+_MIX_CACHE: dict[str, Any] = {}
 
 
 def _load_slo(path: str) -> Any:
@@ -125,7 +159,15 @@ def _base_requests(args: argparse.Namespace) -> list[Any]:
 
     if args.trace and args.synthetic:
         raise ConfigError("give either --trace or --synthetic, not both")
-    if args.trace:
+    if getattr(args, "workload", None):
+        if args.trace or args.synthetic:
+            raise ConfigError("give --workload alone, without --trace or --synthetic")
+        from tokenfleet.workloads.mix import build_mix
+
+        reqs = build_mix(_mix(args))
+        if args.limit:
+            reqs = reqs[: args.limit]
+    elif args.trace:
         if not Path(args.trace).exists():
             raise ConfigError(f"trace file {args.trace} not found")
         reqs = load_workload(args.trace, args.trace_format, limit=args.limit)
@@ -142,6 +184,15 @@ def _scaled(reqs: list[Any], args: argparse.Namespace, load: float | None,
             settings: Any) -> list[Any]:
     from tokenfleet.workloads.scaling import rate_scale, scale_to_load
 
+    if getattr(args, "workload", None):
+        # A mix scales its streams only; a batch job at t=0 stays a job.
+        from tokenfleet.workloads.mix import build_at_load, build_mix
+
+        if load is not None:
+            return build_at_load(_mix(args), load, settings.profile, settings.instances)[0]
+        if args.rate_scale:
+            return build_mix(_mix(args), args.rate_scale)
+        return reqs
     if load is not None:
         return list(scale_to_load(reqs, load, settings.profile, settings.instances))
     if args.rate_scale:
@@ -153,6 +204,10 @@ def _policies(args: argparse.Namespace) -> list[str]:
     from tokenfleet.core.routing import ROUTERS
 
     names = args.policy or DEFAULT_POLICIES
+    if not args.policy and (getattr(args, "admission", None) or getattr(args, "workload", None)):
+        # Admission comparisons hold the router fixed: the mix's, else llm-d's.
+        mix_router = _mix(args).router if getattr(args, "workload", None) else None
+        names = [mix_router or "llmd_weighted"]
     for n in names:
         ROUTERS.get(n)
     return names
@@ -196,7 +251,7 @@ def _print_table(runs: Sequence[Any], title: str) -> None:
         t.add_column(col, justify="right" if col != "policy" else "left")
     for r in runs:
         s = r.summary
-        t.add_row(r.policy, f"{s['completed']}/{s['requests']}",
+        t.add_row(getattr(r, "label", r.policy), f"{s['completed']}/{s['requests']}",
                   f(s["ttft_p50_s"]), f(s["ttft_p95_s"]), f(s["ttft_p99_s"]),
                   f(s["tpot_p50_s"], 1000, "{:.1f}ms"),
                   f(s["throughput_tok_s"], fmt="{:.0f}"), f(s["goodput_tok_s"], fmt="{:.0f}"),
@@ -206,7 +261,8 @@ def _print_table(runs: Sequence[Any], title: str) -> None:
 
 
 def _describe(args: argparse.Namespace, load: float | None) -> str:
-    src = args.trace or f"synthetic:{args.synthetic or 'mixed'}"
+    src = (getattr(args, "workload", None) or args.trace
+           or f"synthetic:{args.synthetic or 'mixed'}")
     rate = f"load {load}" if load else (f"rate x{args.rate_scale}" if args.rate_scale else "as recorded")
     return (f"{Path(src).name} | {args.instances} x {args.profile} | {rate} | "
             f"scrape {args.scrape_interval_ms:g} ms | routers {args.routers} | seed {args.seed}")
@@ -217,23 +273,71 @@ def run_sim(args: argparse.Namespace) -> int:
     from tokenfleet.sim.plots import plot_runs
     from tokenfleet.sim.runner import run_policies
 
+    if getattr(args, "topology", None) or getattr(args, "fleet", None):
+        return _run_fleet(args)
     settings = _settings(args)
     policies = _policies(args)
     reqs = _scaled(_base_requests(args), args, args.load, settings)
+    admissions = list(getattr(args, "admission", None) or [])
     prog, factory = _progress_factory(args.quiet)
     if prog is not None:
         with prog:
-            runs = run_policies(reqs, policies, settings, progress=factory)
+            runs = run_policies(reqs, policies, settings, progress=factory,
+                                admissions=admissions)
     else:
-        runs = run_policies(reqs, policies, settings)
+        runs = run_policies(reqs, policies, settings, admissions=admissions)
     title = _describe(args, args.load)
     _print_table(runs, title)
+    if admissions:
+        _print_tiers(runs)
     if args.json:
-        _write_json(args.json, {"config": vars_for_json(args), "runs": [r.as_json() for r in runs]})
+        data: dict[str, Any] = {"config": vars_for_json(args),
+                                "runs": [r.as_json() for r in runs]}
+        if getattr(args, "workload", None):
+            data["workload"] = _workload_facts(args, reqs, settings)
+        _write_json(args.json, data)
     if args.plot:
-        paths = plot_runs({r.policy: r.records for r in runs}, Path(args.plot), title)
+        paths = plot_runs({getattr(r, "label", r.policy): r.records for r in runs},
+                          Path(args.plot), title)
+        if admissions:
+            from tokenfleet.sim.plots_slomax import plot_admission
+
+            paths += plot_admission(runs, Path(args.plot), title)
         print("plots: " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _print_tiers(runs: Sequence[Any]) -> None:
+    """Per-tier outcomes of admission runs (strict goodput rule)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="per tier")
+    for col in ("run", "tier", "requests", "SLO att.", "goodput tok/s", "rejected",
+                "cancelled", "timed out", "duplicates", "wasted GPU-s"):
+        t.add_column(col, justify="left" if col in ("run", "tier") else "right")
+    for r in runs:
+        for tier, m in sorted(r.summary.get("per_tier", {}).items()):
+            att = m.get("slo_attainment")
+            t.add_row(getattr(r, "label", r.policy), tier, str(m["requests"]),
+                      "-" if att is None else f"{100 * att:.1f}%",
+                      f"{m['goodput_tok_s']:.0f}", str(m["rejected"]), str(m["cancelled"]),
+                      str(m["timed_out"]), str(m["duplicates"]), f"{m['wasted_gpu_s']:.1f}")
+    Console(width=None if sys.stdout.isatty() else 160).print(t)
+
+
+def _workload_facts(args: argparse.Namespace, reqs: Sequence[Any], settings: Any
+                    ) -> dict[str, Any]:
+    from collections import Counter
+
+    from tokenfleet.workloads.mix import offered_load
+
+    mix = _mix(args)
+    by_class = Counter(r.info.request_id.split("/", 1)[0] for r in reqs)
+    return {"name": mix.name, "file": args.workload, "duration_s": mix.duration_s,
+            "requests": len(reqs), "requests_per_class": dict(by_class),
+            "offered_load": offered_load(reqs, settings.profile, settings.instances,
+                                         mix.duration_s)}
 
 
 def run_sweep(args: argparse.Namespace) -> int:
@@ -271,6 +375,76 @@ def run_sweep(args: argparse.Namespace) -> int:
     plot_dir = Path(args.plot or ".")
     if args.plot:
         print(f"plot: {plot_sweep(results, plot_dir, _describe(args, None))}")
+    return 0
+
+
+def _run_fleet(args: argparse.Namespace) -> int:
+    """``--topology``: one scenario, several DC-selection policies (tokenfleet.sim.fleet)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from tokenfleet.core.fleet import FLEET
+    from tokenfleet.sim.fleet import load_scenario, run_fleets
+
+    if not args.topology:
+        raise ConfigError("--fleet needs --topology FILE (a multi-DC scenario)")
+    for flag in ("trace", "synthetic", "workload", "policy", "admission", "load", "rate_scale"):
+        if getattr(args, flag, None):
+            raise ConfigError(f"--{flag.replace('_', '-')} does not apply with --topology: the "
+                              "scenario file defines the workload and each DC's router")
+    names = args.fleet or ["none", "nearest", "least_loaded", "fleetmind"]
+    for n in names:
+        FLEET.get(n)
+    sc = load_scenario(args.topology)
+    prog, factory = _progress_factory(args.quiet)
+    if prog is not None:
+        with prog:
+            runs = run_fleets(sc, names, seed=args.seed, progress=factory)
+    else:
+        runs = run_fleets(sc, names, seed=args.seed)
+    title = (f"{Path(args.topology).name} | {len(sc.topology.datacenters)} sites | "
+             f"{sc.duration_s:g} s | seed {args.seed}")
+    width = None if sys.stdout.isatty() else 160
+    t = Table(title=title)
+    for col in ("fleet", "done/total", "TTFT p50", "TTFT p95", "goodput tok/s", "SLO att.",
+                "spill", "residency viol.", "version mism.", "plans", "rollbacks", "wall s"):
+        t.add_column(col, justify="left" if col == "fleet" else "right")
+    for r in runs:
+        s = r.summary
+        t.add_row(r.policy, f"{s['completed']}/{s['requests']}",
+                  "-" if s["ttft_p50_s"] is None else f"{s['ttft_p50_s']:.3f}",
+                  "-" if s["ttft_p95_s"] is None else f"{s['ttft_p95_s']:.3f}",
+                  f"{s['goodput_tok_s']:.0f}",
+                  "-" if s["slo_attainment"] is None else f"{100 * s['slo_attainment']:.1f}%",
+                  f"{100 * r.spill_fraction:.1f}%", str(r.residency_violations),
+                  str(r.version_mismatches), str(len(r.plans)), str(len(r.rollbacks)),
+                  f"{r.wall_s:.1f}")
+    Console(width=width).print(t)
+    t = Table(title="per datacenter")
+    for col in ("fleet", "DC", "requests", "spilled in", "goodput tok/s", "SLO att.",
+                "mean load", "replicas at end"):
+        t.add_column(col, justify="left" if col in ("fleet", "DC", "replicas at end")
+                     else "right")
+    for r in runs:
+        for dc, d in r.per_dc.items():
+            att = d["slo_attainment"]
+            t.add_row(r.policy, dc, str(d["requests"]), str(d["spilled_in"]),
+                      f"{d['goodput_tok_s']:.0f}", "-" if att is None else f"{100 * att:.1f}%",
+                      f"{d['load_mean']:.2f}",
+                      ", ".join(f"{k} x{v}" for k, v in d["replicas_end"].items()))
+    Console(width=width).print(t)
+    if args.json:
+        _write_json(args.json, {
+            "config": vars_for_json(args),
+            "scenario": {"name": sc.topology.name, "file": args.topology,
+                         "duration_s": sc.duration_s,
+                         "sites": sorted(sc.topology.datacenters)},
+            "runs": [r.as_json() for r in runs]})
+    if args.plot:
+        from tokenfleet.sim.plots_fleet import plot_fleet_runs
+
+        paths = plot_fleet_runs(runs, Path(args.plot), title)
+        print("plots: " + ", ".join(str(p) for p in paths))
     return 0
 
 

@@ -1,0 +1,216 @@
+"""Goodput feedback controller: per-tier outcomes in, capacity shares out.
+
+Every control period (5 s by default) the driver hands over one
+``WindowStats`` (per-tier attainment, first-token attainment, rejections,
+cancellations, duplicates, batch progress) and gets back the knobs SLOMax
+uses until the next period:
+
+``batch_share``
+    how much of each instance batch work may fill (seats and prefill budget);
+    batch is the first to yield when a protected tier misses its target.
+``long_share``
+    the fraction of instances that may run a long-context prefill at once;
+    the rest stay free of long prefills so interactive TTFT holds.
+``reject_factor``
+    a long-context request is rejected at arrival when its predicted TTFT
+    exceeds ``reject_factor`` x its limit.
+
+Why AIMD with damping and a dead band: the plant (attainment as a function
+of shares) is steep near saturation, so a plain AIMD settles into a sawtooth.
+Here each knob holds still while the signal sits inside its hysteresis band,
+and every direction reversal shrinks that knob's step (``damping``), so any
+oscillation decays geometrically; a run of moves in one direction regrows
+the step, so the controller still tracks a genuine load change.
+
+The object is pure (``update(window, now_s)``, no clock, no I/O) and its
+state round-trips through ``state_dict``/``load_state``, so the live
+service can run the very same code from a Celery beat task, persisting the
+state between ticks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from tokenfleet.core.admission.base import WindowStats
+
+
+@dataclass(frozen=True, slots=True)
+class ControlState:
+    batch_share: float
+    long_share: float
+    reject_factor: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {"batch_share": self.batch_share, "long_share": self.long_share,
+                "reject_factor": self.reject_factor}
+
+
+@dataclass(slots=True)
+class _Knob:
+    """One damped AIMD actuator."""
+
+    value: float
+    lo: float
+    hi: float
+    step: float  # additive step (also the multiplicative decrease fraction scale)
+    min_step: float
+    max_step: float
+    last_dir: int = 0
+    run: int = 0
+
+    def move(self, direction: int, damping: float, regrow_after: int,
+             multiplicative: bool) -> None:
+        if direction == 0:
+            return
+        if self.last_dir and direction != self.last_dir:
+            self.step = max(self.min_step, self.step * damping)
+            self.run = 0
+        else:
+            self.run += 1
+            if self.run >= regrow_after:
+                self.step = min(self.max_step, self.step * 1.5)
+        self.last_dir = direction
+        if direction > 0:
+            self.value += self.step
+        elif multiplicative:
+            # Decrease proportionally, at least by one step (AIMD's MD, damped).
+            self.value -= max(self.step, self.value * min(0.5, 2 * self.step))
+        else:
+            self.value -= self.step
+        self.value = min(self.hi, max(self.lo, self.value))
+
+
+@dataclass
+class ControllerConfig:
+    period_s: float = 5.0
+    #: attainment targets for the protected tiers
+    targets: Mapping[str, float] = field(
+        default_factory=lambda: {"interactive": 0.97, "long_context": 0.95})
+    #: hysteresis: act below target - band or above target + band/2 only
+    band: float = 0.02
+    #: below this, protect even at the cost of a batch deadline
+    hard_floor: float = 0.90
+    min_samples: int = 8
+    smoothing: float = 0.5  # EWMA weight of the newest window
+    damping: float = 0.5
+    regrow_after: int = 3
+    batch_share: float = 0.5
+    batch_share_bounds: tuple[float, float] = (0.05, 1.0)
+    batch_step: float = 0.1
+    long_share: float = 0.5
+    long_share_bounds: tuple[float, float] = (0.125, 1.0)
+    long_step: float = 0.125
+    reject_factor: float = 1.0
+    reject_factor_bounds: tuple[float, float] = (0.8, 2.0)
+    reject_step: float = 0.1
+    #: batch must be done this long before its deadline (covers its own e2e)
+    deadline_margin_s: float = 30.0
+    #: batch counts as behind schedule below this ratio of achieved/required rate
+    pace_slack: float = 1.2
+
+
+class SLOMaxController:
+    """Damped AIMD over (batch_share, long_share, reject_factor)."""
+
+    def __init__(self, config: ControllerConfig | None = None) -> None:
+        self.cfg = c = config or ControllerConfig()
+        if c.period_s <= 0:
+            raise ValueError("period_s must be > 0")
+        self.batch = _Knob(c.batch_share, *c.batch_share_bounds, step=c.batch_step,
+                           min_step=c.batch_step / 16, max_step=c.batch_step * 2)
+        self.long = _Knob(c.long_share, *c.long_share_bounds, step=c.long_step,
+                          min_step=c.long_step / 8, max_step=c.long_step * 2)
+        self.reject = _Knob(c.reject_factor, *c.reject_factor_bounds, step=c.reject_step,
+                            min_step=c.reject_step / 8, max_step=c.reject_step * 2)
+        self.att: dict[str, float] = {}  # smoothed attainment per protected tier
+        self.batch_rate: float | None = None  # smoothed batch completions per second
+        self.last_reason = ""
+
+    @property
+    def state(self) -> ControlState:
+        return ControlState(self.batch.value, self.long.value, self.reject.value)
+
+    # -- the control law -----------------------------------------------------------
+    def update(self, window: WindowStats, now_s: float) -> ControlState:
+        c = self.cfg
+        a = c.smoothing
+        for tier in c.targets:
+            w = window.tiers.get(tier)
+            if w is None or w.finished < c.min_samples:
+                continue
+            sig = w.attainment if w.attainment is not None else 1.0
+            if w.ttft_attainment is not None and w.first_tokens >= c.min_samples:
+                sig = min(sig, w.ttft_attainment)
+            old = self.att.get(tier)
+            self.att[tier] = sig if old is None else a * sig + (1 - a) * old
+        gaps = {t: self.att[t] - c.targets[t] for t in c.targets if t in self.att}
+        worst = min(gaps.values(), default=0.0)
+        worst_att = min(self.att.values(), default=1.0)
+
+        # Batch deadline pacing.
+        period = max(window.period_s, 1e-9)
+        rate = window.batch_finished / period
+        self.batch_rate = rate if self.batch_rate is None else a * rate + (1 - a) * self.batch_rate
+        behind = False
+        if window.batch_remaining > 0 and window.batch_deadline_s is not None:
+            left_s = window.batch_deadline_s - now_s - c.deadline_margin_s
+            need = window.batch_remaining / left_s if left_s > 0 else math.inf
+            behind = self.batch_rate * c.pace_slack < need
+        backlog = window.batch_remaining > 0
+
+        reasons = []
+        # 1) batch share: first to yield, first to grow back.
+        if worst < -c.band and not (behind and worst_att >= c.hard_floor):
+            self.batch.move(-1, c.damping, c.regrow_after, multiplicative=True)
+            reasons.append("batch-")
+        elif backlog and (behind or worst > c.band / 2):
+            self.batch.move(+1, c.damping, c.regrow_after, multiplicative=True)
+            reasons.append("batch+")
+
+        # 2) long-context share: trade instances between the two protected tiers.
+        g_int = gaps.get("interactive")
+        g_long = gaps.get("long_context")
+        if g_int is not None and g_long is not None:
+            if g_long < -c.band and g_int > c.band / 2:
+                self.long.move(+1, c.damping, c.regrow_after, multiplicative=False)
+                reasons.append("long+")
+            elif g_int < -c.band and g_long > c.band / 2 and self.batch.value <= self.batch.lo + 1e-9:
+                self.long.move(-1, c.damping, c.regrow_after, multiplicative=False)
+                reasons.append("long-")
+
+        # 3) long-context reject threshold: reject earlier while admitted work
+        #    finishes late; admit more while rejections are the main miss.
+        w = window.tiers.get("long_context")
+        if w is not None and w.finished >= c.min_samples:
+            late = w.completed - w.met
+            if late > max(w.rejected, c.band * w.finished):
+                self.reject.move(-1, c.damping, c.regrow_after, multiplicative=False)
+                reasons.append("reject-")
+            elif w.rejected > max(2 * late, c.band * w.finished):
+                self.reject.move(+1, c.damping, c.regrow_after, multiplicative=False)
+                reasons.append("reject+")
+        self.last_reason = ",".join(reasons) or "hold"
+        return self.state
+
+    # -- persistence for the live beat task -----------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        def knob(k: _Knob) -> dict[str, float]:
+            return {"value": k.value, "step": k.step, "last_dir": k.last_dir, "run": k.run}
+
+        return {"batch": knob(self.batch), "long": knob(self.long), "reject": knob(self.reject),
+                "att": dict(self.att), "batch_rate": self.batch_rate}
+
+    def load_state(self, data: Mapping[str, Any]) -> None:
+        for name in ("batch", "long", "reject"):
+            k: _Knob = getattr(self, name)
+            d = data[name]
+            k.value = min(k.hi, max(k.lo, float(d["value"])))
+            k.step = float(d["step"])
+            k.last_dir = int(d["last_dir"])
+            k.run = int(d["run"])
+        self.att = {str(t): float(v) for t, v in data.get("att", {}).items()}
+        br = data.get("batch_rate")
+        self.batch_rate = None if br is None else float(br)

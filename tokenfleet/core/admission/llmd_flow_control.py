@@ -1,0 +1,130 @@
+"""``llmd_flow_control``: llm-d / Gateway API Inference Extension flow control.
+
+Modelled on the public description and source of the EPP flow controller
+(kubernetes-sigs/gateway-api-inference-extension):
+
+- ``pkg/epp/saturationdetector/framework/plugins/utilizationdetector``
+  (README.md, detector.go, defaults in ``pkg/epp/saturationdetector/config.go``):
+  each endpoint scores ``max(waiting / queueDepthThreshold,
+  kv_usage / kvCacheUtilThreshold)`` with defaults 5 and 0.8; an endpoint
+  whose metrics are older than ``metricsStalenessThreshold`` (200 ms) scores
+  1.0; pool saturation is the unweighted mean of the endpoint scores. As a
+  scheduling filter it drops endpoints above ``threshold * (1 + headroom)``
+  (headroom 0) and fails open when that would drop every endpoint.
+- ``pkg/epp/flowcontrol/controller/internal/processor.go`` (dispatchCycle):
+  priority bands are served highest first, FCFS within a band (the default
+  ``global-strict-fairness`` + ``fcfs-ordering`` policies); when saturation
+  reaches the band's usage limit (1.0 by default) the cycle stops, so the
+  head of the line blocks everything below it rather than invert priority.
+- Dispatch rate: a cycle dispatches at most one request; cycles run on every
+  enqueue and on a 1 ms ticker (``Run``), so we allow one queued dispatch per
+  1 ms slot (``dispatch_tick_s``) besides the one an arrival may trigger.
+- Shedding: only the lowest, "sheddable" band (negative priority) is
+  rejected at arrival while the pool is saturated, as the pre-flow-control
+  EPP admission did; other bands wait in the gateway queue until the client
+  gives up.
+
+The saturation signal reads only scraped metrics, never the gateway's own
+dispatch accounting, so between two scrapes it cannot see what it just
+dispatched (the "thundering herd" the upstream README names as a trade-off).
+Tier to band mapping: interactive 2, long_context 1, batch -1 (sheddable).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from tokenfleet.core.admission.base import (
+    ADMISSION,
+    ADMIT,
+    DISPATCH,
+    QUEUE,
+    REJECT,
+    Action,
+    AdmissionDecision,
+    AdmissionSnapshot,
+    BaseAdmission,
+    InstanceLoad,
+)
+from tokenfleet.core.tiers import SLOConfig
+from tokenfleet.core.types import RequestInfo
+
+DEFAULT_BANDS: dict[str, int] = {"interactive": 2, "long_context": 1, "batch": -1}
+
+
+def endpoint_score(inst: InstanceLoad, now_s: float, queue_threshold: float,
+                   kv_threshold: float, staleness_s: float) -> float:
+    m = inst.view.metrics
+    if not m.healthy or now_s - m.scraped_at_s > staleness_s:
+        return 1.0
+    return max(m.num_waiting / queue_threshold, m.kv_usage / kv_threshold)
+
+
+@ADMISSION.register("llmd_flow_control")
+class LlmdFlowControlAdmission(BaseAdmission):
+    name = "llmd_flow_control"
+
+    def __init__(self, *, slo: SLOConfig | None = None,
+                 bands: Mapping[str, int] | None = None,
+                 queue_depth_threshold: int = 5, kv_cache_util_threshold: float = 0.8,
+                 metrics_staleness_s: float = 0.2, headroom: float = 0.0,
+                 usage_limit: float = 1.0, dispatch_tick_s: float = 0.001) -> None:
+        if queue_depth_threshold < 1 or not 0 < kv_cache_util_threshold <= 1:
+            raise ValueError("need queue_depth_threshold >= 1 and 0 < kv_cache_util_threshold <= 1")
+        self.slo = slo or SLOConfig()
+        self.bands = dict(bands or DEFAULT_BANDS)
+        self.queue_threshold = float(queue_depth_threshold)
+        self.kv_threshold = kv_cache_util_threshold
+        self.staleness_s = metrics_staleness_s
+        self.headroom = headroom
+        self.usage_limit = usage_limit
+        self._order = sorted(self.bands, key=lambda t: -self.bands[t])
+        self.dispatch_tick_s = dispatch_tick_s
+        self._last_slot = -1
+
+    def saturation(self, snap: AdmissionSnapshot) -> float:
+        insts = [i for i in snap.instances if i.view.ready]
+        if not insts:
+            return 1.0
+        return sum(endpoint_score(i, snap.now_s, self.queue_threshold, self.kv_threshold,
+                                  self.staleness_s) for i in insts) / len(insts)
+
+    def _filter(self, snap: AdmissionSnapshot) -> tuple[str, ...] | None:
+        q_max = self.queue_threshold * (1 + self.headroom)
+        kv_max = min(1.0, self.kv_threshold * (1 + self.headroom))
+        ok = [i.view.instance_id for i in snap.instances
+              if snap.now_s - i.view.metrics.scraped_at_s <= self.staleness_s
+              and i.view.metrics.num_waiting <= q_max and i.view.metrics.kv_usage <= kv_max]
+        return tuple(ok) if ok else None  # fail open
+
+    def _sheddable(self, tier: str) -> bool:
+        return self.bands.get(tier, 0) < 0
+
+    def on_arrival(self, request: RequestInfo, snap: AdmissionSnapshot) -> AdmissionDecision:
+        sat = self.saturation(snap)
+        if sat >= self.usage_limit:
+            if self._sheddable(request.tier):
+                return AdmissionDecision(REJECT, reason=f"saturated ({sat:.2f}), sheddable band")
+            return AdmissionDecision(QUEUE, reason=f"saturated ({sat:.2f})")
+        if any(len(q) for q in snap.queues.values()):
+            return AdmissionDecision(QUEUE, reason="gateway queue not empty")
+        return AdmissionDecision(ADMIT, instance_ids=self._filter(snap), reason=f"sat {sat:.2f}")
+
+    def next_action(self, snap: AdmissionSnapshot) -> Action | None:
+        slot = int(snap.now_s / self.dispatch_tick_s)
+        if slot <= self._last_slot:
+            return None  # one dispatch cycle per ticker slot
+        sat = self.saturation(snap)
+        if sat >= self.usage_limit:
+            return None  # head-of-line blocking across all bands
+        for tier in sorted(snap.queues, key=lambda t: -self.bands.get(t, 0)):
+            head = snap.queues[tier].head()
+            if head is None:
+                continue
+            self._last_slot = slot
+            return Action(DISPATCH, tier, head.request.request_id,
+                          instance_ids=self._filter(snap))
+        return None
+
+    def band_order(self) -> Sequence[str]:
+        return tuple(self._order)

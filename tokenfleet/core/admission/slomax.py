@@ -1,0 +1,475 @@
+"""``slomax``: tiered admission over pooled queues, steered by goodput feedback.
+
+Mixed traffic hurts itself in one FIFO: a batch job floods the engines'
+waiting queues, long prefills hold a whole step budget for seconds, and every
+tier misses. SLOMax keeps the engines' own queues short and decides at the
+gateway, per tier (the rules are spelled out in docs/slomax.md):
+
+interactive
+    dispatched at once, to instances with no long prefill in flight and a
+    predicted TTFT well inside the limit ("clean"); rejected at arrival only
+    when no instance could plausibly meet the limit.
+long_context
+    at most ``long_prefill_per_instance`` long prefills per instance, on at
+    most ``long_share`` of the instances at once, so the others stay clean
+    for interactive. Excess requests wait in a FIFO; a request whose
+    predicted TTFT (queue wait + prefill) exceeds ``reject_factor`` x its
+    limit is rejected at arrival, with ``Retry-After`` = the predicted time
+    until it could be served, instead of wasting prefill on a sure miss.
+batch
+    always queued; dispatched only to instances with no interactive request
+    waiting for its first token, within ``batch_share`` of their seats and
+    prefill budget. When interactive load returns, batch yields by not being
+    dispatched: nothing running is ever preempted.
+
+Every dispatch keeps KV headroom for prompt + reserved output (``max_tokens``
+by default), so the engine never has to evict; batch and long-context also
+leave ``interactive_kv_reserve`` of each instance's KV and
+``interactive_seat_reserve`` seats for interactive work.
+
+The knobs ``batch_share``, ``long_share`` and ``reject_factor`` move once per
+control period under ``controller.SLOMaxController`` (``adaptive=False``
+freezes them at their initial values). TTFT predictions use the engine
+profile (operator-configured, so a live gateway knows it) corrected online
+by the observed/predicted ratio per tier, and a learned prefix-hit ratio.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from typing import Any, Mapping, Sequence
+
+from tokenfleet.core.admission.base import (
+    ADMISSION,
+    ADMIT,
+    DISPATCH,
+    DROP,
+    QUEUE,
+    REJECT,
+    Action,
+    AdmissionDecision,
+    AdmissionSnapshot,
+    BaseAdmission,
+    InstanceLoad,
+    TierQueue,
+    WindowStats,
+    kv_reservation_tokens,
+)
+from tokenfleet.core.admission.controller import ControllerConfig, SLOMaxController
+from tokenfleet.core.tiers import SLOConfig
+from tokenfleet.core.types import CompletionEvent, FirstTokenEvent, RequestInfo
+from tokenfleet.engine.profiles import EngineProfile
+
+INTERACTIVE = "interactive"
+LONG = "long_context"
+BATCH = "batch"
+
+
+class _Quantile:
+    """Sliding-window quantile of observed output lengths (for the KV reserve)."""
+
+    def __init__(self, window: int = 1000) -> None:
+        self._fifo: deque[int] = deque()
+        self._sorted: list[int] = []
+        self._window = window
+
+    def add(self, x: int) -> None:
+        self._fifo.append(x)
+        bisect.insort(self._sorted, x)
+        if len(self._fifo) > self._window:
+            old = self._fifo.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+
+    def get(self, q: float) -> int | None:
+        if len(self._sorted) < 50:
+            return None
+        return self._sorted[min(len(self._sorted) - 1, int(q * len(self._sorted)))]
+
+
+class _Costs:
+    """Prefill-time estimates from the engine profile, memoised."""
+
+    def __init__(self) -> None:
+        self._prefill: dict[tuple[str, int], float] = {}
+        self._per_token: dict[str, float] = {}
+        self._decode: dict[str, float] = {}
+
+    def prefill_s(self, profile: EngineProfile, uncached_tokens: int) -> float:
+        bucket = max(0, uncached_tokens) // 64
+        key = (profile.name, bucket)
+        v = self._prefill.get(key)
+        if v is None:
+            v = self._prefill[key] = profile.prefill_time_s(bucket * 64 + 32)
+        return v
+
+    def per_token_s(self, profile: EngineProfile) -> float:
+        """Marginal prefill cost of short prompts sharing a full step budget."""
+        v = self._per_token.get(profile.name)
+        if v is None:
+            n = profile.max_num_batched_tokens
+            v = self._per_token[profile.name] = profile.prefill_time_s(n) / n
+        return v
+
+    def decode_step_s(self, profile: EngineProfile) -> float:
+        v = self._decode.get(profile.name)
+        if v is None:
+            v = self._decode[profile.name] = profile.decode_step_time_s(64, 2048)
+        return v
+
+
+@ADMISSION.register("slomax")
+class SLOMaxAdmission(BaseAdmission):
+    name = "slomax"
+
+    def __init__(self, *, slo: SLOConfig | None = None,
+                 controller: ControllerConfig | Mapping[str, Any] | None = None,
+                 adaptive: bool = True,
+                 long_prefill_per_instance: int = 1,
+                 long_inflight_per_instance: int = 8,
+                 batch_max_seats: int | None = None,
+                 interactive_seat_reserve: int = 32,
+                 interactive_kv_reserve: float = 0.10,
+                 kv_budget: float = 0.95,
+                 clean_ttft_fraction: float = 0.5,
+                 interactive_reject_factor: float = 3.0,
+                 output_reserve: str = "max_tokens") -> None:
+        if long_prefill_per_instance < 1 or long_inflight_per_instance < 1:
+            raise ValueError("long-context caps must be >= 1")
+        if not 0 < kv_budget <= 1 or not 0 <= interactive_kv_reserve < kv_budget:
+            raise ValueError("need 0 <= interactive_kv_reserve < kv_budget <= 1")
+        if output_reserve != "max_tokens" and not output_reserve.startswith("p"):
+            raise ValueError("output_reserve must be 'max_tokens' or a quantile like 'p99'")
+        self.slo = slo or SLOConfig()
+        cfg = controller if isinstance(controller, ControllerConfig) else \
+            ControllerConfig(**dict(controller or {}))
+        self.ctrl = SLOMaxController(cfg)
+        self.adaptive = adaptive
+        self.long_prefill_cap = long_prefill_per_instance
+        self.long_inflight_cap = long_inflight_per_instance
+        self.batch_max_seats = batch_max_seats
+        self.seat_reserve = interactive_seat_reserve
+        self.kv_reserve = interactive_kv_reserve
+        self.kv_budget = kv_budget
+        self.clean_fraction = clean_ttft_fraction
+        self.interactive_reject_factor = interactive_reject_factor
+        self.reserve_q = (None if output_reserve == "max_tokens"
+                          else float(output_reserve[1:]) / 100.0)
+        st = self.ctrl.state
+        self.batch_share = st.batch_share
+        self.long_share = st.long_share
+        self.reject_factor = st.reject_factor
+        self._costs = _Costs()
+        self._kappa: dict[str, float] = {}  # observed / predicted TTFT, per tier
+        self._hit: dict[str, float] = {}  # learned prefix-hit ratio, per tier
+        self._outputs: dict[str, _Quantile] = {}
+        self._pred: dict[str, dict[str, float]] = {}  # rid -> instance -> predicted s
+        self.rejected_retry_after_s: list[float] = []
+
+    # -- small helpers ---------------------------------------------------------------
+    def _limit(self, req: RequestInfo) -> float:
+        lim = self.slo.slo_for(req.tier).ttft_limit_s(req.input_tokens)
+        return math.inf if lim is None else lim
+
+    def _own_s(self, req: RequestInfo, profile: EngineProfile) -> float:
+        hit = self._hit.get(req.tier, 0.0)
+        uncached = int(req.input_tokens * (1.0 - hit))
+        return self._costs.prefill_s(profile, uncached)
+
+    def _ahead_s(self, inst: InstanceLoad) -> float:
+        """Prefill work already waiting on this instance, in seconds."""
+        prof = inst.view.profile
+        short_tokens = 0
+        long_s = 0.0
+        for name, load in inst.tiers.items():
+            if load.prefill_pending == 0:
+                continue
+            if name == LONG:
+                per = load.prefill_pending_tokens // load.prefill_pending
+                long_s += load.prefill_pending * self._costs.prefill_s(prof, per)
+            else:
+                short_tokens += load.prefill_pending_tokens
+        return short_tokens * self._costs.per_token_s(prof) + long_s
+
+    def _reserve(self, req: RequestInfo) -> int:
+        out = None
+        if self.reserve_q is not None:
+            q = self._outputs.get(req.tier)
+            learned = q.get(self.reserve_q) if q is not None else None
+            if learned is not None:
+                out = min(req.max_tokens, learned)
+        return kv_reservation_tokens(req, out)
+
+    def kv_reserve_tokens(self, request: RequestInfo) -> int:
+        return self._reserve(request)
+
+    def _room(self, inst: InstanceLoad, req: RequestInfo) -> bool:
+        view = inst.view
+        if not (view.ready and view.metrics.healthy):
+            return False
+        if view.max_model_len_tokens and req.input_tokens + 1 > view.max_model_len_tokens:
+            return False
+        seats = view.profile.max_num_seqs
+        kv_free = inst.kv_free_tokens(self.kv_budget)
+        if req.tier != INTERACTIVE:
+            seats -= self.seat_reserve
+            kv_free -= int(self.kv_reserve * view.kv_capacity_tokens)
+        return inst.inflight < seats and kv_free >= self._reserve(req)
+
+    def _predicted(self, req: RequestInfo, insts: Sequence[InstanceLoad]) -> dict[str, float]:
+        kappa = self._kappa.get(req.tier, 1.0)
+        out = {}
+        for inst in insts:
+            prof = inst.view.profile
+            out[inst.instance_id] = (kappa * (self._ahead_s(inst) + self._own_s(req, prof))
+                                     + self._costs.decode_step_s(prof))
+        return out
+
+    def _remember(self, req: RequestInfo, pred: Mapping[str, float],
+                  ids: Sequence[str]) -> None:
+        self._pred[req.request_id] = {i: pred[i] for i in ids if i in pred}
+
+    # -- interactive -----------------------------------------------------------------
+    def _interactive(self, req: RequestInfo, snap: AdmissionSnapshot, waited_s: float
+                     ) -> tuple[tuple[str, ...] | None, float]:
+        """Allowed instances (None: no room anywhere) and the best predicted TTFT."""
+        room = [i for i in snap.instances if self._room(i, req)]
+        if not room:
+            return None, math.inf
+        pred = self._predicted(req, room)
+        limit = self._limit(req) - waited_s
+        clean = [i.instance_id for i in room
+                 if i.tier(LONG).prefill_pending == 0
+                 and pred[i.instance_id] <= self.clean_fraction * limit]
+        best = min(pred.values())
+        if clean:
+            ids = tuple(clean)
+        else:
+            ok = [i for i in room if pred[i.instance_id] <= limit]
+            ok_clean = [i for i in ok if i.tier(LONG).prefill_pending == 0]
+            pick = ok_clean or ok
+            if pick:
+                ids = tuple(i.instance_id for i in pick)
+            else:
+                ids = tuple(i for i, v in pred.items() if v <= best * 1.05)
+        self._remember(req, pred, ids)
+        return ids, best
+
+    # -- long context ----------------------------------------------------------------
+    def _long_slots(self, req: RequestInfo, snap: AdmissionSnapshot) -> list[InstanceLoad]:
+        ready = [i for i in snap.instances if i.view.ready and i.view.metrics.healthy]
+        allowed_busy = max(1, round(self.long_share * len(ready)))
+        busy = sum(1 for i in ready if i.tier(LONG).prefill_pending > 0)
+        out = []
+        for inst in ready:
+            tl = inst.tier(LONG)
+            if tl.prefill_pending >= self.long_prefill_cap or tl.inflight >= self.long_inflight_cap:
+                continue
+            if tl.prefill_pending == 0 and busy >= allowed_busy:
+                continue
+            if self._room(inst, req):
+                out.append(inst)
+        return out
+
+    def _long_wait_s(self, snap: AdmissionSnapshot, queue: TierQueue | None,
+                     exclude_tokens: int = 0) -> float:
+        """Predicted gateway wait for a long request joining the back of the queue."""
+        ready = [i for i in snap.instances if i.view.ready]
+        if not ready:
+            return math.inf
+        slots = max(1, round(self.long_share * len(ready))) * self.long_prefill_cap
+        prof = ready[0].view.profile
+        hit = self._hit.get(LONG, 0.0)
+        kappa = self._kappa.get(LONG, 1.0)
+        busy_s = 0.0
+        free_slots = slots
+        for inst in ready:
+            tl = inst.tier(LONG)
+            if tl.prefill_pending:
+                per = tl.prefill_pending_tokens // tl.prefill_pending
+                # on average half of an in-flight prefill is still to do
+                busy_s += 0.5 * tl.prefill_pending * self._costs.prefill_s(prof, per)
+                free_slots -= tl.prefill_pending
+        if queue is None or len(queue) == 0:
+            if free_slots > 0:
+                return 0.0
+            return kappa * busy_s / slots
+        n = len(queue)
+        tokens = queue.input_tokens - exclude_tokens
+        per = int(tokens * (1.0 - hit) / max(1, n))
+        queued_s = n * self._costs.prefill_s(prof, per)
+        return kappa * (busy_s + queued_s) / slots
+
+    # -- the Admission interface ------------------------------------------------------
+    def on_arrival(self, request: RequestInfo, snap: AdmissionSnapshot) -> AdmissionDecision:
+        tier = request.tier
+        if tier == BATCH:
+            return self._batch_arrival(request, snap)
+        if tier == LONG:
+            return self._long_arrival(request, snap)
+        # interactive (and any custom tier is treated like it)
+        if snap.queued(tier):
+            return AdmissionDecision(QUEUE, reason="interactive queue not empty")
+        ids, best = self._interactive(request, snap, 0.0)
+        if ids is None:
+            return AdmissionDecision(QUEUE, reason="no KV/seat room on any instance")
+        limit = self._limit(request)
+        if best > self.interactive_reject_factor * limit:
+            self._pred.pop(request.request_id, None)
+            retry = best - limit
+            self.rejected_retry_after_s.append(retry)
+            return AdmissionDecision(REJECT, retry_after_s=retry, predicted_wait_s=best,
+                                     reason=f"predicted TTFT {best:.2f}s >> limit {limit:.2f}s")
+        return AdmissionDecision(ADMIT, instance_ids=ids, predicted_wait_s=0.0,
+                                 reason=f"predicted TTFT {best:.2f}s")
+
+    def _long_arrival(self, req: RequestInfo, snap: AdmissionSnapshot) -> AdmissionDecision:
+        limit = self._limit(req)
+        queue = snap.queues.get(LONG)
+        prof = snap.instances[0].view.profile if snap.instances else None
+        own = 0.0 if prof is None else self._kappa.get(LONG, 1.0) * self._own_s(req, prof)
+        if queue is None or len(queue) == 0:
+            slots = self._long_slots(req, snap)
+            if slots:
+                pred = self._predicted(req, slots)
+                ok = [i.instance_id for i in slots if pred[i.instance_id] <= limit]
+                ids = tuple(ok) if ok else tuple(pred)
+                self._remember(req, pred, ids)
+                return AdmissionDecision(ADMIT, instance_ids=ids, predicted_wait_s=0.0,
+                                         reason="long-context slot free")
+        wait = self._long_wait_s(snap, queue)
+        if wait + own > self.reject_factor * limit:
+            retry = max(0.0, wait + own - limit)
+            self.rejected_retry_after_s.append(retry)
+            return AdmissionDecision(
+                REJECT, retry_after_s=retry, predicted_wait_s=wait,
+                reason=f"predicted TTFT {wait + own:.1f}s > {self.reject_factor:.2f} x {limit:.1f}s")
+        return AdmissionDecision(QUEUE, predicted_wait_s=wait,
+                                 reason=f"waiting for a long-context slot (~{wait:.1f}s)")
+
+    def _batch_arrival(self, req: RequestInfo, snap: AdmissionSnapshot) -> AdmissionDecision:
+        if req.deadline_s is not None and snap.instances:
+            prof = snap.instances[0].view.profile
+            # Fastest possible finish: prefill plus max_tokens decode steps.
+            floor_s = (self._own_s(req, prof)
+                       + min(req.max_tokens, 16) * self._costs.decode_step_s(prof))
+            if snap.now_s + floor_s > req.deadline_s:
+                return AdmissionDecision(REJECT, reason="deadline cannot be met")
+        return AdmissionDecision(QUEUE, reason="batch fills idle capacity")
+
+    def next_action(self, snap: AdmissionSnapshot) -> Action | None:
+        a = self._next_interactive(snap)
+        if a is not None:
+            return a
+        a = self._next_long(snap)
+        if a is not None:
+            return a
+        return self._next_batch(snap)
+
+    def _next_interactive(self, snap: AdmissionSnapshot) -> Action | None:
+        for tier, q in snap.queues.items():
+            if tier in (LONG, BATCH) or len(q) == 0:
+                continue
+            head = q.head()
+            assert head is not None
+            req = head.request
+            waited = snap.now_s - req.arrival_s
+            if waited > self.interactive_reject_factor * self._limit(req):
+                return Action(DROP, tier, req.request_id, status="rejected",
+                              reason="waited far past its TTFT limit")
+            ids, _ = self._interactive(req, snap, waited)
+            if ids is not None:
+                return Action(DISPATCH, tier, req.request_id, instance_ids=ids)
+        return None
+
+    def _next_long(self, snap: AdmissionSnapshot) -> Action | None:
+        q = snap.queues.get(LONG)
+        if q is None or len(q) == 0:
+            return None
+        head = q.head()
+        assert head is not None
+        req = head.request
+        limit = self._limit(req)
+        waited = snap.now_s - req.arrival_s
+        prof = snap.instances[0].view.profile
+        own = self._kappa.get(LONG, 1.0) * self._own_s(req, prof)
+        if waited + own > self.reject_factor * limit:
+            return Action(DROP, LONG, req.request_id, status="rejected",
+                          reason="can no longer meet its TTFT limit; dropped before prefill")
+        slots = self._long_slots(req, snap)
+        if not slots:
+            return None
+        pred = self._predicted(req, slots)
+        ok = [i.instance_id for i in slots if waited + pred[i.instance_id] <= limit]
+        ids = tuple(ok) if ok else tuple(pred)
+        self._remember(req, pred, ids)
+        return Action(DISPATCH, LONG, req.request_id, instance_ids=ids)
+
+    def _next_batch(self, snap: AdmissionSnapshot) -> Action | None:
+        q = snap.queues.get(BATCH)
+        if q is None or len(q) == 0:
+            return None
+        head = q.head()
+        assert head is not None
+        req = head.request
+        if req.deadline_s is not None and snap.now_s >= req.deadline_s:
+            return Action(DROP, BATCH, req.request_id, status="timed_out",
+                          reason="deadline passed while queued")
+        share = self.batch_share
+        ids = []
+        for inst in snap.instances:
+            prof = inst.view.profile
+            if inst.tier(INTERACTIVE).prefill_pending > 0:
+                continue  # interactive first: never add prefill work ahead of it
+            tb = inst.tier(BATCH)
+            seats = self.batch_max_seats or prof.max_num_seqs // 2
+            if tb.inflight >= max(1, math.ceil(share * seats)):
+                continue
+            budget = share * prof.max_num_batched_tokens
+            if tb.prefill_pending and tb.prefill_pending_tokens + req.input_tokens > budget:
+                continue
+            if self._room(inst, req):
+                ids.append(inst.instance_id)
+        if not ids:
+            return None
+        return Action(DISPATCH, BATCH, req.request_id, instance_ids=tuple(ids))
+
+    # -- learning from what a live gateway observes -----------------------------------
+    def on_first_token(self, event: FirstTokenEvent) -> None:
+        preds = self._pred.pop(event.request.request_id, None)
+        if not preds:
+            return
+        pred = preds.get(event.instance_id)
+        if pred is None or pred <= 0 or event.ttft_s <= 0:
+            return
+        tier = event.request.tier
+        ratio = min(4.0, max(0.25, event.ttft_s / pred))
+        old = self._kappa.get(tier, 1.0)
+        # log-space EWMA: a ratio of 2 and of 0.5 pull equally hard
+        self._kappa[tier] = min(3.0, max(0.5, math.exp(0.9 * math.log(old)
+                                                       + 0.1 * math.log(old * ratio))))
+
+    def on_complete(self, event: CompletionEvent) -> None:
+        self._pred.pop(event.request.request_id, None)
+        if event.status != "completed":
+            return
+        req = event.request
+        if req.input_tokens > 0:
+            h = min(1.0, event.cached_tokens / req.input_tokens)
+            old = self._hit.get(req.tier)
+            self._hit[req.tier] = h if old is None else 0.98 * old + 0.02 * h
+        if self.reserve_q is not None:
+            self._outputs.setdefault(req.tier, _Quantile()).add(event.output_tokens)
+
+    def on_window(self, stats: WindowStats, now_s: float) -> dict[str, float]:
+        if self.adaptive:
+            st = self.ctrl.update(stats, now_s)
+            self.batch_share = st.batch_share
+            self.long_share = st.long_share
+            self.reject_factor = st.reject_factor
+        out = {"batch_share": self.batch_share, "long_share": self.long_share,
+               "reject_factor": self.reject_factor}
+        for tier, k in self._kappa.items():
+            out[f"kappa_{tier}"] = k
+        return out
