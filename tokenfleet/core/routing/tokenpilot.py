@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Sequence
 
 from tokenfleet.core.routing.base import ROUTERS, BaseRouter, eligible
@@ -57,7 +57,7 @@ class _Flight:
     """One of our requests, from dispatch to completion."""
 
     __slots__ = ("request", "instance_id", "dispatch_s", "work_s", "base_pred_s",
-                 "cached_tokens", "kv_tokens", "probes", "prefilling", "blind")
+                 "cached_tokens", "kv_tokens", "probes", "prefilling", "blind", "ttft_s")
 
     def __init__(self, request: RequestInfo, instance_id: str, dispatch_s: float,
                  work_s: float, base_pred_s: float, cached_tokens: int,
@@ -73,6 +73,7 @@ class _Flight:
         self.prefilling = True
         # sent to the family's rendezvous instance without knowing its cache
         self.blind = blind
+        self.ttft_s = 0.0
 
 
 class _InstState:
@@ -81,7 +82,9 @@ class _InstState:
     __slots__ = ("profile", "prefill", "inflation", "kappa", "drain_at_s", "pending",
                  "inflight", "mean_work_base_s", "since_scrape_s", "since_scrape_kv",
                  "scrape_seen_s", "cap_tokens", "spec_discount_tokens", "infl_factor",
-                 "infl_wait_base_s", "decode_step_base_s", "rhash")
+                 "infl_wait_base_s", "decode_step_base_s", "rhash", "others_base_s",
+                 "done_recent", "eng_busy_until_s", "last_queries", "last_hits",
+                 "scrape_prev_s")
 
     def __init__(self, inst: InstanceView, prefill: PrefillModel,
                  inflation: StepInflation, kappa: LogRatioCorrector,
@@ -96,6 +99,16 @@ class _InstState:
         self.mean_work_base_s = mean_work_base_s
         self.since_scrape_s = 0.0  # own prefill work dispatched after the last scrape
         self.since_scrape_kv = 0  # own KV tokens dispatched after the last scrape
+        # other replicas' prefill work queued at the last scrape (profile seconds)
+        self.others_base_s = 0.0
+        self.done_recent: deque[tuple[float, float]] = deque()  # own (dispatch, finish)
+        # When the prefill work the engine has admitted (all replicas) should be
+        # done, from scraped prefix-cache query/hit counters: their difference
+        # is the uncached prompt tokens admitted between scrapes.
+        self.eng_busy_until_s = float("-inf")
+        self.last_queries = -1
+        self.last_hits = 0
+        self.scrape_prev_s = float("-inf")
         self.scrape_seen_s = float("nan")
         self.cap_tokens = inst.kv_capacity_tokens or inst.profile.kv_capacity_tokens
         # A speculative holder is still prefilling: we get admitted alongside its
@@ -145,6 +158,7 @@ class TokenPilotRouter(BaseRouter):
         correction_step: float = 0.02,
         output_prior_tokens: int = 256,
         kv_safety: float = 0.95,
+        ghost_threshold: float = 0.05,
         **_shared: object,
     ) -> None:
         # ``**_shared``: the simulator passes one kwargs dict to every policy.
@@ -159,11 +173,15 @@ class TokenPilotRouter(BaseRouter):
         self.work_weight = work_weight
         self.correction_step = correction_step
         self.kv_safety = kv_safety
+        self.ghost_threshold = ghost_threshold
         self._states: dict[str, _InstState] = {}
         self._flights: dict[str, _Flight] = {}
         self._models: dict[int, tuple[EngineProfile, PrefillModel, StepInflation,
                                       LogRatioCorrector]] = {}
         self._mean_work_s = 0.3  # kappa-corrected, pool-wide, for the herd window
+        self._mean_base_work_s = 0.3  # profile seconds of prefill per request
+        self._f_prefill = 0.5  # share of in-flight requests still in prefill
+        self._mean_input_tokens = 4096.0
         self.replicas_est = 1.0  # scraped load / own load: how many of us there are
         self.hit_realization = 1.0  # engine-reported cached / our expected cached
         # Hit fraction seen when routing blind to a family's rendezvous instance:
@@ -197,6 +215,27 @@ class TokenPilotRouter(BaseRouter):
         st.since_scrape_s = sum(f.work_s for f in st.pending.values() if f.dispatch_s > at)
         st.since_scrape_kv = sum(f.kv_tokens for f in st.inflight.values()
                                  if f.dispatch_s > at)
+        if st.last_queries >= 0 and m.prefix_queries_total >= st.last_queries:
+            du = (m.prefix_queries_total - st.last_queries) - (m.prefix_hits_total - st.last_hits)
+            if du > 0:
+                pm = st.prefill
+                base = du * (pm.per_token_s + pm.per_pair_s * 0.5 * self._mean_input_tokens
+                             + pm.overhead_s / pm.chunk_tokens)
+                prev = st.scrape_prev_s
+                start = st.eng_busy_until_s if st.eng_busy_until_s > prev else prev
+                st.eng_busy_until_s = start + st.kappa.value * base
+        st.last_queries = m.prefix_queries_total
+        st.last_hits = m.prefix_hits_total
+        st.scrape_prev_s = at
+        # What the scrape counts that we did not send: other replicas' requests.
+        done = st.done_recent
+        while done and done[0][1] <= at:
+            done.popleft()
+        own_at = (sum(1 for f in st.inflight.values() if f.dispatch_s <= at)
+                  + sum(1 for d, _ in done if d <= at))
+        others = m.num_running + m.num_waiting - own_at
+        st.others_base_s = (others * self._f_prefill * self._mean_base_work_s
+                            if others > 0 else 0.0)
         decodes = max(0, m.num_running)
         st.infl_factor, st.infl_wait_base_s = st.inflation.get(decodes, mean_ctx)
         st.decode_step_base_s = 2.0 * st.infl_wait_base_s
@@ -227,6 +266,7 @@ class TokenPilotRouter(BaseRouter):
         scores: list[int] = []
         sum_scraped = 0
         sum_own = 0
+        sum_pending = 0
         top = -1
         top_score = -1
         for inst in pool.instances:
@@ -260,8 +300,15 @@ class TokenPilotRouter(BaseRouter):
             if q < 0.0:
                 q = 0.0
             waiting = m.num_waiting
-            if waiting or st.since_scrape_s:
-                qs = waiting * st.mean_work_base_s * st.kappa.value - (now - m.scraped_at_s)
+            if st.others_base_s:
+                qo = st.others_base_s * st.kappa.value - (now - m.scraped_at_s)
+                if qo > 0.0:
+                    q += sw * qo
+            eng = st.eng_busy_until_s
+            if waiting or eng > now:
+                # admitted prefill (every replica's) finishes, then the waiting ones
+                start = eng if eng > m.scraped_at_s else m.scraped_at_s
+                qs = start + waiting * st.mean_work_base_s * st.kappa.value - now
                 if qs < 0.0:
                     qs = 0.0
                 qs = sw * (qs + st.since_scrape_s)
@@ -278,7 +325,9 @@ class TokenPilotRouter(BaseRouter):
             cached_l.append(c)
             scores.append(score)
             sum_scraped += m.num_running + waiting
-            sum_own += inst.accounting.inflight_requests
+            acc = inst.accounting
+            sum_own += acc.inflight_requests
+            sum_pending += acc.prefill_pending_requests
         if not ids:
             eligible(request, pool)  # raises NoCandidateError with a helpful message
             raise AssertionError("unreachable")  # pragma: no cover
@@ -287,6 +336,8 @@ class TokenPilotRouter(BaseRouter):
             ratio = sum_scraped / sum_own
             ratio = 1.0 if ratio < 1.0 else (64.0 if ratio > 64.0 else ratio)
             self.replicas_est += 0.05 * (ratio - self.replicas_est)
+        if sum_own:
+            self._f_prefill += 0.02 * (sum_pending / sum_own - self._f_prefill)
         # Another replica may have sent this prompt family to its rendezvous
         # instance: expect the hit fraction we have observed there before.
         blind = cached_l[top] == 0
@@ -334,13 +385,27 @@ class TokenPilotRouter(BaseRouter):
         if window > self.max_margin_s:
             window = self.max_margin_s
         limit = best_fit + window
-        # Among the near-best, prefer the family's rendezvous instance: replicas
-        # agree on it without talking, and different families spread out.
+        # Tie-break among the near-best. Rendezvous order makes replicas agree
+        # on a prompt family's instance without talking (and spreads distinct
+        # families), but for one-off prompts it balances no better than random.
+        # Fewest own requests in flight keeps each replica's stream even, so
+        # the sum over replicas is smooth. Use rendezvous when blind routing to
+        # it has been paying off (another replica's cache was there), and for a
+        # fixed quarter of families always, so that payoff keeps being measured.
+        rendezvous = self.ghost_hit_frac > self.ghost_threshold or (key >> 7) & 3 == 0
         j = -1
-        js = -1
-        for k in range(n):
-            if costs[k] <= limit and (fits_l[k] or not any_fit) and scores[k] > js:
-                j, js = k, scores[k]
+        if rendezvous:
+            js = -1
+            for k in range(n):
+                if costs[k] <= limit and (fits_l[k] or not any_fit) and scores[k] > js:
+                    j, js = k, scores[k]
+        else:
+            best_key = (1 << 62, 0)
+            for k in range(n):
+                if costs[k] <= limit and (fits_l[k] or not any_fit):
+                    key_k = (len(states[k].inflight), -scores[k])
+                    if key_k < best_key:
+                        j, best_key = k, key_k
         return self._dispatch(request, pool, ids[j], states[j], preds[j], cached_l[j],
                               probes, reserve_out, blind and j == top)
 
@@ -363,6 +428,8 @@ class TokenPilotRouter(BaseRouter):
             st.since_scrape_kv += kv
         st.mean_work_base_s += 0.1 * (base_own - st.mean_work_base_s)
         self._mean_work_s += 0.05 * (work - self._mean_work_s)
+        self._mean_base_work_s += 0.05 * (base_own - self._mean_base_work_s)
+        self._mean_input_tokens += 0.05 * (request.input_tokens - self._mean_input_tokens)
         self.knowledge.speculate(iid, probes, now)
         self._routed += 1
         return RouteDecision(
@@ -399,9 +466,7 @@ class TokenPilotRouter(BaseRouter):
         if st is None:
             return
         self._end_prefill(flight, event.now_s, st)
-        if flight.base_pred_s > 0.0 and event.ttft_s > 0.0:
-            sample = event.ttft_s / flight.base_pred_s
-            st.kappa.update(sample)
+        flight.ttft_s = event.ttft_s  # kappa learns at completion, see on_complete
         self.knowledge.unspeculate(flight.instance_id, flight.probes)
         self.knowledge.confirm(flight.instance_id, flight.request.block_hashes)
 
@@ -419,6 +484,13 @@ class TokenPilotRouter(BaseRouter):
                 self._end_prefill(flight, event.now_s, st)
                 self.knowledge.unspeculate(flight.instance_id, flight.probes)
             st.inflight.pop(rid, None)
+            st.done_recent.append((flight.dispatch_s, event.now_s))
+            # Learn the rate only when our cache guess was right: a surprise hit
+            # or miss is a cache-knowledge error, not a wrong profile.
+            miss = abs(event.cached_tokens - flight.cached_tokens)
+            if (event.status == "completed" and flight.ttft_s > 0.0 and flight.base_pred_s > 0.0
+                    and miss <= 0.1 * flight.request.input_tokens + 2 * BLOCK_SIZE_TOKENS):
+                st.kappa.update(flight.ttft_s / flight.base_pred_s)
             if flight.dispatch_s > st.scrape_seen_s:
                 st.since_scrape_kv = max(0, st.since_scrape_kv - flight.kv_tokens)
         if flight.blind and event.status == "completed":

@@ -1,0 +1,463 @@
+"""TokenPilot scenarios: cache benefit vs queue cost, online correction, hot
+prefixes, router replicas, KV headroom, ties, cache knowledge, honesty.
+
+Hand-built snapshots drive single decisions; small runs of the real simulator
+(``tokenfleet.sim``) drive the behaviour that only shows over time.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+
+from tokenfleet.core.routing import ROUTERS, BaseRouter
+from tokenfleet.core.routing.base import eligible
+from tokenfleet.core.routing.tokenpilot import TokenPilotRouter
+from tokenfleet.core.tiers import SLOConfig
+from tokenfleet.core.tokenpilot import LogRatioCorrector, OutputLengthModel, PrefillModel
+from tokenfleet.core.types import (
+    BLOCK_SIZE_TOKENS,
+    CompletionEvent,
+    FirstTokenEvent,
+    InstanceView,
+    KVEvent,
+    PoolSnapshot,
+    RequestInfo,
+    RouteDecision,
+    ScrapedMetrics,
+)
+from tokenfleet.engine.profiles import H200, get_profile
+from tokenfleet.sim.cluster import PoolConfig, PoolSim, run_pool
+from tokenfleet.sim.core import Environment
+from tokenfleet.sim.metrics import percentile
+from tokenfleet.sim.records import RequestRecord
+from tokenfleet.workloads.trace import TraceRequest
+
+PROFILE = get_profile("llama3-8b-h200")
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+
+
+# -- helpers ------------------------------------------------------------------------
+def views(n: int, **metrics: object) -> list[InstanceView]:
+    return [
+        InstanceView(instance_id=f"i{i}", profile=PROFILE,
+                     kv_capacity_tokens=PROFILE.kv_capacity_tokens,
+                     max_model_len_tokens=PROFILE.model.max_model_len_tokens,
+                     metrics=ScrapedMetrics(scraped_at_s=0.0, **metrics),  # type: ignore[arg-type]
+                     index=i)
+        for i in range(n)
+    ]
+
+
+_ids = iter(range(10**9))
+
+
+def prompt(blocks: int, base: int | None = None) -> tuple[int, ...]:
+    """Chained-hash stand-in: ``blocks`` block hashes unique to ``base``."""
+    b = next(_ids) if base is None else base
+    return tuple(b * 1_000_000 + j for j in range(blocks))
+
+
+def req(hashes: tuple[int, ...], max_tokens: int = 256, extra_tokens: int = 8,
+        arrival_s: float = 1.0) -> RequestInfo:
+    return RequestInfo(request_id=f"r{next(_ids)}", arrival_s=arrival_s,
+                       input_tokens=len(hashes) * BLOCK_SIZE_TOKENS + extra_tokens,
+                       max_tokens=max_tokens, block_hashes=hashes)
+
+
+def first_token(router: TokenPilotRouter, r: RequestInfo, d: RouteDecision,
+                now_s: float, ttft_s: float | None = None) -> None:
+    """Report a first token exactly when predicted (keeps kappa at 1)."""
+    t = d.predicted_ttft_s if ttft_s is None else ttft_s
+    router.on_first_token(FirstTokenEvent(r, d.instance_id, now_s, t or 0.0,
+                                          d.predicted_ttft_s))
+
+
+def warm(router: TokenPilotRouter, pool: list[InstanceView], target: int,
+         hashes: tuple[int, ...]) -> None:
+    """Make ``router`` see ``hashes`` prefilled on instance ``target``."""
+    for k, v in enumerate(pool):
+        v.ready = k == target
+    r = req(hashes)
+    d = router.route(r, PoolSnapshot(0.0, pool))
+    assert d.instance_id == pool[target].instance_id
+    first_token(router, r, d, now_s=0.5)
+    for v in pool:
+        v.ready = True
+
+
+def fill(router: TokenPilotRouter, pool: list[InstanceView], target: int,
+         n: int, blocks: int, now_s: float = 1.0) -> float:
+    """Queue ``n`` unrelated prompts on ``target`` (others not ready); return seconds."""
+    for k, v in enumerate(pool):
+        v.ready = k == target
+    for _ in range(n):
+        router.route(req(prompt(blocks)), PoolSnapshot(now_s, pool))
+    for v in pool:
+        v.ready = True
+    return router.queue_s(pool[target].instance_id, now_s)
+
+
+def pool_sim(reqs: list[TraceRequest], policy: str, *, n: int = 4, routers: int = 1,
+             scrape_s: float = 0.1, router_profile: object = None,
+             seed: int = 0) -> tuple[list[RequestRecord], PoolSim]:
+    env = Environment()
+    recs: list[RequestRecord] = []
+    pool = PoolSim(env, PoolConfig(profile=PROFILE, n_instances=n, router=policy,
+                                   n_routers=routers, scrape_interval_s=scrape_s, seed=seed),
+                   SLOConfig(), on_done=recs.append)
+    if router_profile is not None:  # what the routers believe, not what the engines do
+        for vs in pool.views:
+            for v in vs:
+                v.profile = router_profile  # type: ignore[assignment]
+    for tr in reqs:
+        env.schedule_at(tr.info.arrival_s, pool.submit, tr)
+    env.run()
+    recs.sort(key=lambda r: r.arrival_s)
+    return recs, pool
+
+
+def ttfts(recs: list[RequestRecord]) -> list[float]:
+    return [r.ttft_s for r in recs if r.status == "completed" and r.ttft_s is not None]
+
+
+def workload(n: int, rate: float, seed: int = 0, families: int = 40, p_family: float = 0.6,
+             out: tuple[int, int] = (20, 200)) -> list[TraceRequest]:
+    """Poisson arrivals; a share of prompts continue one of a few long families."""
+    rng = random.Random(seed)
+    t = 0.0
+    fam = [prompt(rng.randint(200, 700)) for _ in range(families)]
+    reqs = []
+    for i in range(n):
+        t += rng.expovariate(rate)
+        if rng.random() < p_family:
+            hashes = rng.choice(fam) + prompt(rng.randint(4, 60))
+        else:
+            hashes = prompt(rng.randint(50, 900))
+        info = RequestInfo(request_id=f"w{seed}-{i}", arrival_s=t,
+                           input_tokens=len(hashes) * BLOCK_SIZE_TOKENS + 5,
+                           max_tokens=512, block_hashes=hashes)
+        reqs.append(TraceRequest(info, rng.randint(*out)))
+    return reqs
+
+
+# -- estimators -------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["llama3-8b-h200", "llama3-70b-h200-tp4"])
+def test_closed_form_prefill_matches_the_chunked_roofline(name: str) -> None:
+    prof = get_profile(name)
+    model = PrefillModel(prof)
+    for u, c in [(1, 0), (700, 0), (5000, 0), (8192, 0), (15000, 0), (5000, 10000),
+                 (32000, 0), (300, 30000), (70000, 20000)]:
+        assert model.seconds(u, c) == pytest.approx(prof.prefill_time_s(u, c), rel=0.02)
+
+
+def test_output_quantiles_are_learned_per_tenant_and_capped_by_the_budget() -> None:
+    m = OutputLengthModel(prior_tokens=256, min_samples=20)
+    r = req(prompt(4), max_tokens=4000)
+    assert m.estimate(r) == (256, 256)  # prior until there is evidence
+    rng = random.Random(0)
+    for _ in range(400):
+        m.observe("short", "chat", rng.randint(10, 50))
+        m.observe("long", "chat", rng.randint(1000, 3000))
+    short = m.estimate(replace(r, tenant="short"))
+    long_ = m.estimate(replace(r, tenant="long"))
+    assert 10 <= short[0] <= short[1] <= 70
+    assert 1000 <= long_[0] <= long_[1] <= 3600
+    assert m.estimate(replace(r, tenant="long", max_tokens=500)) == (500, 500)
+
+
+def test_corrector_converges_and_ignores_one_sided_outliers() -> None:
+    k = LogRatioCorrector(1.0, step=0.02)
+    rng = random.Random(1)
+    for _ in range(300):
+        # true ratio 2; one sample in five is inflated by queueing we cannot see
+        k.update(2.0 * (1 + 4 * rng.random() if rng.random() < 0.2 else 1.0))
+    assert k.value == pytest.approx(2.0, rel=0.1)
+
+
+# -- cache benefit vs queue cost (hand-built snapshots) ----------------------------------
+def test_leaves_a_hot_cached_instance_once_its_queue_costs_more_than_the_saved_prefill(
+) -> None:
+    shared = prompt(768)  # 12,288 cached tokens
+    own = 256  # blocks of new suffix: 4,096 tokens
+
+    def scenario(filler_requests: int) -> tuple[RouteDecision, float, float]:
+        router = TokenPilotRouter()
+        pool = views(2)
+        warm(router, pool, 0, shared)
+        queued = fill(router, pool, 0, filler_requests, blocks=128) if filler_requests else 0.0
+        r = req(shared + prompt(own))
+        d = router.route(r, PoolSnapshot(1.0, pool))
+        cached = 0
+        if d.instance_id == "i0":
+            cached = d.expected_cached_tokens
+        saved = (PROFILE.prefill_time_s(r.input_tokens)
+                 - PROFILE.prefill_time_s(r.input_tokens - 12_000, 12_000))
+        return d, queued, saved + 0 * cached
+
+    d0, _, saved = scenario(0)
+    assert d0.instance_id == "i0" and d0.expected_cached_tokens >= 11_000
+    per_filler = PROFILE.prefill_time_s(128 * BLOCK_SIZE_TOKENS + 8)
+    few = int(0.7 * saved / per_filler)
+    many = int(1.3 * saved / per_filler) + 1
+    d_few, q_few, _ = scenario(few)
+    d_many, q_many, _ = scenario(many)
+    assert q_few < saved < q_many  # the scenario straddles the break-even point
+    assert d_few.instance_id == "i0", "queue shorter than the saving: keep the cache hit"
+    assert d_many.instance_id == "i1", "queue longer than the saving: leave the hot instance"
+    assert d_many.expected_cached_tokens == 0
+
+
+def test_prediction_is_queue_plus_prefill_in_seconds() -> None:
+    router = TokenPilotRouter()
+    pool = views(1)
+    queued = fill(router, pool, 0, 3, blocks=512)
+    r = req(prompt(1000))
+    d = router.route(r, PoolSnapshot(1.0, pool))
+    expect = queued + PROFILE.prefill_time_s(r.input_tokens)
+    assert d.predicted_ttft_s == pytest.approx(expect, rel=0.03)
+
+
+# -- KV headroom -----------------------------------------------------------------
+def test_filters_instances_whose_kv_cannot_hold_prompt_plus_reserved_output() -> None:
+    router = TokenPilotRouter()
+    pool = views(2)
+    fill(router, pool, 1, 4, blocks=256)  # i1 is busy, i0 idle ...
+    pool[0].metrics.kv_usage = 0.99  # ... but i0's KV is full of running requests
+    r = req(prompt(1250), max_tokens=2048)  # 20k-token prompt
+    d = router.route(r, PoolSnapshot(1.0, pool))
+    assert d.instance_id == "i1"
+    # the prompt alone would fit; the reserved output is what does not
+    free_tokens = PROFILE.kv_capacity_tokens * 0.01
+    assert free_tokens < r.input_tokens + 256 and free_tokens > 0
+
+
+def test_when_no_instance_has_headroom_it_still_routes_to_the_least_bad() -> None:
+    router = TokenPilotRouter()
+    pool = views(3, kv_usage=0.999)
+    pool[2].metrics.kv_usage = 0.97
+    d = router.route(req(prompt(1250)), PoolSnapshot(1.0, pool))
+    assert d.instance_id == "i2"
+
+
+def test_not_ready_or_wrong_model_instances_are_never_chosen() -> None:
+    router = TokenPilotRouter()
+    pool = views(4)
+    for v in pool:
+        v.model = "m"
+    pool[0].ready = False
+    pool[1].model = "other"
+    pool[2].metrics.healthy = False
+    for _ in range(20):
+        d = router.route(replace(req(prompt(50)), model="m"), PoolSnapshot(1.0, pool))
+        assert d.instance_id == "i3"
+    with pytest.raises(Exception, match="no ready instance"):
+        router.route(replace(req(prompt(5)), model="missing"), PoolSnapshot(1.0, pool))
+
+
+# -- ties and spreading ----------------------------------------------------------------
+def test_ties_spread_over_idle_instances_never_always_worker_zero() -> None:
+    router = TokenPilotRouter()
+    pool = views(8)
+    chosen = [router.route(req(prompt(100)), PoolSnapshot(1.0, pool)).instance_id
+              for _ in range(8)]
+    assert len(set(chosen)) == 8  # each dispatch queues work, the next goes elsewhere
+    firsts = {TokenPilotRouter(seed=s).route(req(prompt(100)), PoolSnapshot(1.0, views(8)))
+              .instance_id for s in range(40)}
+    assert len(firsts) >= 6  # fresh routers, fresh prompts: no favourite instance
+
+
+# -- cache knowledge ---------------------------------------------------------------------
+def test_speculative_entries_keep_a_burst_sharing_a_new_prefix_together() -> None:
+    def burst(ttl_s: float) -> list[str]:
+        router = TokenPilotRouter(speculative_ttl_s=ttl_s)
+        pool = views(2)
+        fill(router, pool, 1, 2, blocks=512)  # i1 has ~0.5 s queued
+        shared = prompt(2000)  # 32k tokens, new to everyone
+        out = []
+        for _ in range(2):  # same instant: no first token yet
+            out.append(router.route(req(shared + prompt(4)), PoolSnapshot(1.0, pool))
+                       .instance_id)
+        return out
+
+    assert burst(30.0) == ["i0", "i0"]
+    assert burst(0.0) == ["i0", "i1"]  # without speculation the burst scatters
+
+
+def test_exact_kv_events_override_the_approximate_index() -> None:
+    router = TokenPilotRouter()
+    pool = views(3)
+    hashes = prompt(600)
+
+    def route() -> RouteDecision:
+        r = req(hashes + prompt(10))
+        d = router.route(r, PoolSnapshot(1.0, pool))
+        first_token(router, r, d, now_s=1.0)  # prefill done: no speculation left
+        return d
+
+    router.on_kv_event(KVEvent("i2", "stored", hashes))
+    d = route()
+    assert d.instance_id == "i2" and d.expected_cached_tokens >= 590 * BLOCK_SIZE_TOKENS
+    router.on_kv_event(KVEvent("i2", "removed", hashes[300:]))
+    d = route()
+    assert 200 * BLOCK_SIZE_TOKENS <= d.expected_cached_tokens <= 300 * BLOCK_SIZE_TOKENS
+    router.on_kv_event(KVEvent("i2", "cleared", ()))
+    assert route().expected_cached_tokens == 0
+
+
+# -- honesty ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Trap(RequestInfo):
+    """A request that explodes if anyone asks for its true output length."""
+
+    @property
+    def output_tokens(self) -> int:
+        raise AssertionError("router read the true output length")
+
+    @property
+    def output_length(self) -> int:
+        raise AssertionError("router read the true output length")
+
+
+def test_the_true_output_length_is_never_read() -> None:
+    router = TokenPilotRouter()
+    pool = views(2)
+    for i in range(30):
+        base = req(prompt(100 + i), max_tokens=300)
+        r = _Trap(**{f: getattr(base, f) for f in RequestInfo.__dataclass_fields__})
+        d = router.route(r, PoolSnapshot(1.0 + i, pool))
+        first_token(router, r, d, now_s=1.1 + i)
+        router.on_complete(CompletionEvent(r, d.instance_id, 2.0 + i, "completed",
+                                           output_tokens=42, cached_tokens=0,
+                                           ttft_s=0.1, e2e_s=1.0))
+    assert router.outputs.quantiles("default", "chat") is not None  # learned after the fact
+
+
+# -- behaviour over time (simulator) --------------------------------------------------------
+def test_online_correction_when_the_profile_is_wrong_by_2x() -> None:
+    gpu_fast = replace(H200, peak_flops=2 * H200.peak_flops,
+                       hbm_bytes_per_s=2 * H200.hbm_bytes_per_s)
+    believed = PROFILE.with_overrides(gpu=gpu_fast, step_overhead_s=PROFILE.step_overhead_s / 2)
+    assert believed.prefill_time_s(10_000) == pytest.approx(PROFILE.prefill_time_s(10_000) / 2,
+                                                            rel=0.01)
+    recs, pool = pool_sim(workload(400, rate=6.0, seed=3), "tokenpilot", n=2,
+                          router_profile=believed)
+    router = pool.routers[0]
+    assert isinstance(router, TokenPilotRouter)
+    ratios = [r.ttft_s / r.predicted_ttft_s for r in recs
+              if r.ttft_s and r.predicted_ttft_s]
+    assert percentile(ratios[:5], 50) == pytest.approx(2.0, rel=0.25)  # starts 2x off
+    assert percentile(ratios[-150:], 50) == pytest.approx(1.0, rel=0.12)  # converged
+    assert router.kappa("local/i0") == pytest.approx(2.0, rel=0.15)
+
+
+class _LongestPrefix(BaseRouter):
+    """Naive affinity: always the longest cached prefix; ties to the first."""
+
+    name = "test_longest_prefix"
+
+    def __init__(self, seed: int = 0) -> None:
+        from tokenfleet.core.prefix_index import PrefixIndex
+
+        self.index = PrefixIndex(stride_blocks=4)
+
+    def route(self, request: RequestInfo, pool: PoolSnapshot) -> RouteDecision:
+        cands = eligible(request, pool)
+        match = self.index.match(request.block_hashes)
+        best = max(cands, key=lambda v: (match.get(v.instance_id, 0), -v.index))
+        self.index.insert(best.instance_id, request.block_hashes)
+        return RouteDecision(best.instance_id)
+
+
+class _NaiveArgmin(BaseRouter):
+    """Naive load argmin: scraped queue + own in-flight, ties to the first."""
+
+    name = "test_naive_argmin"
+
+    def __init__(self, seed: int = 0) -> None:
+        pass
+
+    def route(self, request: RequestInfo, pool: PoolSnapshot) -> RouteDecision:
+        cands = eligible(request, pool)
+        best = min(cands, key=lambda v: (v.metrics.num_waiting + v.metrics.num_running
+                                         + v.accounting.prefill_pending_requests, v.index))
+        return RouteDecision(best.instance_id)
+
+
+@pytest.fixture
+def test_routers() -> object:
+    for cls in (_LongestPrefix, _NaiveArgmin):
+        ROUTERS.add(cls.name, cls)
+    yield None
+    for cls in (_LongestPrefix, _NaiveArgmin):
+        ROUTERS.remove(cls.name)
+
+
+def test_one_hot_prefix_starves_no_instance_and_overloads_none(test_routers: object) -> None:
+    rng = random.Random(5)
+    hot = prompt(1000)  # 16k-token shared prefix
+    reqs, t = [], 0.0
+    for i in range(500):
+        t += rng.expovariate(40.0)
+        hashes = hot + prompt(rng.randint(8, 64)) if rng.random() < 0.85 else prompt(300)
+        info = RequestInfo(request_id=f"h{i}", arrival_s=t, max_tokens=256,
+                           input_tokens=len(hashes) * BLOCK_SIZE_TOKENS + 3,
+                           block_hashes=hashes)
+        reqs.append(TraceRequest(info, rng.randint(30, 150)))
+
+    def shape(policy: str) -> tuple[float, float, float]:
+        recs, pool = pool_sim(reqs, policy, n=4)
+        counts = [sum(1 for r in recs if r.instance_id == e.instance_id) for e in pool.engines]
+        busy = pool.busy_s()
+        mean = sum(busy) / len(busy)
+        return min(counts) / len(recs), max(busy) / mean, percentile(ttfts(recs), 95) or 0.0
+
+    share, imbalance, p95 = shape("tokenpilot")
+    assert share >= 0.08, "an instance starved"
+    assert imbalance <= 1.6, "an instance is overloaded"
+    naive_share, naive_imbalance, naive_p95 = shape("test_longest_prefix")
+    assert naive_imbalance > 2.0  # the scenario does overload a pure affinity router
+    assert p95 < 0.5 * naive_p95
+
+
+def test_replicas_do_not_herd(test_routers: object) -> None:
+    """4 replicas, 500 ms scrapes, no prefix reuse: a naive argmin herds."""
+    reqs = workload(600, rate=16.0, seed=11, p_family=0.0, out=(10, 60))
+
+    def p95(policy: str, routers: int) -> float:
+        recs, _ = pool_sim(reqs, policy, n=8, routers=routers, scrape_s=0.5)
+        return percentile(ttfts(recs), 95) or 0.0
+
+    tp1, tp4, naive4 = p95("tokenpilot", 1), p95("tokenpilot", 4), p95("test_naive_argmin", 4)
+    assert naive4 > 1.3 * tp4, (tp4, naive4)
+    assert tp4 < 1.5 * tp1, (tp1, tp4)
+
+
+# -- the acceptance trace (slow) ------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.traces
+def test_mooncake_load_08_beats_round_robin_by_the_published_ratios() -> None:
+    trace = TRACES / "mooncake_synthetic.jsonl"
+    if not trace.exists():
+        pytest.skip(f"public traces not found at {TRACES}")
+    from tokenfleet.sim.runner import SimSettings, run_policies
+    from tokenfleet.workloads.loader import load_workload
+    from tokenfleet.workloads.scaling import scale_to_load
+
+    reqs = list(scale_to_load(load_workload(str(trace), None), 0.8, PROFILE, 8))
+    runs = {r.policy: r.summary for r in run_policies(
+        reqs, ["round_robin", "tokenpilot"], SimSettings(profile=PROFILE, instances=8))}
+    rr, tp = runs["round_robin"], runs["tokenpilot"]
+    assert tp["ttft_p50_s"] / rr["ttft_p50_s"] <= 0.287
+    assert tp["ttft_p95_s"] / rr["ttft_p95_s"] <= 0.676
+    assert tp["throughput_tok_s"] >= 0.98 * rr["throughput_tok_s"]
+
+
+def test_run_pool_smoke_with_router_kwargs() -> None:
+    recs, _ = run_pool(workload(40, rate=5.0, seed=2),
+                       PoolConfig(profile=PROFILE, n_instances=2, router="tokenpilot",
+                                  router_kwargs={"tie_rel": 0.05}), SLOConfig())
+    assert all(r.status == "completed" for r in recs)
