@@ -108,3 +108,29 @@ class TenancyGate:
         if self.usage is not None:
             self.usage.record(admission.tenant.id, admission.ticket.budget, requests=1,
                               prompt_tokens=prompt, completion_tokens=completion_tokens)
+
+
+#: output reservation when a request sets no max_tokens (the gateway's own default)
+DEFAULT_MAX_TOKENS = 4096
+
+
+def estimate_chat_cost(body: dict[str, Any]) -> tuple[int, int]:
+    """(prompt tokens, reserved output tokens) of a chat request, before it runs.
+
+    The prompt is counted like the gateway does (rendered chat, 4 bytes per
+    token, ``tokenfleet.emulator.tokenizer``); the output reservation is
+    ``max_completion_tokens``/``max_tokens`` or :data:`DEFAULT_MAX_TOKENS`.
+    Both are reconciled with real usage when the request finishes.
+    """
+    from tokenfleet.emulator.tokenizer import BYTES_PER_TOKEN, encode_text, render_chat
+
+    try:
+        prompt = len(encode_text(render_chat(body.get("messages") or []))) // BYTES_PER_TOKEN
+    except (ValueError, TypeError, AttributeError):
+        prompt = 0
+    out = body.get("max_completion_tokens")
+    if out is None:
+        out = body.get("max_tokens")
+    if not isinstance(out, int) or isinstance(out, bool) or out < 0:
+        out = DEFAULT_MAX_TOKENS
+    return prompt, out
