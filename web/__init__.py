@@ -80,6 +80,11 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     app.register_blueprint(openai_bp)
     app.register_blueprint(ops_bp)
 
+    # tenancy (quotas on chat), /v1/files + /v1/batches and the batch runner: web/batch_api
+    from web.batch_api import init_app as init_batch_api
+
+    init_batch_api(app)
+
     @app.errorhandler(ApiError)
     def _api_error(err: ApiError) -> Response:
         metrics.error(err.status)

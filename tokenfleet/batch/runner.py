@@ -159,6 +159,10 @@ class BatchRunner:
             self._wake.clear()
             try:
                 self.tick()
+            except sa.exc.OperationalError as exc:  # database down: keep trying, quietly
+                log.warning("batch runner: database unavailable (%s); retrying",
+                            str(exc.orig).strip().splitlines()[0] if exc.orig else exc)
+                self._stop.wait(2.0)
             except Exception:  # noqa: BLE001 - keep running; the database may come back
                 log.exception("batch runner tick failed")
                 self._stop.wait(1.0)

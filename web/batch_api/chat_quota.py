@@ -54,18 +54,33 @@ def _usage_of(obj: Any) -> tuple[int, int] | None:
 
 
 class _UsageSniffer:
-    """Pass SSE bytes through; remember the last ``usage`` seen in a data chunk."""
+    """Pass SSE bytes through; remember the last ``usage`` seen in a data chunk.
+
+    ``close()`` is forwarded to the wrapped iterable: the chat view notices a
+    client that went away through its generator being closed.
+    """
 
     def __init__(self, inner: Iterable[bytes]) -> None:
         self.inner = inner
         self.usage: tuple[int, int] | None = None
         self._tail = b""
+        self._it: Iterator[bytes] | None = None
 
     def __iter__(self) -> Iterator[bytes]:
-        for chunk in self.inner:
-            if b"usage" in chunk or self._tail:
-                self._scan(chunk)
-            yield chunk
+        self._it = iter(self.inner)
+        return self
+
+    def __next__(self) -> bytes:
+        assert self._it is not None
+        chunk = next(self._it)
+        if b"usage" in chunk or self._tail:
+            self._scan(chunk)
+        return chunk
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()
 
     def _scan(self, chunk: bytes) -> None:
         buf = self._tail + chunk
