@@ -65,12 +65,14 @@ class EngineProfile:
     max_num_seqs: int = 256
     block_size_tokens: int = BLOCK_SIZE_TOKENS
     gpu_memory_utilization: float = 0.9
-    activation_reserve_bytes: float = 6e9  # per GPU: activations, CUDA graphs
-    # efficiency factors (calibrated, see docs/engine-model.md)
-    mfu: float = 0.6  # achieved fraction of peak FLOP/s in compute-bound steps
-    mbu: float = 0.75  # achieved fraction of HBM bandwidth in memory-bound steps
-    step_overhead_s: float = 0.002  # scheduler + sampling + launch, per step
-    allreduce_latency_s: float = 8e-6  # per all-reduce call under TP
+    # per GPU: activation peak, CUDA graphs, NCCL/cuBLAS workspaces (~2.8 GiB)
+    activation_reserve_bytes: float = 3e9
+    # efficiency factors, fitted to public vLLM/SGLang H100 measurements by
+    # benchmarks/calibrate_engine.py (table and sources: docs/engine-model.md)
+    mfu: float = 0.40  # whole-step fraction of peak FLOP/s (GEMMs alone reach ~0.7)
+    mbu: float = 0.85  # achieved fraction of HBM bandwidth in memory-bound steps
+    step_overhead_s: float = 0.0015  # scheduler + sampling + launch, per step
+    allreduce_latency_s: float = 4e-5  # per all-reduce call under TP (NCCL, 4xH100)
     notes: str = field(default="", compare=False)
 
     # -- capacity -----------------------------------------------------------
@@ -156,16 +158,18 @@ H200 = GPUSpec(
     name="H200-SXM",
     peak_flops=989e12,  # dense BF16, NVIDIA H200 datasheet
     hbm_bytes_per_s=4.8e12,
-    hbm_bytes=141e9,
-    interconnect_bytes_per_s=450e9,  # NVLink 4: 900 GB/s bidirectional
+    hbm_bytes=150e9,  # "141 GB" = 143771 MiB in nvidia-smi; ~139.7 GiB usable
+    # NCCL all-reduce bus bandwidth measured on NVLink 4 (900 GB/s bidirectional
+    # nominal): Vidur's 4xH100 DGX profile; H200 has the same NVLink
+    interconnect_bytes_per_s=330e9,
 )
 
 H100 = GPUSpec(
     name="H100-SXM",
-    peak_flops=989e12,
+    peak_flops=989e12,  # dense BF16, NVIDIA H100 datasheet
     hbm_bytes_per_s=3.35e12,
-    hbm_bytes=80e9,
-    interconnect_bytes_per_s=450e9,
+    hbm_bytes=85e9,  # "80 GB" = 81559 MiB; ~79.2 GiB usable
+    interconnect_bytes_per_s=330e9,
 )
 
 LLAMA3_8B = ModelSpec(
