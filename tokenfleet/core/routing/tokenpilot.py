@@ -7,28 +7,34 @@ For every candidate instance ``i``::
     cached_i  = reusable prefix we believe i holds (exact KV events, else the
                 prefixes we saw prefilled there, else a speculative entry
                 written when we routed a request with that prefix)
-    own_i     = kappa * prefill(input - cached_i | cached_i)         [profile]
-    queue_i   = max(own drain clock, scraped num_waiting * work/request
-                    - time since scrape + own work dispatched since scrape)
+    own_i     = kappa * prefill(input - cached_i | cached_i)        [profile]
+    queue_i   = max(own drain clock,
+                    scraped work: prefill the engine admitted (scraped prefix
+                    query/hit counters) + waiting requests, then our own
+                    dispatches since the scrape)
     ttft_i    = (queue_i + own_i) * decode_inflation_i + half a decode step
 
 and the request goes to the lowest ``ttft_i`` among instances whose KV
-headroom holds the prompt plus the output reserve (a learned p90 output
-length, capped by ``max_tokens``). ``kappa`` (one per engine profile) starts at 1 (the engine
-profile) and is learned from observed/predicted TTFT, so a wrong profile
-corrects itself. Near-ties (within a window that widens when scraped metrics
-show other router replicas we cannot see) are broken at random, which is
-what keeps N independent replicas from herding onto the same instance.
+headroom holds the uncached prompt plus the output reserve (a learned p90
+output length, capped by ``max_tokens``). ``kappa`` (one per engine profile)
+starts at 1 and is learned from observed/predicted TTFT, so a wrong profile
+corrects itself.
 
-Decision cost: one walk over ``prompt blocks / stride`` probe hashes plus
-O(1) work per instance.
+Near-ties (a window that widens when scraped load shows router replicas we
+cannot see) are broken towards the prompt family's rendezvous-hash instance
+when blind routing there has been finding caches other replicas filled, and
+towards the instance with fewest of our own requests in flight otherwise.
+
+Decision cost: one walk over ``prompt blocks / stride`` probe hashes plus a
+few dozen bytecodes per instance; everything that changes only on a scrape
+or a dispatch is precomputed then.
 """
 
 from __future__ import annotations
 
+import math
 import random
-import zlib
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Sequence
 
 from tokenfleet.core.routing.base import ROUTERS, BaseRouter, eligible
@@ -51,6 +57,21 @@ from tokenfleet.core.types import (
     ScrapedMetrics,
 )
 from tokenfleet.engine.profiles import EngineProfile
+
+_MASK64 = (1 << 64) - 1
+#: Prefix depth (engine blocks) that names a prompt "family" for rendezvous
+#: hashing: 32 x 16 = 512 tokens, enough to tell system prompts apart while a
+#: conversation's next turn keeps the same key.
+_FAMILY_BLOCKS = 32
+_RATE_TAU_S = 5.0  # time constant of our own dispatch-rate estimate
+
+
+def _family_key(block_hashes: Sequence[int]) -> int:
+    n = len(block_hashes)
+    if n == 0:
+        return 0
+    # Fibonacci hashing: engine hashes need not be well mixed in the low bits.
+    return ((block_hashes[min(n, _FAMILY_BLOCKS) - 1] * 0x9E3779B97F4A7C15) & _MASK64) >> 16
 
 
 class _Flight:
@@ -77,64 +98,48 @@ class _Flight:
 
 
 class _InstState:
-    """This replica's model of one instance."""
+    """This replica's model of one instance; scrape-derived parts are absolute times."""
 
-    __slots__ = ("profile", "prefill", "inflation", "kappa", "drain_at_s", "pending",
-                 "inflight", "mean_work_base_s", "since_scrape_s", "since_scrape_kv",
-                 "scrape_seen_s", "cap_tokens", "spec_discount_tokens", "infl_factor",
-                 "infl_wait_base_s", "decode_step_base_s", "rhash", "others_base_s",
-                 "done_recent", "eng_busy_until_s", "last_queries", "last_hits",
-                 "scrape_prev_s")
+    __slots__ = ("instance_id", "profile", "prefill", "inflation", "kappa", "drain_at_s",
+                 "pending", "inflight", "mean_work_base_s", "since_scrape_s", "since_scrape_kv",
+                 "scrape_seen_s", "scrape_prev_s", "scraped_done_at_s", "eng_busy_until_s",
+                 "last_queries", "last_hits", "scraped_load", "free_kv_tokens", "cap_tokens",
+                 "spec_discount_tokens", "infl_factor", "infl_wait_s", "decode_step_s",
+                 "last_dispatch_s")
 
     def __init__(self, inst: InstanceView, prefill: PrefillModel,
-                 inflation: StepInflation, kappa: LogRatioCorrector,
-                 mean_work_base_s: float) -> None:
+                 inflation: StepInflation, kappa: LogRatioCorrector) -> None:
+        self.instance_id = inst.instance_id
         self.profile = inst.profile
         self.prefill = prefill
         self.inflation = inflation
         self.kappa = kappa  # shared by every instance of the same profile
-        self.drain_at_s = float("-inf")
+        self.drain_at_s = float("-inf")  # when our own queued prefill should be done
         self.pending: OrderedDict[str, _Flight] = OrderedDict()  # no first token yet
         self.inflight: dict[str, _Flight] = {}
-        self.mean_work_base_s = mean_work_base_s
+        self.mean_work_base_s = prefill.seconds(4096)
         self.since_scrape_s = 0.0  # own prefill work dispatched after the last scrape
         self.since_scrape_kv = 0  # own KV tokens dispatched after the last scrape
-        # other replicas' prefill work queued at the last scrape (profile seconds)
-        self.others_base_s = 0.0
-        self.done_recent: deque[tuple[float, float]] = deque()  # own (dispatch, finish)
-        # When the prefill work the engine has admitted (all replicas) should be
-        # done, from scraped prefix-cache query/hit counters: their difference
-        # is the uncached prompt tokens admitted between scrapes.
+        self.scrape_seen_s = float("nan")
+        self.scrape_prev_s = float("-inf")
+        # When the work the last scrape showed (every replica's) should be done:
+        # the prefill the engine admitted (prefix-cache query minus hit counters
+        # between scrapes: the uncached prompt tokens admitted), then the waiting.
+        self.scraped_done_at_s = float("-inf")
         self.eng_busy_until_s = float("-inf")
         self.last_queries = -1
         self.last_hits = 0
-        self.scrape_prev_s = float("-inf")
-        self.scrape_seen_s = float("nan")
+        self.scraped_load = 0  # running + waiting at the last scrape
+        self.free_kv_tokens = 0.0
         self.cap_tokens = inst.kv_capacity_tokens or inst.profile.kv_capacity_tokens
         # A speculative holder is still prefilling: we get admitted alongside its
         # last chunk, so that chunk is not reusable yet (vLLM hashes full blocks
         # only once computed).
         self.spec_discount_tokens = inst.profile.max_num_batched_tokens // 2
         self.infl_factor = 1.0
-        self.infl_wait_base_s = 0.0
-        self.decode_step_base_s = 0.0
-        # Stable across processes (str hashes are salted), so every replica ranks
-        # instances for a prefix the same way.
-        self.rhash = zlib.crc32(inst.instance_id.encode()) * 0x9E3779B97F4A7C15 & _MASK64
-
-
-_MASK64 = (1 << 64) - 1
-#: Prefix depth (engine blocks) that names a prompt "family" for rendezvous
-#: hashing: 32 x 16 = 512 tokens, enough to tell system prompts apart while a
-#: conversation's next turn keeps the same key.
-_FAMILY_BLOCKS = 32
-
-
-def _family_key(block_hashes: Sequence[int]) -> int:
-    n = len(block_hashes)
-    if n == 0:
-        return 0
-    return block_hashes[min(n, _FAMILY_BLOCKS) - 1] & _MASK64
+        self.infl_wait_s = 0.0
+        self.decode_step_s = 0.01
+        self.last_dispatch_s = float("-inf")
 
 
 @ROUTERS.register("tokenpilot")
@@ -147,18 +152,20 @@ class TokenPilotRouter(BaseRouter):
         self,
         seed: int = 0,
         *,
-        stride_blocks: int = 16,
+        stride_blocks: int = 32,
         speculative_ttl_s: float = 30.0,
         tie_abs_s: float = 0.002,
         tie_rel: float = 0.02,
         herd_window: float = 1.0,
         max_margin_s: float = 0.5,
-        scraped_weight: float = 1.0,
-        work_weight: float = 0.0,
         correction_step: float = 0.02,
         output_prior_tokens: int = 256,
         kv_safety: float = 0.95,
         ghost_threshold: float = 0.05,
+        rendezvous_share: float = 0.25,
+        anticipate_replicas: bool = True,
+        full_scan_max: int = 256,
+        sample_size: int = 64,
         **_shared: object,
     ) -> None:
         # ``**_shared``: the simulator passes one kwargs dict to every policy.
@@ -169,52 +176,67 @@ class TokenPilotRouter(BaseRouter):
         self.tie_rel = tie_rel
         self.herd_window = herd_window
         self.max_margin_s = max_margin_s
-        self.scraped_weight = scraped_weight
-        self.work_weight = work_weight
         self.correction_step = correction_step
         self.kv_safety = kv_safety
         self.ghost_threshold = ghost_threshold
+        self._rendezvous_cut = int(round(64 * rendezvous_share))
+        self.anticipate_replicas = anticipate_replicas
+        self.full_scan_max = full_scan_max
+        self.sample_size = sample_size
+        self._by_id: dict[str, InstanceView] = {}
         self._states: dict[str, _InstState] = {}
         self._flights: dict[str, _Flight] = {}
         self._models: dict[int, tuple[EngineProfile, PrefillModel, StepInflation,
                                       LogRatioCorrector]] = {}
         self._mean_work_s = 0.3  # kappa-corrected, pool-wide, for the herd window
-        self._mean_base_work_s = 0.3  # profile seconds of prefill per request
-        self._f_prefill = 0.5  # share of in-flight requests still in prefill
         self._mean_input_tokens = 4096.0
+        self._typical_out = float(output_prior_tokens)
+        self._own_rate_s = 0.0  # seconds of prefill we dispatch per second (decayed)
+        self._own_rate_at_s = 0.0
+        self._scraped_total = 0  # sum of scraped_load over instances
         self.replicas_est = 1.0  # scraped load / own load: how many of us there are
         self.hit_realization = 1.0  # engine-reported cached / our expected cached
         # Hit fraction seen when routing blind to a family's rendezvous instance:
         # near 0 for a lone router, large when other replicas feed those caches.
         self.ghost_hit_frac = 0.0
-        self._routed = 0
 
     # -- per-instance state ---------------------------------------------------
-    def _state(self, inst: InstanceView) -> _InstState:
-        st = self._states.get(inst.instance_id)
-        if st is not None and st.profile is inst.profile:
-            return st
-        key = id(inst.profile)
-        models = self._models.get(key)
-        if models is None or models[0] is not inst.profile:
-            models = (inst.profile, PrefillModel(inst.profile), StepInflation(inst.profile),
-                      LogRatioCorrector(1.0, self.correction_step))
-            self._models[key] = models
-        base = models[1].seconds(4096)
-        new = _InstState(inst, models[1], models[2], models[3], base)
-        if st is not None:  # profile changed (redeploy): keep what we know in flight
-            new.pending, new.inflight, new.drain_at_s = st.pending, st.inflight, st.drain_at_s
-        self._states[inst.instance_id] = new
-        self.knowledge.set_capacity(inst.instance_id, new.cap_tokens // BLOCK_SIZE_TOKENS)
-        return new
+    def _sync(self, inst: InstanceView) -> _InstState:
+        """Slow path: first sight of an instance, a new profile, or a new scrape."""
+        iid = inst.instance_id
+        st = self._states.get(iid)
+        if st is None or st.profile is not inst.profile:
+            key = id(inst.profile)
+            models = self._models.get(key)
+            if models is None or models[0] is not inst.profile:
+                models = (inst.profile, PrefillModel(inst.profile),
+                          StepInflation(inst.profile),
+                          LogRatioCorrector(1.0, self.correction_step))
+                self._models[key] = models
+            new = _InstState(inst, models[1], models[2], models[3])
+            if st is not None:  # profile changed (redeploy): keep what is in flight
+                new.pending, new.inflight, new.drain_at_s = st.pending, st.inflight, st.drain_at_s
+                self._scraped_total -= st.scraped_load
+            self._states[iid] = new
+            self.knowledge.set_capacity(iid, new.cap_tokens // BLOCK_SIZE_TOKENS)
+            st = new
+        m = inst.metrics
+        if m.scraped_at_s != st.scrape_seen_s:
+            self._refresh_scrape(st, m)
+        return st
 
-    def _refresh_scrape(self, st: _InstState, m: ScrapedMetrics, mean_ctx: float) -> None:
-        """New scrape: recount own work it cannot include, re-derive inflation."""
+    def _refresh_scrape(self, st: _InstState, m: ScrapedMetrics) -> None:
+        """New scrape: recount own work it cannot include, re-derive the rest."""
         at = m.scraped_at_s
         st.scrape_seen_s = at
-        st.since_scrape_s = sum(f.work_s for f in st.pending.values() if f.dispatch_s > at)
-        st.since_scrape_kv = sum(f.kv_tokens for f in st.inflight.values()
-                                 if f.dispatch_s > at)
+        if st.last_dispatch_s > at:
+            st.since_scrape_s = sum(f.work_s for f in st.pending.values() if f.dispatch_s > at)
+            st.since_scrape_kv = sum(f.kv_tokens for f in st.inflight.values()
+                                     if f.dispatch_s > at)
+        else:  # the common case: nothing sent since this scrape was taken
+            st.since_scrape_s = 0.0
+            st.since_scrape_kv = 0
+        kappa = st.kappa.value
         if st.last_queries >= 0 and m.prefix_queries_total >= st.last_queries:
             du = (m.prefix_queries_total - st.last_queries) - (m.prefix_hits_total - st.last_hits)
             if du > 0:
@@ -223,22 +245,22 @@ class TokenPilotRouter(BaseRouter):
                              + pm.overhead_s / pm.chunk_tokens)
                 prev = st.scrape_prev_s
                 start = st.eng_busy_until_s if st.eng_busy_until_s > prev else prev
-                st.eng_busy_until_s = start + st.kappa.value * base
+                st.eng_busy_until_s = start + kappa * base
         st.last_queries = m.prefix_queries_total
         st.last_hits = m.prefix_hits_total
         st.scrape_prev_s = at
-        # What the scrape counts that we did not send: other replicas' requests.
-        done = st.done_recent
-        while done and done[0][1] <= at:
-            done.popleft()
-        own_at = (sum(1 for f in st.inflight.values() if f.dispatch_s <= at)
-                  + sum(1 for d, _ in done if d <= at))
-        others = m.num_running + m.num_waiting - own_at
-        st.others_base_s = (others * self._f_prefill * self._mean_base_work_s
-                            if others > 0 else 0.0)
-        decodes = max(0, m.num_running)
-        st.infl_factor, st.infl_wait_base_s = st.inflation.get(decodes, mean_ctx)
-        st.decode_step_base_s = 2.0 * st.infl_wait_base_s
+        start = st.eng_busy_until_s if st.eng_busy_until_s > at else at
+        st.scraped_done_at_s = start + m.num_waiting * st.mean_work_base_s * kappa
+        load = m.num_running + m.num_waiting
+        self._scraped_total += load - st.scraped_load
+        st.scraped_load = load
+        st.free_kv_tokens = (st.cap_tokens * (1.0 - m.kv_usage) * self.kv_safety
+                             - st.since_scrape_kv - m.num_running * 0.5 * self._typical_out)
+        ctx = self._mean_input_tokens + 0.5 * self._typical_out
+        factor, wait = st.inflation.get(max(0, m.num_running), ctx)
+        st.infl_factor = factor
+        st.infl_wait_s = kappa * wait
+        st.decode_step_s = max(0.01, 2.0 * kappa * wait)
 
     # -- routing ----------------------------------------------------------------
     def route(self, request: RequestInfo, pool: PoolSnapshot) -> RouteDecision:
@@ -247,191 +269,264 @@ class TokenPilotRouter(BaseRouter):
         know.expire(now)
         hashes = request.block_hashes
         probes = know.probes(hashes)
-        confirmed, spec = know.match(hashes, probes)
+        confirmed, spec = know.match(probes)
         typical_out, reserve_out = self.outputs.estimate(request)
         n_in = request.input_tokens
         max_cached = max(0, (n_in - 1) // BLOCK_SIZE_TOKENS * BLOCK_SIZE_TOKENS)
-        mean_ctx = n_in + 0.5 * typical_out
-        realize = self.hit_realization
+        key = _family_key(hashes)
+        hits = self._expected_hits(confirmed, spec, max_cached) if confirmed or spec else None
         model = request.model
         version = request.model_version
-        sw = self.scraped_weight
-        key = _family_key(hashes)
+        check_model = model != "default" or bool(version)
+        need0 = n_in + reserve_out
+        states_get = self._states.get
 
-        ids: list[str] = []
         states: list[_InstState] = []
-        metrics: list[ScrapedMetrics] = []
-        queues: list[float] = []
+        costs: list[float] = []
+        fits: list[bool] = []
         cached_l: list[int] = []
-        scores: list[int] = []
-        sum_scraped = 0
-        sum_own = 0
-        sum_pending = 0
+        ranks: list[int] = []
+        queues: list[float] = []
+        p0: PrefillModel | None = None
+        k0: LogRatioCorrector | None = None
+        own0 = 0.0
+        best = math.inf
+        any_fit = False
+        # Rendezvous order of this prompt family: pool positions starting at
+        # key mod N. Replicas see the same pool, so they agree on it; O(1).
+        instances = pool.instances
+        n_pool = len(instances)
+        home = key % n_pool if n_pool else 0
+        if n_pool > self.full_scan_max:
+            instances = self._sample(instances, hits, home)
         top = -1
-        top_score = -1
-        for inst in pool.instances:
+        top_rank = n_pool
+        for inst in instances:
             m = inst.metrics
-            if (not inst.ready or not m.healthy
-                    or (model != "default" and inst.model != model)
-                    or (version and inst.model_version != version)
-                    or (inst.max_model_len_tokens and n_in + 1 > inst.max_model_len_tokens)):
+            if not inst.ready or not m.healthy:
                 continue
-            iid = inst.instance_id
-            st = self._states.get(iid)
-            if st is None or st.profile is not inst.profile:
-                st = self._state(inst)
-            if m.scraped_at_s != st.scrape_seen_s:
-                self._refresh_scrape(st, m, mean_ctx)
-            # cache: exact/approximate beats speculative, which loses its last chunk
-            c = confirmed.get(iid, 0) * BLOCK_SIZE_TOKENS if confirmed else 0
-            if spec:
-                cs = spec.get(iid, 0) * BLOCK_SIZE_TOKENS - st.spec_discount_tokens
-                if cs > c:
-                    c = cs
-            if c > 0:
-                c = int(c * realize)
-                if c > max_cached:
-                    c = max_cached
+            if check_model and ((model != "default" and inst.model != model)
+                                or (version and inst.model_version != version)):
+                continue
+            ml = inst.max_model_len_tokens
+            if ml and n_in >= ml:
+                continue
+            st = states_get(inst.instance_id)
+            if st is None or m.scraped_at_s != st.scrape_seen_s or st.profile is not inst.profile:
+                st = self._sync(inst)
+            # Queue ahead, in seconds: our own drain clock, or what the scrape
+            # showed (every replica's work) followed by our dispatches since.
+            x = st.scraped_done_at_s
+            if x < now:
+                x = now
+            x += st.since_scrape_s
+            d = st.drain_at_s
+            q = (d if d > x else x) - now
+            c = hits.get(inst.instance_id, 0) if hits else 0
+            if c:
+                own = st.kappa.value * st.prefill.seconds(n_in - c, c)
             else:
-                c = 0
-            # queue ahead, in seconds: own drain clock vs the scrape plus our
-            # dispatches since (other replicas' work shows up only in the scrape)
-            q = st.drain_at_s - now
-            if q < 0.0:
-                q = 0.0
-            waiting = m.num_waiting
-            if st.others_base_s:
-                qo = st.others_base_s * st.kappa.value - (now - m.scraped_at_s)
-                if qo > 0.0:
-                    q += sw * qo
-            eng = st.eng_busy_until_s
-            if waiting or eng > now:
-                # admitted prefill (every replica's) finishes, then the waiting ones
-                start = eng if eng > m.scraped_at_s else m.scraped_at_s
-                qs = start + waiting * st.mean_work_base_s * st.kappa.value - now
-                if qs < 0.0:
-                    qs = 0.0
-                qs = sw * (qs + st.since_scrape_s)
-                if qs > q:
-                    q = qs
-            score = ((key ^ st.rhash) * 0xBF58476D1CE4E5B9) & _MASK64
-            if score > top_score:
-                top_score = score
-                top = len(ids)
-            ids.append(iid)
+                if st.prefill is not p0 or st.kappa is not k0:
+                    p0, k0 = st.prefill, st.kappa
+                    own0 = k0.value * p0.seconds(n_in, 0)
+                own = own0
+            cost = (q + own) * st.infl_factor + st.infl_wait_s
+            if need0 - c > st.free_kv_tokens:
+                cost += self._kv_wait_s(st, need0 - c, typical_out)
+                fits.append(False)
+            else:
+                fits.append(True)
+                any_fit = True
+                if cost < best:
+                    best = cost
+            rank = inst.index - home
+            if rank < 0:
+                rank += n_pool
+            if rank < top_rank:
+                top_rank, top = rank, len(states)
             states.append(st)
-            metrics.append(m)
-            queues.append(q)
+            costs.append(cost)
             cached_l.append(c)
-            scores.append(score)
-            sum_scraped += m.num_running + waiting
-            acc = inst.accounting
-            sum_own += acc.inflight_requests
-            sum_pending += acc.prefill_pending_requests
-        if not ids:
+            ranks.append(rank)
+            queues.append(q)
+        n = len(states)
+        if n == 0:
             eligible(request, pool)  # raises NoCandidateError with a helpful message
             raise AssertionError("unreachable")  # pragma: no cover
-        # Replica estimate: scraped load counts every router, our accounting only us.
-        if sum_own >= 4:
-            ratio = sum_scraped / sum_own
+        if not any_fit:  # nobody has KV headroom: rank by cost plus the KV wait
+            best = min(costs)
+            fits = [True] * n
+        # Replica estimate: scraped load counts every router, our flights only us.
+        own_total = len(self._flights)
+        if own_total >= 4:
+            ratio = self._scraped_total / own_total
             ratio = 1.0 if ratio < 1.0 else (64.0 if ratio > 64.0 else ratio)
             self.replicas_est += 0.05 * (ratio - self.replicas_est)
-        if sum_own:
-            self._f_prefill += 0.02 * (sum_pending / sum_own - self._f_prefill)
+        if self.anticipate_replicas and self.replicas_est > 1.3:
+            best = self._anticipate_others(now, states, costs, queues, fits, best)
         # Another replica may have sent this prompt family to its rendezvous
         # instance: expect the hit fraction we have observed there before.
         blind = cached_l[top] == 0
         if blind and self.ghost_hit_frac > 0.01:
-            cached_l[top] = (int(self.ghost_hit_frac * max_cached)
-                             // BLOCK_SIZE_TOKENS * BLOCK_SIZE_TOKENS)
-
-        n = len(ids)
-        costs = [0.0] * n
-        preds = [0.0] * n
-        fits_l = [True] * n
-        best_fit = float("inf")
-        any_fit = False
-        ww = self.work_weight
-        safety = self.kv_safety
-        for j in range(n):
-            st = states[j]
-            c = cached_l[j]
-            u = n_in - c
-            kappa = st.kappa.value
-            own = kappa * st.prefill.seconds(u, c)
-            pred = (queues[j] + own) * st.infl_factor + kappa * st.infl_wait_base_s
-            # KV headroom: prompt (uncached part) + reserved output must fit now,
-            # after what we sent since the scrape and the decodes' expected growth.
-            m = metrics[j]
-            free = (st.cap_tokens * (1.0 - m.kv_usage) * safety - st.since_scrape_kv
-                    - m.num_running * 0.5 * typical_out)
-            need = u + reserve_out
-            if need > free:
-                fits_l[j] = False
-                # If nobody fits, rank by how long the deficit takes to drain.
-                deficit = (need - free) / max(1.0, need)
-                pred += kappa * deficit * typical_out * max(st.decode_step_base_s, 0.01)
-            cost = pred + ww * own if ww else pred
-            costs[j] = cost
-            preds[j] = pred
-            if fits_l[j]:
-                any_fit = True
-                if cost < best_fit:
-                    best_fit = cost
-        if not any_fit:
-            best_fit = min(costs)
+            st = states[top]
+            c = int(self.ghost_hit_frac * max_cached) // BLOCK_SIZE_TOKENS * BLOCK_SIZE_TOKENS
+            own = st.kappa.value * st.prefill.seconds(n_in - c, c)
+            cost = (queues[top] + own) * st.infl_factor + st.infl_wait_s
+            if fits[top] or not any_fit:
+                cached_l[top] = c
+                costs[top] = cost
+                if cost < best:
+                    best = cost
         herd = self.herd_window * (1.0 - 1.0 / self.replicas_est) * self._mean_work_s
-        window = self.tie_abs_s + self.tie_rel * best_fit + herd
+        window = self.tie_abs_s + self.tie_rel * best + herd
         if window > self.max_margin_s:
             window = self.max_margin_s
-        limit = best_fit + window
+        limit = best + window
         # Tie-break among the near-best. Rendezvous order makes replicas agree
         # on a prompt family's instance without talking (and spreads distinct
         # families), but for one-off prompts it balances no better than random.
         # Fewest own requests in flight keeps each replica's stream even, so
         # the sum over replicas is smooth. Use rendezvous when blind routing to
         # it has been paying off (another replica's cache was there), and for a
-        # fixed quarter of families always, so that payoff keeps being measured.
-        rendezvous = self.ghost_hit_frac > self.ghost_threshold or (key >> 7) & 3 == 0
+        # fixed share of families always, so that payoff keeps being measured.
+        rendezvous = (self.ghost_hit_frac > self.ghost_threshold
+                      or ((key >> 7) & 63) < self._rendezvous_cut)
         j = -1
         if rendezvous:
-            js = -1
+            jr = n_pool
             for k in range(n):
-                if costs[k] <= limit and (fits_l[k] or not any_fit) and scores[k] > js:
-                    j, js = k, scores[k]
+                if fits[k] and costs[k] <= limit and ranks[k] < jr:
+                    j, jr = k, ranks[k]
         else:
-            best_key = (1 << 62, 0)
+            jl = 1 << 62
+            jr = n_pool
             for k in range(n):
-                if costs[k] <= limit and (fits_l[k] or not any_fit):
-                    key_k = (len(states[k].inflight), -scores[k])
-                    if key_k < best_key:
-                        j, best_key = k, key_k
-        return self._dispatch(request, pool, ids[j], states[j], preds[j], cached_l[j],
-                              probes, reserve_out, blind and j == top)
+                if fits[k] and costs[k] <= limit:
+                    load = len(states[k].inflight)
+                    if load < jl or (load == jl and ranks[k] < jr):
+                        j, jl, jr = k, load, ranks[k]
+        st = states[j]
+        c = cached_l[j]
+        pred = (queues[j] + st.kappa.value * st.prefill.seconds(n_in - c, c)) \
+            * st.infl_factor + st.infl_wait_s
+        return self._dispatch(request, now, st, pred, c, probes, reserve_out,
+                              blind and j == top)
 
-    def _dispatch(self, request: RequestInfo, pool: PoolSnapshot, iid: str,
-                  st: _InstState, pred: float, cached: int, probes: tuple[int, ...],
-                  reserve_out: int, blind: bool) -> RouteDecision:
-        now = pool.now_s
+    def _sample(self, instances: Sequence[InstanceView], hits: dict[str, int] | None,
+                home: int) -> list[InstanceView]:
+        """Power-of-d for big pools: instances with a cache hit, the family's
+        rendezvous instances, and ``sample_size`` random others."""
+        n = len(instances)
+        picked: dict[int, InstanceView] = {}
+        if hits:
+            by_id = self._by_id
+            if len(by_id) != n or by_id.get(instances[0].instance_id) is not instances[0]:
+                by_id.clear()
+                by_id.update((v.instance_id, v) for v in instances)
+            for iid in hits:
+                v = by_id.get(iid)
+                if v is not None:
+                    picked[id(v)] = v
+        for k in range(4):
+            v = instances[(home + k) % n]
+            picked[id(v)] = v
+        for k in self._rng.sample(range(n), min(n, self.sample_size)):
+            v = instances[k]
+            picked[id(v)] = v
+        return list(picked.values())
+
+    def _expected_hits(self, confirmed: dict[str, int], spec: dict[str, int],
+                       max_cached: int) -> dict[str, int]:
+        """Instance id -> cached tokens we expect: confirmed, or speculative minus a chunk."""
+        out: dict[str, int] = {}
+        realize = self.hit_realization
+        for iid, blocks in confirmed.items():
+            out[iid] = blocks * BLOCK_SIZE_TOKENS
+        for iid, blocks in spec.items():
+            st = self._states.get(iid)
+            discount = st.spec_discount_tokens if st is not None else 4096
+            c = blocks * BLOCK_SIZE_TOKENS - discount
+            if c > out.get(iid, 0):
+                out[iid] = c
+        for iid, c in out.items():
+            c = int(c * realize) // BLOCK_SIZE_TOKENS * BLOCK_SIZE_TOKENS
+            out[iid] = max(0, min(c, max_cached))
+        return out
+
+    @staticmethod
+    def _kv_wait_s(st: _InstState, need_tokens: int, typical_out: int) -> float:
+        """Rough wait for KV to free up: the deficit's share of a decode lifetime."""
+        deficit = (need_tokens - st.free_kv_tokens) / max(1.0, float(need_tokens))
+        return min(1.0, deficit) * typical_out * st.decode_step_s
+
+    def _anticipate_others(self, now: float, states: list[_InstState], costs: list[float],
+                           queues: list[float], fits: list[bool], best: float) -> float:
+        """Add the work other replicas probably sent since the last scrape.
+
+        They saw the same scrape, so they filled the instances that looked
+        emptiest: pour their expected work (our own dispatch rate times the
+        other replicas, times the scrape's age) over the queues like water.
+        Returns the new best cost.
+        """
+        age = 0.0
+        for st in states:
+            a = now - st.scrape_seen_s
+            if a > age:
+                age = a
+        rate = self._own_rate_s * math.exp(-(now - self._own_rate_at_s) / _RATE_TAU_S)
+        pour = (self.replicas_est - 1.0) * rate * min(age, 5.0)
+        if pour <= 0.0:
+            return best
+        n = len(queues)
+        order = sorted(range(n), key=queues.__getitem__)
+        filled = 0.0
+        water = queues[order[0]]
+        k = 0
+        while k < n:
+            nxt = queues[order[k + 1]] if k + 1 < n else math.inf
+            need = (nxt - water) * (k + 1)
+            if filled + need >= pour:
+                water += (pour - filled) / (k + 1)
+                break
+            filled += need
+            water = nxt
+            k += 1
+        best = math.inf
+        for j in range(n):
+            if queues[j] < water:
+                st = states[j]
+                costs[j] += (water - queues[j]) * st.infl_factor
+                queues[j] = water
+            if fits[j] and costs[j] < best:
+                best = costs[j]
+        return best
+
+    def _dispatch(self, request: RequestInfo, now: float, st: _InstState, pred: float,
+                  cached: int, probes: tuple[int, ...], reserve_out: int,
+                  blind: bool) -> RouteDecision:
         kappa = st.kappa.value
         base_own = st.prefill.seconds(request.input_tokens - cached, cached)
         work = kappa * base_own
         kv = request.input_tokens - cached + reserve_out
+        iid = st.instance_id
         flight = _Flight(request, iid, now, work, pred / kappa, cached, kv, probes, blind)
         rid = request.request_id
         self._flights[rid] = flight
         st.pending[rid] = flight
         st.inflight[rid] = flight
         st.drain_at_s = (st.drain_at_s if st.drain_at_s > now else now) + work
-        if now > st.scrape_seen_s or st.scrape_seen_s != st.scrape_seen_s:
+        st.last_dispatch_s = now
+        if now > st.scrape_seen_s:  # same predicate as the recount in _refresh_scrape
             st.since_scrape_s += work
             st.since_scrape_kv += kv
+            st.free_kv_tokens -= kv
         st.mean_work_base_s += 0.1 * (base_own - st.mean_work_base_s)
         self._mean_work_s += 0.05 * (work - self._mean_work_s)
-        self._mean_base_work_s += 0.05 * (base_own - self._mean_base_work_s)
         self._mean_input_tokens += 0.05 * (request.input_tokens - self._mean_input_tokens)
+        decay = math.exp(-(now - self._own_rate_at_s) / _RATE_TAU_S)
+        self._own_rate_s = self._own_rate_s * decay + work / _RATE_TAU_S
+        self._own_rate_at_s = now
         self.knowledge.speculate(iid, probes, now)
-        self._routed += 1
         return RouteDecision(
             instance_id=iid,
             expected_cached_tokens=cached,
@@ -455,7 +550,7 @@ class TokenPilotRouter(BaseRouter):
         if seen:
             # FCFS: whatever we sent after it is all that is left of our queue.
             st.drain_at_s = now_s + after
-        if flight.dispatch_s > st.scrape_seen_s or st.scrape_seen_s != st.scrape_seen_s:
+        if flight.dispatch_s > st.scrape_seen_s:
             st.since_scrape_s = max(0.0, st.since_scrape_s - flight.work_s)
 
     def on_first_token(self, event: FirstTokenEvent) -> None:
@@ -468,14 +563,16 @@ class TokenPilotRouter(BaseRouter):
         self._end_prefill(flight, event.now_s, st)
         flight.ttft_s = event.ttft_s  # kappa learns at completion, see on_complete
         self.knowledge.unspeculate(flight.instance_id, flight.probes)
-        self.knowledge.confirm(flight.instance_id, flight.request.block_hashes)
+        self.knowledge.confirm(flight.instance_id, flight.probes)
 
     def on_complete(self, event: CompletionEvent) -> None:
         rid = event.request.request_id
         flight = self._flights.pop(rid, None)
-        if event.status == "completed":
+        completed = event.status == "completed"
+        if completed:
             self.outputs.observe(event.request.tenant, event.request.task_type,
                                  event.output_tokens)
+            self._typical_out += 0.02 * (event.output_tokens - self._typical_out)
         if flight is None:
             return
         st = self._states.get(flight.instance_id)
@@ -484,20 +581,22 @@ class TokenPilotRouter(BaseRouter):
                 self._end_prefill(flight, event.now_s, st)
                 self.knowledge.unspeculate(flight.instance_id, flight.probes)
             st.inflight.pop(rid, None)
-            st.done_recent.append((flight.dispatch_s, event.now_s))
+            if flight.dispatch_s > st.scrape_seen_s:
+                st.since_scrape_kv = max(0, st.since_scrape_kv - flight.kv_tokens)
+                st.free_kv_tokens += flight.kv_tokens
             # Learn the rate only when our cache guess was right: a surprise hit
             # or miss is a cache-knowledge error, not a wrong profile.
             miss = abs(event.cached_tokens - flight.cached_tokens)
-            if (event.status == "completed" and flight.ttft_s > 0.0 and flight.base_pred_s > 0.0
+            if (completed and flight.ttft_s > 0.0 and flight.base_pred_s > 0.0
                     and miss <= 0.1 * flight.request.input_tokens + 2 * BLOCK_SIZE_TOKENS):
                 st.kappa.update(flight.ttft_s / flight.base_pred_s)
-            if flight.dispatch_s > st.scrape_seen_s:
-                st.since_scrape_kv = max(0, st.since_scrape_kv - flight.kv_tokens)
-        if flight.blind and event.status == "completed":
+        if not completed:
+            return
+        if flight.blind:
             n_in = max(1, flight.request.input_tokens - 1)
             self.ghost_hit_frac += 0.05 * (min(1.0, event.cached_tokens / n_in)
                                            - self.ghost_hit_frac)
-        elif flight.cached_tokens >= BLOCK_SIZE_TOKENS and event.status == "completed":
+        elif flight.cached_tokens >= BLOCK_SIZE_TOKENS:
             got = min(1.0, event.cached_tokens / flight.cached_tokens)
             self.hit_realization += 0.02 * (got - self.hit_realization)
             if self.hit_realization < 0.3:

@@ -15,55 +15,121 @@ Three sources, in decreasing order of trust:
   expiring after a TTL, so a burst of requests sharing a new prefix follows
   the first one instead of scattering before any prefill has finished.
 
-Chained hashes mean holding block ``k`` implies holding ``0..k-1``, so all
-lookups probe every ``stride``-th block only: O(prompt blocks / stride +
-holders) per request whatever the pool's total cache size.
+Chained hashes mean holding block ``k`` implies holding ``0..k-1``, so we
+probe only every ``stride``-th block, and a lookup binary-searches each
+holder's depth: O(prompt blocks / stride) to sample plus
+O(holders * log(probes)) dictionary lookups, whatever the cache size. To keep
+"held" monotone along a prompt under LRU eviction, prompts are inserted
+deepest block first, so a prefix's shallow blocks are always fresher than its
+deep ones and are evicted last (vLLM evicts tails first too).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Iterable, Mapping, Sequence
 
-from tokenfleet.core.prefix_index import PrefixIndex
+#: Speculative entries keep every 4th probe: they only need to be right to
+#: within a chunk (their last chunk is discounted anyway) and are written on
+#: the routing path, where every dictionary operation counts.
+_SPEC_EVERY = 4
+
+#: Above this many holders of a prompt's first probe, narrow the set walking
+#: probes in order before binary-searching each survivor.
+_NARROW_ABOVE = 8
 
 
-def _walk(table: Mapping[int, Iterable[str]], probes: Sequence[int],
-          stride: int) -> dict[str, int]:
-    """Longest leading run of probes each instance holds, in engine blocks."""
+def _depths(table: Mapping[int, Mapping[str, object] | set[str]],
+            probes: Sequence[int], stride: int) -> dict[str, int]:
+    """Leading probes each instance holds, times ``stride`` (engine blocks)."""
+    n = len(probes)
+    if n == 0:
+        return {}
+    first = table.get(probes[0])
+    if not first:
+        return {}
     out: dict[str, int] = {}
-    alive: set[str] | None = None
-    n = 0
-    for h in probes:
-        holders = table.get(h)
-        if not holders:
-            break
-        if alive is None:
-            alive = set(holders)
-        else:
-            keep = alive.intersection(holders)
-            if len(keep) != len(alive):
-                for inst in alive - keep:
-                    out[inst] = n
-                alive = keep
-                if not alive:
-                    break
-        n += stride
-    if alive:
-        for inst in alive:
-            out[inst] = n
+    alive = set(first)
+    lo0 = 1
+    while len(alive) > _NARROW_ABOVE and lo0 < n:
+        here = table.get(probes[lo0])
+        keep = alive.intersection(here) if here else set()
+        for inst in alive - keep:
+            out[inst] = lo0 * stride
+        alive = keep
+        lo0 += 1
+    for inst in alive:
+        lo, hi = lo0, n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            held = table.get(probes[mid])
+            if held is not None and inst in held:
+                lo = mid + 1
+            else:
+                hi = mid
+        out[inst] = lo * stride
     return out
+
+
+class ProbeLRU:
+    """Approximate index: probe hash -> holders, LRU-bounded per instance."""
+
+    def __init__(self) -> None:
+        self.holders: dict[int, set[str]] = {}
+        self._lru: dict[str, OrderedDict[int, None]] = {}
+        self._capacity: dict[str, int] = {}
+
+    def set_capacity(self, instance_id: str, capacity_probes: int) -> None:
+        self._capacity[instance_id] = max(1, capacity_probes)
+
+    def entries(self, instance_id: str) -> int:
+        return len(self._lru.get(instance_id, ()))
+
+    def insert(self, instance_id: str, probes: Sequence[int]) -> None:
+        lru = self._lru.get(instance_id)
+        if lru is None:
+            lru = self._lru[instance_id] = OrderedDict()
+        holders = self.holders
+        touch = lru.move_to_end
+        for h in reversed(probes):  # deepest first: shallow blocks end up freshest
+            if h in lru:
+                touch(h)
+                continue
+            lru[h] = None
+            held = holders.get(h)
+            if held is None:
+                holders[h] = {instance_id}
+            else:
+                held.add(instance_id)
+        cap = self._capacity.get(instance_id)
+        if cap is not None:
+            while len(lru) > cap:
+                old, _ = lru.popitem(last=False)
+                self._drop(old, instance_id)
+
+    def clear(self, instance_id: str) -> None:
+        lru = self._lru.pop(instance_id, None)
+        if lru:
+            for h in lru:
+                self._drop(h, instance_id)
+
+    def _drop(self, h: int, instance_id: str) -> None:
+        held = self.holders.get(h)
+        if held is not None:
+            held.discard(instance_id)
+            if not held:
+                del self.holders[h]
 
 
 class PrefixKnowledge:
     """Per-router cache beliefs; see the module docstring for the three tiers."""
 
-    def __init__(self, stride_blocks: int = 16, speculative_ttl_s: float = 30.0) -> None:
+    def __init__(self, stride_blocks: int = 32, speculative_ttl_s: float = 30.0) -> None:
         if stride_blocks < 1:
             raise ValueError("stride_blocks must be >= 1")
         self.stride_blocks = stride_blocks
         self.speculative_ttl_s = speculative_ttl_s
-        self.routed = PrefixIndex(stride_blocks)
+        self.routed = ProbeLRU()
         self._spec: dict[int, dict[str, int]] = {}  # probe hash -> instance -> refs
         self._spec_expiry: deque[tuple[float, str, tuple[int, ...]]] = deque()
         self._exact: dict[int, set[str]] = {}
@@ -75,40 +141,44 @@ class PrefixKnowledge:
         return tuple(block_hashes[s - 1 :: s])
 
     def set_capacity(self, instance_id: str, capacity_blocks: int) -> None:
-        self.routed.set_capacity(instance_id, capacity_blocks)
+        self.routed.set_capacity(instance_id, capacity_blocks // self.stride_blocks)
 
     # -- lookups ----------------------------------------------------------
-    def match(self, block_hashes: Sequence[int],
-              probes: Sequence[int]) -> tuple[dict[str, int], dict[str, int]]:
-        """(confirmed, speculative) leading engine blocks per instance.
-
-        ``probes`` must be ``self.probes(block_hashes)`` (computed once by the
-        caller, which also needs them to speculate).
-        """
+    def match(self, probes: Sequence[int]) -> tuple[dict[str, int], dict[str, int]]:
+        """(confirmed, speculative) leading engine blocks per instance."""
         if not probes:
             return {}, {}
         s = self.stride_blocks
-        confirmed = self.routed.match(block_hashes)
+        confirmed = _depths(self.routed.holders, probes, s) if self.routed.holders else {}
         if self.exact_instances:
             for inst in self.exact_instances:
                 confirmed.pop(inst, None)
-            confirmed.update(_walk(self._exact, probes, s))
-        spec = _walk(self._spec, probes, s) if self._spec else {}
+            confirmed.update(_depths(self._exact, probes, s))
+        spec = (_depths(self._spec, probes[_SPEC_EVERY - 1 :: _SPEC_EVERY], s * _SPEC_EVERY)
+                if self._spec else {})
         return confirmed, spec
 
     # -- updates from routing and first tokens -------------------------------
     def speculate(self, instance_id: str, probes: tuple[int, ...], now_s: float) -> None:
+        if self.speculative_ttl_s <= 0.0:
+            return
+        spec = self._spec
+        probes = probes[_SPEC_EVERY - 1 :: _SPEC_EVERY]
         for h in probes:
-            refs = self._spec.get(h)
+            refs = spec.get(h)
             if refs is None:
-                self._spec[h] = {instance_id: 1}
+                spec[h] = {instance_id: 1}
             else:
                 refs[instance_id] = refs.get(instance_id, 0) + 1
         self._spec_expiry.append((now_s + self.speculative_ttl_s, instance_id, probes))
 
     def unspeculate(self, instance_id: str, probes: tuple[int, ...]) -> None:
+        self._unspeculate(instance_id, probes[_SPEC_EVERY - 1 :: _SPEC_EVERY])
+
+    def _unspeculate(self, instance_id: str, probes: tuple[int, ...]) -> None:
+        spec = self._spec
         for h in probes:
-            refs = self._spec.get(h)
+            refs = spec.get(h)
             if refs is None:
                 continue
             n = refs.get(instance_id, 0) - 1
@@ -117,19 +187,19 @@ class PrefixKnowledge:
             else:
                 refs.pop(instance_id, None)
                 if not refs:
-                    del self._spec[h]
+                    del spec[h]
 
     def expire(self, now_s: float) -> None:
-        """Drop speculation nobody confirmed (lost events, cancelled requests)."""
+        """Drop speculation nobody confirmed (lost events, very long queues)."""
         q = self._spec_expiry
         while q and q[0][0] <= now_s:
             _, inst, probes = q.popleft()
-            self.unspeculate(inst, probes)
+            self._unspeculate(inst, probes)
 
-    def confirm(self, instance_id: str, block_hashes: Sequence[int]) -> None:
+    def confirm(self, instance_id: str, probes: Sequence[int]) -> None:
         """The prefill finished: the prefix is now really cached there."""
         if instance_id not in self.exact_instances:
-            self.routed.insert(instance_id, block_hashes)
+            self.routed.insert(instance_id, probes)
 
     # -- exact engine KV events ------------------------------------------------
     def stored(self, instance_id: str, block_hashes: Iterable[int]) -> None:
