@@ -78,12 +78,18 @@ BIN_S = 5.0  # time-series resolution of spill shares (by arrival time)
 # ---------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class StreamSpec:
-    """One seeded synthetic request stream, entering at ``origin``."""
+    """One seeded synthetic request stream, entering at ``origin``.
+
+    Its rate is either ``rate_rps`` or ``load`` x the capacity estimate of the
+    home DC's deployment for this stream's own request mix
+    (``workloads.scaling.capacity_rps``, the same definition ``sim --load``
+    uses), so a scenario keeps its meaning when the engine model is recalibrated.
+    """
 
     name: str
     tenant: str
     generator: str
-    rate_rps: float
+    rate_rps: float | None
     seed: int
     origin: str
     home: str
@@ -94,6 +100,7 @@ class StreamSpec:
     start_s: float = 0.0
     end_s: float | None = None  # default: the workload's duration
     options: Mapping[str, Any] = field(default_factory=dict)
+    load: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +197,8 @@ def _num(source: str, fld: str, v: Any, positive: bool = False) -> float:
     return float(v)
 
 
-_STREAM_KEYS = {"name", "tenant", "generator", "rate_rps", "seed", "origin", "home", "model",
+_STREAM_KEYS = {"name", "tenant", "generator", "rate_rps", "load", "seed", "origin", "home",
+                "model",
                 "version", "region", "allow_cross_region", "start_s", "end_s", "options"}
 
 
@@ -204,9 +212,12 @@ def _stream(source: str, topo: Topology, i: int, raw: Any, duration: float) -> S
         if k not in _STREAM_KEYS:
             raise ValidationError(source, f"{base}.{k}",
                                   f"unknown field; use one of {sorted(_STREAM_KEYS)}")
-    for req in ("tenant", "generator", "rate_rps", "model"):
+    for req in ("tenant", "generator", "model"):
         if req not in raw:
             raise ValidationError(source, f"{base}.{req}", "missing")
+    if ("rate_rps" in raw) == ("load" in raw):
+        raise ValidationError(source, f"{base}.rate_rps", "give exactly one of rate_rps "
+                              "(requests/s) or load (x the home deployment's capacity)")
     gen = str(raw["generator"])
     if gen not in SYNTHETIC:
         raise ValidationError(source, f"{base}.generator", f"unknown generator '{gen}'; "
@@ -258,11 +269,21 @@ def _stream(source: str, topo: Topology, i: int, raw: Any, duration: float) -> S
     if not isinstance(opts, Mapping):
         raise ValidationError(source, f"{base}.options", "must be a mapping of generator "
                               "keyword arguments")
+    load = None
+    rate = None
+    if "load" in raw:
+        load = _num(source, f"{base}.load", raw["load"], positive=True)
+        if not any(d.model == model and d.version == version and d.instances > 0
+                   for d in dcs[home].deployments):
+            raise ValidationError(source, f"{base}.load", f"is relative to the home site's "
+                                  f"capacity, but {home} deploys no {model}@{version}; give "
+                                  "rate_rps instead")
+    else:
+        rate = _num(source, f"{base}.rate_rps", raw["rate_rps"], positive=True)
     return StreamSpec(name=str(raw.get("name", f"s{i}")), tenant=tenant, generator=gen,
-                      rate_rps=_num(source, f"{base}.rate_rps", raw["rate_rps"], positive=True),
-                      seed=seed, origin=origin, home=home, model=model, version=version,
-                      region=region, allow_cross_region=cross, start_s=start, end_s=end,
-                      options=dict(opts))
+                      rate_rps=rate, seed=seed, origin=origin, home=home, model=model,
+                      version=version, region=region, allow_cross_region=cross,
+                      start_s=start, end_s=end, options=dict(opts), load=load)
 
 
 _EVENT_KEYS = {"at_s", "kind", "dc", "model", "version", "to_version", "profile", "instances",
@@ -346,9 +367,10 @@ def build_workload(sc: Scenario, seed: int = 0) -> list[Arrival]:
         if span <= 0:
             continue
         gen = SYNTHETIC.get(st.generator)
-        n = int(st.rate_rps * span * 1.3) + 20
+        rate = stream_rate_rps(sc, st)
+        n = int(rate * span * 1.3) + 20
         while True:
-            reqs = gen(n, st.seed + 7919 * seed, st.rate_rps, **dict(st.options))
+            reqs = gen(n, st.seed + 7919 * seed, rate, **dict(st.options))
             if not reqs or reqs[-1].info.arrival_s >= span or len(reqs) < n:
                 break
             n *= 2
@@ -367,6 +389,20 @@ def build_workload(sc: Scenario, seed: int = 0) -> list[Arrival]:
                                st.origin, st.home))
     out.sort(key=lambda a: (a.trace.info.arrival_s, a.trace.info.request_id))
     return out
+
+
+def stream_rate_rps(sc: Scenario, st: StreamSpec) -> float:
+    """The stream's arrival rate: given, or ``load`` x its home deployment's capacity."""
+    if st.rate_rps is not None:
+        return st.rate_rps
+    from tokenfleet.workloads.scaling import capacity_rps
+    from tokenfleet.workloads.synthetic import SYNTHETIC
+
+    assert st.load is not None
+    dep = next(d for d in sc.topology.datacenters[st.home].deployments
+               if d.model == st.model and d.version == st.version)
+    sample = SYNTHETIC.get(st.generator)(1500, st.seed, 5.0, **dict(st.options))
+    return st.load * capacity_rps(sample, get_profile(dep.profile), dep.instances)
 
 
 def residency_ok(topo: Topology, info: RequestInfo, home: str, dc: str) -> bool:
