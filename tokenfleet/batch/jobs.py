@@ -198,6 +198,13 @@ def get_batch(engine: Engine, tenant_id: str, batch_id: str) -> Batch | None:
             Batch.id == batch_id, Batch.tenant_id == tenant_id)).scalar_one_or_none()
 
 
+def batch_owner(engine: Engine, batch_id: str) -> str | None:
+    """The tenant of a batch (admin UI only; tenant-facing code uses get_batch)."""
+    with engine.connect() as conn:
+        return conn.execute(sa.select(Batch.tenant_id).where(Batch.id == batch_id)
+                            ).scalar_one_or_none()
+
+
 def list_batches(engine: Engine, tenant_id: str | None, *, limit: int = 20,
                  after: str | None = None) -> tuple[list[Batch], bool]:
     """Newest first; ``after`` is the id of the last batch of the previous page.

@@ -11,6 +11,7 @@ and, optionally:
 * ``BATCH_MAX_INFLIGHT`` (default 64): lines this process runs at once; the
   batch tier gets SLOMax's batch share of them (shares written by beat).
 * ``CHAT_QUOTAS`` (default True): quota admission around chat completions.
+* ``ADMIN_UI`` (default True): mount the admin web UI (:mod:`web.admin`) at ``/admin``.
 
 Without ``DATABASE_URL`` nothing is registered (files and batches need it).
 Call ``app.extensions["tokenfleet.tenancy"].close()`` on shutdown.
@@ -60,6 +61,11 @@ def init_app(app: Flask, **overrides: Any) -> None:
             return Response(json.dumps(doc), mimetype="application/json")
 
         app.view_functions["ops.openapi"] = openapi_with_batches
+
+    if cfg.get("ADMIN_UI", True):
+        from web.admin import init_app as init_admin
+
+        init_admin(app, **overrides)
 
     if cfg.get("BATCH_RUNNER", True):
         executor: Any = None
