@@ -8,7 +8,9 @@ serving numbers -- and prints published value, model value and relative
 error, then the mean absolute relative error (MARE).
 
 Run: ``.venv/bin/python benchmarks/calibrate_engine.py`` (a few seconds, no
-GPU). ``--only KEY`` runs one row; ``--json PATH`` writes the table.
+GPU). ``--only KEY`` runs one row; ``--json PATH`` writes the table;
+``--set mfu=0.5`` tries other constants (how they were fitted);
+``--variant additive`` evaluates the proposed compute+memory combination rule.
 Sources and the reasoning behind each setup are in ``docs/engine-model.md``.
 """
 
