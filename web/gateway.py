@@ -349,6 +349,8 @@ class Gateway:
             else:
                 queue = pool_queue(target.dc, info.tier)
             admitted = time.time()
+            log.debug("route %s: %s -> %s (expected cached %d, %s)", info.request_id,
+                      decision.instance_id, queue, cached, decision.reason)
             self.state.create_request(info.request_id, queue, self.live.request_state_ttl_s,
                                       tier=info.tier, instance=target.instance_id)
             job = self._job(prep, queue, target.instance_id if affinity else "",
@@ -454,7 +456,10 @@ class Gateway:
         for ev in reader.events(on_idle):
             if ev.kind == "d" and d.first_token_s is None:
                 d.first_token_s = time.time()
-                self._on_first_token(d, ev.instance or d.instance)
+                actual = ev.instance or d.instance
+                if actual != d.instance:
+                    self._rebind(d, actual)
+                self._on_first_token(d, actual)
             elif ev.kind == "retry":
                 d.attempt = max(d.attempt, ev.attempt)
             elif ev.kind == "end":
@@ -568,6 +573,23 @@ class Gateway:
                 self.metrics.finished(info.tier, "cancelled")
 
     # -- policy feedback ----------------------------------------------------------------
+    def _rebind(self, d: Dispatched, actual: str) -> None:
+        """Late binding put the request elsewhere than the router chose: correct
+        what the router believes about both caches (a cache-aware router records
+        its own choice as the new holder of this prefix)."""
+        hashes = d.prep.info.block_hashes
+        if not hashes:
+            return
+        with self.index_lock:
+            known = self.index.match_instance(d.instance, hashes)
+        events = [KVEvent(actual, "stored", hashes)]
+        if known < len(hashes):
+            events.append(KVEvent(d.instance, "removed", tuple(hashes[known:])))
+        with self.router_lock:
+            for ev in events:
+                self.router.on_kv_event(ev)
+        d.instance = actual
+
     def _on_first_token(self, d: Dispatched, instance: str) -> None:
         assert d.first_token_s is not None
         pred = d.decision.predicted_ttft_s if d.decision else None

@@ -25,6 +25,8 @@ Settings and why (Celery 5.6 docs):
   instead of round-robin, so a free slot always takes the highest tier
   waiting. RabbitMQ has no cross-queue order; there the worker's tier gate
   stops consuming lower tiers while a higher one has work queued.
+  ``polling_interval`` (= the BRPOP timeout) is 0.1 s instead of 1 s so a
+  queue the gate re-enables is polled again at once.
 * Direct routing by computed name: ``task_create_missing_queues`` makes
   each ``<dc>.<tier>`` / ``<dc>.<instance>.<tier>`` a queue bound to a
   direct exchange of the same name with that routing key, so publishing is
@@ -52,6 +54,9 @@ def celery_settings(broker_url: str, live: LiveConfig) -> dict[str, Any]:
     transport: dict[str, Any] = {"visibility_timeout": live.visibility_timeout_s}
     if broker_url.startswith(("redis://", "rediss://", "unix://")):
         transport["queue_order_strategy"] = "priority"
+        # BRPOP timeout: a consumer whose queue set changed (tier gate) re-polls
+        # with the new set within this long (kombu default: 1 s)
+        transport["polling_interval"] = 0.1
         transport["socket_connect_timeout"] = 2.0
     return {
         "broker_url": broker_url,

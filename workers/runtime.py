@@ -65,6 +65,11 @@ class WorkerRuntime:
         self.pool_mode = pool_mode
         self.kv_events_endpoint = kv_events_endpoint
         self.send_task = send_task
+        #: the broker orders queues itself (Redis with queue_order_strategy=priority);
+        #: else lower tiers must pause while a higher one has work queued
+        self.broker_orders_queues = False
+        #: exact queue depths when the broker can tell them cheaply (Redis: LLEN)
+        self.queue_depths: Callable[[list[str]], dict[str, int]] | None = None
         self.worker_id = f"{info.instance_id}:{uuid.uuid4().hex[:8]}"
         self.queues = worker_queues(info.dc, None if pool_mode else info.instance_id)
         self.scraper = Scraper(info.url, timeout_s=max(0.5, live.scrape_interval_s))
@@ -80,6 +85,10 @@ class WorkerRuntime:
         self._shares: dict[str, float] = dict(DEFAULT_SHARES)
         self._shares_at = 0.0
         self.kv_events_relayed = 0
+        #: task id -> when its message was received (Celery's task_received)
+        self.received: dict[str, float] = {}
+        #: task id -> tier, for messages received but not started yet
+        self.reserved: dict[str, str] = {}
         self.exact_kv_events = False
 
     # -- lifecycle ------------------------------------------------------------------
@@ -125,11 +134,49 @@ class WorkerRuntime:
         with self._lock:
             return list(self._flights.values())
 
-    def running_by_tier(self) -> dict[str, int]:
+    def running_by_tier(self, include_reserved: bool = False) -> dict[str, int]:
         out = {t: 0 for t in TIER_PRIORITY}
         for f in self.flights():
             out[f.tier] = out.get(f.tier, 0) + 1
+        if include_reserved:
+            with self._lock:
+                for tier in self.reserved.values():
+                    out[tier] = out.get(tier, 0) + 1
         return out
+
+    # -- message receipt (runs in Celery's consumer thread) ---------------------------
+    def on_received(self, task_id: str, queue: str) -> None:
+        """Count the message against its tier at once and, if that fills the
+        tier's share, stop consuming the tier right here: the consumer thread
+        owns the consumer, and waiting for the gate thread would let a burst
+        of messages in before it reacts."""
+        tier = tier_of_queue(queue) if queue else ""
+        if tier not in TIER_PRIORITY:
+            tier = ""  # control tasks and the like: not an engine request
+        with self._lock:
+            self.received[task_id] = time.time()
+            if tier:
+                self.reserved[task_id] = tier
+        if not tier or self._consumer is None:
+            return
+        slots = max(1, self.info.slots)
+        cap = max(1, math.ceil(self.shares().get(tier, 1.0) * slots))
+        if cap >= slots:
+            return
+        if self.running_by_tier(include_reserved=True).get(tier, 0) >= cap:
+            c = self._consumer
+            try:
+                for q in [q.name for q in c.task_consumer.queues]:
+                    if tier_of_queue(q) == tier:
+                        c.cancel_task_queue(q)
+            except Exception:  # noqa: BLE001
+                log.debug("could not pause tier %s", tier, exc_info=True)
+
+    def started(self, task_id: str) -> float | None:
+        """The task left the pool's queue; returns when its message was received."""
+        with self._lock:
+            self.reserved.pop(task_id, None)
+            return self.received.pop(task_id, None)
 
     # -- engine health ----------------------------------------------------------------
     def is_engine_healthy(self) -> bool:
@@ -217,14 +264,16 @@ class WorkerRuntime:
         """Queues to consume now, highest priority first.
 
         A tier is consumed while the engine is healthy and the tier runs fewer
-        than ``share * slots`` requests; a tier also pauses while any higher
-        tier of this worker has requests queued (it yields). The total is
-        capped by Celery itself: concurrency = slots and prefetch multiplier 1.
+        than ``share * slots`` requests. Where the broker does not order queues
+        itself (RabbitMQ), a tier also pauses while any higher tier of this
+        worker has requests queued (it yields); on Redis the priority poll order
+        already gives every free slot to the highest tier waiting. The total
+        is capped by Celery itself: concurrency = slots, prefetch multiplier 1.
         """
         if not self.is_engine_healthy():
             return []
         slots = max(1, self.info.slots)
-        running = self.running_by_tier()
+        running = self.running_by_tier(include_reserved=True)
         shares = self.shares()
         queued = queued or {}
         out: list[str] = []
@@ -232,9 +281,11 @@ class WorkerRuntime:
         for tier in TIER_PRIORITY:
             tier_qs = [q for q in self.queues if tier_of_queue(q) == tier]
             cap = max(1, math.ceil(shares.get(tier, 1.0) * slots))
-            if running.get(tier, 0) < cap and not higher_waiting:
+            # A cap of all slots needs no gate (Celery's concurrency is the cap),
+            # and not cancelling keeps the broker's poll on every queue.
+            if (cap >= slots or running.get(tier, 0) < cap) and not higher_waiting:
                 out.extend(tier_qs)
-            if any(queued.get(q, 0) > 0 for q in tier_qs):
+            if not self.broker_orders_queues and any(queued.get(q, 0) > 0 for q in tier_qs):
                 higher_waiting = True
         return out
 
@@ -243,10 +294,13 @@ class WorkerRuntime:
             c = self._consumer
             if c is None or getattr(c, "task_consumer", None) is None:
                 continue
-            try:
-                queued = self.state.queued()
-            except Exception:  # noqa: BLE001
-                queued = {}
+            queued: dict[str, int] = {}
+            if not self.broker_orders_queues:
+                try:
+                    queued = (self.queue_depths(self.queues) if self.queue_depths
+                              else self.state.queued())
+                except Exception:  # noqa: BLE001
+                    queued = {}
             want = self.desired_queues(queued)
             try:
                 have = [q.name for q in c.task_consumer.queues]

@@ -15,8 +15,10 @@ import time
 import uuid
 from typing import Any
 
+from celery.signals import task_received
+
 from tokenfleet.core.tiers import meets_slo
-from tokenfleet.core.types import RequestInfo
+from tokenfleet.core.types import KVEvent, RequestInfo
 from tokenfleet.emulator.tokenizer import chat_block_hashes
 from tokenfleet.live.engine_client import EngineCall, EngineError, send_abort
 from tokenfleet.live.queues import affinity_queue, pool_queue
@@ -28,9 +30,23 @@ from workers.runtime import Flight, WorkerRuntime, runtime
 log = logging.getLogger("tokenfleet.worker")
 
 
-@app.task(name=TASK_CHAT, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
-def chat(job: dict[str, Any]) -> str:
-    return run_job(runtime(), job)
+@app.task(name=TASK_CHAT, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
+          bind=True)
+def chat(self: Any, job: dict[str, Any]) -> str:
+    rt = runtime()
+    received = rt.started(self.request.id)
+    return run_job(rt, job, received_ts=received)
+
+
+@task_received.connect
+def _on_received(request: Any = None, **_: Any) -> None:
+    """A message left its queue: note when (queue order is judged by this, not
+    by when a pool thread got to it) and apply the tier's share at once."""
+    from workers import runtime as rt_mod
+
+    if rt_mod.RUNTIME is not None and request is not None:
+        info = getattr(request, "delivery_info", None) or {}
+        rt_mod.RUNTIME.on_received(request.id, str(info.get("routing_key") or ""))
 
 
 def _info(job: dict[str, Any]) -> RequestInfo:
@@ -68,7 +84,7 @@ def _record_duplicate(rt: WorkerRuntime, job: dict[str, Any], why: str) -> str:
     return "duplicate"
 
 
-def run_job(rt: WorkerRuntime, job: dict[str, Any]) -> str:
+def run_job(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = None) -> str:
     state = rt.state
     rid = job["rid"]
     attempt = int(job["attempt"])
@@ -77,7 +93,7 @@ def run_job(rt: WorkerRuntime, job: dict[str, Any]) -> str:
     except Exception:  # noqa: BLE001
         pass
     verdict = state.claim(rid, attempt, rt.worker_id, rt.live.lease_ttl_s,
-                          rt.info.instance_id)
+                          rt.info.instance_id, received_ts or time.time())
     relay = RelayWriter(state, rid, rt.live.stream_ttl_s, rt.info.instance_id)
     if verdict in ("done", "busy", "stale", "missing"):
         return _record_duplicate(rt, job, verdict)
@@ -128,6 +144,7 @@ def run_job(rt: WorkerRuntime, job: dict[str, Any]) -> str:
                 flight.first_token = True
                 state.mark_first_token(rid)
                 state.account_first_token(rt.info.instance_id, info, cached_est)
+                _publish_prefix(rt, job)
             if piece.text or piece.tokens:
                 relay.delta(piece.text, piece.tokens)
                 tokens += piece.tokens
@@ -171,16 +188,21 @@ def run_job(rt: WorkerRuntime, job: dict[str, Any]) -> str:
     _record(rt, _row(job, rt, status, dispatched_ts=dispatched, first_token_ts=first_ts,
                      finished_ts=finished, prompt_tokens=prompt, cached_tokens=cached,
                      completion_tokens=completion))
-    if not rt.exact_kv_events and job.get("messages"):
-        # approximate prefix knowledge for routers: this instance now holds the prompt
-        try:
-            from tokenfleet.core.types import KVEvent
-
-            hashes = chat_block_hashes(job["messages"])
-            state.publish_kv_events([KVEvent(rt.info.instance_id, "stored", hashes)])
-        except Exception:  # noqa: BLE001
-            log.debug("approximate KV event not published", exc_info=True)
     return status
+
+
+def _publish_prefix(rt: WorkerRuntime, job: dict[str, Any]) -> None:
+    """Approximate prefix knowledge for every API replica: once prefill is done
+    this instance holds the prompt's blocks. Skipped when the engine's own vLLM
+    KV events are relayed (exact mode)."""
+    if rt.exact_kv_events or not job.get("messages"):
+        return
+    try:
+        hashes = chat_block_hashes(job["messages"])
+        if hashes:
+            rt.state.publish_kv_events([KVEvent(rt.info.instance_id, "stored", hashes)])
+    except Exception:  # noqa: BLE001
+        log.debug("approximate KV event not published", exc_info=True)
 
 
 def _on_engine_error(rt: WorkerRuntime, job: dict[str, Any], relay: RelayWriter,

@@ -25,6 +25,7 @@ from tokenfleet.errors import ConfigError
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.queues import CONTROL_QUEUE
 from tokenfleet.live.state import InstanceInfo, LiveState
+from workers.pool import WakingThreadPool
 
 log = logging.getLogger("tokenfleet.worker")
 
@@ -39,6 +40,13 @@ class AttachConsumer(bootsteps.StartStopStep):
 
         if runtime.RUNTIME is not None:
             runtime.RUNTIME.attach_consumer(c)
+        try:
+            ch = c.connection.default_channel
+            log.info("consumer attached: queue cycle %s over %s",
+                     type(getattr(ch, "_queue_cycle", None)).__name__,
+                     getattr(getattr(ch, "_queue_cycle", None), "items", None))
+        except Exception:  # noqa: BLE001
+            pass
 
     def stop(self, c: Any) -> None:
         from workers import runtime
@@ -84,6 +92,26 @@ def probe_engine(url: str, timeout_s: float = 30.0) -> tuple[str, int]:
                       f"({last!r}); start it first or fix --engine-url")
 
 
+def _amqp_depths(app: Any) -> Any:
+    """Exact ready-message counts from RabbitMQ (passive queue.declare)."""
+    conn = app.connection_for_write()
+
+    def depths(queues: list[str]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        ch = conn.default_channel
+        for q in queues:
+            try:
+                _name, count, _consumers = ch.queue_declare(q, passive=True)
+                out[q] = int(count)
+            except Exception:  # noqa: BLE001 - queue not declared yet: empty
+                conn.close()
+                ch = conn.default_channel
+                out[q] = 0
+        return out
+
+    return depths
+
+
 def run_worker(opts: WorkerOptions, *, redis_url: str, broker_url: str,
                database_url: str | None, data_dir: Any, live: LiveConfig | None = None) -> int:
     from workers import runtime
@@ -109,6 +137,10 @@ def run_worker(opts: WorkerOptions, *, redis_url: str, broker_url: str,
     rt = runtime.WorkerRuntime(live, state, info, ledger=ledger, pool_mode=opts.pool_mode,
                                kv_events_endpoint=opts.kv_events_endpoint)
     runtime.RUNTIME = rt
+    if broker_url.startswith(("redis://", "rediss://", "unix://")):
+        rt.broker_orders_queues = True  # queue_order_strategy=priority (workers.app)
+    elif broker_url.startswith(("amqp://", "amqps://", "pyamqp://")):
+        rt.queue_depths = _amqp_depths(app)
     if AttachConsumer not in app.steps["consumer"]:
         app.steps["consumer"].add(AttachConsumer)
     queues = list(rt.queues) + ([CONTROL_QUEUE] if opts.control else [])
@@ -118,7 +150,7 @@ def run_worker(opts: WorkerOptions, *, redis_url: str, broker_url: str,
     log.info("worker %s (dc %s) serving %s at %s, %d slots, queues: %s", opts.instance_id,
              opts.dc, model, opts.engine_url, opts.slots, ", ".join(queues))
     try:
-        worker = app.Worker(hostname=f"{opts.instance_id}@{opts.dc}", pool_cls="threads",
+        worker = app.Worker(hostname=f"{opts.instance_id}@{opts.dc}", pool_cls=WakingThreadPool,
                             concurrency=opts.slots, queues=queues, loglevel=opts.loglevel,
                             without_mingle=True, without_gossip=True,
                             without_heartbeat=True, quiet=True)

@@ -46,7 +46,7 @@ local att = tonumber(redis.call('HGET', KEYS[1], 'attempt') or '1')
 if att ~= tonumber(ARGV[1]) then return 'stale' end
 if redis.call('HGET', KEYS[1], 'first_token') == '1' then return 'started' end
 redis.call('HSET', KEYS[1], 'status', 'running', 'owner', ARGV[2], 'claimed_at', ARGV[4],
-           'instance', ARGV[5])
+           'instance', ARGV[5], 'received_at', ARGV[6])
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 return 'run'
 """
@@ -355,11 +355,12 @@ class LiveState:
         return bool(self.r.exists(self.k("lease", rid)))
 
     def claim(self, rid: str, attempt: int, owner: str, lease_ttl_s: float,
-              instance_id: str) -> str:
+              instance_id: str, received_at: float | None = None) -> str:
         """'run' | 'done' | 'busy' | 'stale' | 'started' | 'cancelled' | 'missing'."""
+        now = time.time()
         out = self._claim(keys=self._req_keys(rid),
-                          args=[attempt, owner, int(lease_ttl_s * 1000), time.time(),
-                                instance_id])
+                          args=[attempt, owner, int(lease_ttl_s * 1000), now,
+                                instance_id, received_at or now])
         return out.decode() if isinstance(out, bytes) else str(out)
 
     def renew_leases(self, rids: Iterable[str], lease_ttl_s: float) -> None:

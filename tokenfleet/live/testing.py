@@ -126,7 +126,9 @@ class LiveStack:
         cfg: dict[str, Any] = {"REDIS_URL": self.redis.url,
                                "BROKER_URL": self.broker_url or self.redis.url,
                                "DATA_DIR": str(self.data_dir), "LIVE": self.live,
-                               "API_KEYS": {API_KEY: TENANT}, "ADMISSION": self.admission}
+                               "API_KEYS": {API_KEY: TENANT}, "ADMISSION": self.admission,
+                               # the batch API's runner thread is not under test here
+                               "BATCH_RUNNER": False}
         if self.database_url:
             cfg["DATABASE_URL"] = self.database_url
         self.app = create_app(cfg)
