@@ -295,7 +295,7 @@ def oracle_may_serve(data: dict[str, Any], request: RequestInfo, home: str | Non
     return True
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, database=None)
 @given(fleet_case())
 def test_no_policy_can_violate_residency(case: Any) -> None:
     data, request, home, extra = case

@@ -356,8 +356,10 @@ class Arrival:
     home: str
 
 
-def build_workload(sc: Scenario, seed: int = 0) -> list[Arrival]:
-    """Generate every stream (seeded), place it in its window, tag it, classify it."""
+def build_workload(sc: Scenario, seed: int = 0,
+                   rates_out: dict[str, float] | None = None) -> list[Arrival]:
+    """Generate every stream (seeded), place it in its window, tag it, classify it.
+    ``rates_out`` receives each stream's arrival rate (requests/s)."""
     from tokenfleet.workloads.synthetic import SYNTHETIC
 
     out: list[Arrival] = []
@@ -368,6 +370,8 @@ def build_workload(sc: Scenario, seed: int = 0) -> list[Arrival]:
             continue
         gen = SYNTHETIC.get(st.generator)
         rate = stream_rate_rps(sc, st)
+        if rates_out is not None:
+            rates_out[st.name] = rate
         n = int(rate * span * 1.3) + 20
         while True:
             reqs = gen(n, st.seed + 7919 * seed, rate, **dict(st.options))
@@ -497,6 +501,7 @@ class FleetRun:
     timeseries: dict[str, Any]
     wall_s: float
     preemptions: int
+    stream_rates_rps: dict[str, float] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"policy": self.policy, "fleet": self.policy}
@@ -511,6 +516,7 @@ class FleetRun:
             "rollbacks": self.rollbacks,
             "timeline": self.timeline,
             "timeseries": self.timeseries,
+            "stream_rates_rps": self.stream_rates_rps,
             "preemptions": self.preemptions,
             "wall_s": self.wall_s,
         })
@@ -1117,11 +1123,14 @@ def run_fleets(sc: Scenario, policies: Sequence[str], seed: int = 0,
     """Replay the scenario's workload under each fleet policy (same arrivals)."""
     for p in policies:
         FLEET.get(p)  # fail fast on a typo
-    arrivals = build_workload(sc, seed)
+    rates: dict[str, float] = {}
+    arrivals = build_workload(sc, seed, rates)
     if not arrivals:
         raise ConfigError("the scenario's workload has no requests")
     runs = []
     for p in policies:
         cb = progress(p, len(arrivals)) if progress is not None else None
-        runs.append(FleetSim(sc, p, seed=seed, progress=cb).run(arrivals))
+        run = FleetSim(sc, p, seed=seed, progress=cb).run(arrivals)
+        run.stream_rates_rps = dict(rates)
+        runs.append(run)
     return runs

@@ -4,23 +4,26 @@ Once per long cycle (default 60 s) the planner reads what the last cycle
 looked like (demand per model version and home DC, load and SLO attainment
 per DC, spilled-in traffic) and returns the next :class:`Plan`:
 
-1. **Rollback first.** A DC that took spilled-in work (at least
-   ``rollback_min_spill_in`` of what it served) and still missed its
-   attainment target is being hurt by the spill. Its spill share is cut
-   (multiplied by ``rollback_cut``, 0 by default) and its replica targets
-   are restored to the plan in force before the last change that touched
-   it. Each such DC yields a :class:`RollbackEvent`; no expansion happens in
-   a rollback cycle.
+1. **Rollback.** A DC that took spilled-in work (at least
+   ``rollback_min_spill_in`` of its outcomes) and missed its attainment
+   target, over the whole cycle or over its recent half, is being hurt by
+   the spill. Its spill share is cut (multiplied by ``rollback_cut``, 0 by
+   default) and its replica targets are restored to the plan in force before
+   the last change that touched it. Each such DC yields a
+   :class:`RollbackEvent`; it is excluded from capacity moves this cycle.
 2. **Recovery.** A DC whose share was cut and that met its target again
    gets ``recover_step`` of share back per cycle.
-3. **Capacity.** For each model version, demand in work-seconds per second
-   (1.0 keeps one replica fully busy) over ``target_load`` is the replica
-   count needed. A deficit is filled, at most ``max_changes`` replicas per
-   cycle, by (a) new replicas at the demand's home DC, (b) new replicas at
-   the DCs nearest to it, within free GPU slots and the global GPU budget,
-   then (c) by converting under-used replicas of another model version
-   (load below ``donor_load``) at the DC nearest the demand. New replicas
-   prewarm: the simulator makes them ready ``prewarm_s`` later.
+3. **Capacity.** Per model version, the *unmet* demand is what the home
+   pools cannot carry under their ``load_ceiling`` minus the room other
+   pools of that version have under their spill-in ceiling (closed shares
+   and rolled-back DCs offer none); demand is in work-seconds per second,
+   so 1.0 keeps one replica busy. Unmet demand is covered, at most
+   ``max_changes`` replicas per cycle, by (a) new replicas at the hot DC,
+   (b) new replicas at the DCs nearest to it, within free GPU slots and the
+   global GPU budget, then (c) by converting under-used replicas (load below
+   ``donor_load``, beyond what their own demand needs) of another version
+   at the DC nearest the demand. New replicas prewarm: the simulator makes
+   them ready ``prewarm_s`` later.
 
 The planner is pure: no clock, no I/O; the driver enacts plans.
 """
