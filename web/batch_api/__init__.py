@@ -28,12 +28,10 @@ log = logging.getLogger("tokenfleet.batch")
 
 
 def init_app(app: Flask, **overrides: Any) -> None:
-    from tokenfleet.batch.executors import GatewayExecutor, HttpExecutor
-    from tokenfleet.batch.runner import BatchRunner, RunnerConfig
     from web.batch_api.chat_quota import install_chat_quota
     from web.batch_api.openapi import merge_into
     from web.batch_api.routes import batch_bp
-    from web.batch_api.services import ShareCapacity, TenancyServices
+    from web.batch_api.services import TenancyServices
 
     cfg = {**app.config, **overrides}
     if not cfg.get("DATABASE_URL") or not cfg.get("REDIS_URL"):
@@ -68,21 +66,39 @@ def init_app(app: Flask, **overrides: Any) -> None:
         init_admin(app, **overrides)
 
     if cfg.get("BATCH_RUNNER", True):
-        executor: Any = None
-        max_inflight = int(cfg.get("BATCH_MAX_INFLIGHT", 64))
-        capacity = None
-        if gw is not None:
-            executor = GatewayExecutor(gw)
-            capacity = ShareCapacity(gw.state, max_inflight)
-        elif cfg.get("BATCH_ENGINE_URL"):
-            executor = HttpExecutor(str(cfg["BATCH_ENGINE_URL"]))
-        if executor is not None:
-            runner_cfg = cfg.get("BATCH_RUNNER_CONFIG") or RunnerConfig(max_inflight=max_inflight)
-            svc.runner = BatchRunner(svc.engine, svc.files, executor, config=runner_cfg,
-                                     gate=svc.gate, capacity=capacity, name="api-batch-runner")
-            svc.runner.start()
-        else:
-            log.info("no batch runner in this process: no live gateway and no BATCH_ENGINE_URL")
+        start_runner(app, **overrides)
 
 
-__all__ = ["init_app"]
+def start_runner(app: Flask, **overrides: Any) -> Any:
+    """Start this process' batch runner (once); returns it, or None without an executor.
+
+    Through the app's live gateway when it has one, else ``BATCH_ENGINE_URL``.
+    """
+    from tokenfleet.batch.executors import GatewayExecutor, HttpExecutor
+    from tokenfleet.batch.runner import BatchRunner, RunnerConfig
+    from web.batch_api.services import ShareCapacity
+
+    cfg = {**app.config, **overrides}
+    svc = app.extensions["tokenfleet.tenancy"]
+    if svc.runner is not None:
+        return svc.runner
+    gw = app.extensions.get("tokenfleet")
+    executor: Any = None
+    max_inflight = int(cfg.get("BATCH_MAX_INFLIGHT", 64))
+    capacity = None
+    if gw is not None:
+        executor = GatewayExecutor(gw)
+        capacity = ShareCapacity(gw.state, max_inflight)
+    elif cfg.get("BATCH_ENGINE_URL"):
+        executor = HttpExecutor(str(cfg["BATCH_ENGINE_URL"]))
+    if executor is None:
+        log.info("no batch runner in this process: no live gateway and no BATCH_ENGINE_URL")
+        return None
+    runner_cfg = cfg.get("BATCH_RUNNER_CONFIG") or RunnerConfig(max_inflight=max_inflight)
+    svc.runner = BatchRunner(svc.engine, svc.files, executor, config=runner_cfg, gate=svc.gate,
+                             capacity=capacity, name="api-batch-runner")
+    svc.runner.start()
+    return svc.runner
+
+
+__all__ = ["init_app", "start_runner"]

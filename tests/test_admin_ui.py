@@ -1,0 +1,316 @@
+"""The admin web UI: login, CSRF, audit (Flask test client), then real Chromium.
+
+The Playwright part drives Debian's ``/usr/bin/chromium`` against a full live
+stack (embedded Redis + PostgreSQL, emulated engines, Celery workers, the
+API): log in, create a tenant, set a quota, see the API enforce it, submit a
+batch and watch its progress bar fill. Screenshots are saved under
+``out/test-artifacts/playwright/`` (or ``$TOKENFLEET_ARTIFACTS_DIR``).
+
+When Chromium or the ``playwright`` package is missing, the test installs
+them (``apt-get install chromium`` as root, ``pip install playwright``); it
+skips, saying why, only when that is impossible.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import requests
+from flask import Flask
+from flask.testing import FlaskClient
+
+from tokenfleet.service.embedded import EmbeddedPostgres, EmbeddedRedis
+from tokenfleet.service.testing import embedded_postgres, embedded_redis, fresh_database, temp_data_dir
+from tokenfleet.tenancy import admin as tenants
+from web.admin.auth import set_admin_password
+from web.batch_api import init_app, start_runner
+
+REPO = Path(__file__).resolve().parents[1]
+ARTIFACTS = Path(os.environ.get("TOKENFLEET_ARTIFACTS_DIR") or REPO / "out" / "test-artifacts") \
+    / "playwright"
+CHROMIUM = "/usr/bin/chromium"
+PASSWORD = "correct-horse-battery"
+
+
+# ---- server-side behaviour (no browser) -------------------------------------------------
+@pytest.fixture(scope="module")
+def stores() -> Iterator[tuple[Path, EmbeddedRedis, EmbeddedPostgres]]:
+    with temp_data_dir() as d, embedded_redis(d) as r, embedded_postgres(d) as pg:
+        yield d, r, pg
+
+
+@pytest.fixture
+def app(stores: tuple[Path, EmbeddedRedis, EmbeddedPostgres]) -> Iterator[Flask]:
+    d, r, pg = stores
+    name = f"adm{time.monotonic_ns()}"
+    url = fresh_database(pg, name)
+    flask_app = Flask(name)
+    init_app(flask_app, DATABASE_URL=url, REDIS_URL=r.url, DATA_DIR=str(d / name),
+             BATCH_RUNNER=False, REDIS_PREFIX=name)
+    svc = flask_app.extensions["tokenfleet.tenancy"]
+    set_admin_password(svc.engine, "root", PASSWORD, actor="test")
+    yield flask_app
+    svc.close()
+    svc.engine.dispose()
+
+
+def csrf(client: FlaskClient, path: str = "/admin/login") -> str:
+    page = client.get(path).data.decode()
+    m = re.search(r'name="csrf_token" value="([^"]+)"', page)
+    assert m, page[:500]
+    return m.group(1)
+
+
+def login(client: FlaskClient) -> str:
+    tok = csrf(client)
+    r = client.post("/admin/login", data={"username": "root", "password": PASSWORD,
+                                          "csrf_token": tok})
+    assert r.status_code == 302, r.data[:300]
+    return csrf(client, "/admin/tenants")
+
+
+def audit_actions(app: Flask) -> list[tuple[str, str]]:
+    rows = tenants.audit_log(app.extensions["tokenfleet.tenancy"].engine, limit=1000)
+    return [(r["actor"], r["action"]) for r in reversed(rows)]
+
+
+def test_pages_need_an_admin_login_not_an_api_key(app: Flask) -> None:
+    c = app.test_client()
+    for path in ("/admin/", "/admin/tenants", "/admin/batches", "/admin/audit", "/admin/live"):
+        r = c.get(path)
+        assert r.status_code == 302 and "/admin/login" in r.location
+    svc = app.extensions["tokenfleet.tenancy"]
+    tenants.create_tenant(svc.engine, "t1", actor="test")
+    key, _ = tenants.create_key(svc.engine, "t1", actor="test")
+    r = c.get("/admin/tenants", headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 302, "a tenant API key must not open the admin UI"
+    tok = csrf(c)
+    bad = c.post("/admin/login", data={"username": "root", "password": "nope-nope",
+                                       "csrf_token": tok})
+    assert bad.status_code == 401 and b"wrong user name or password" in bad.data
+    login(c)
+    r = c.get("/admin/")
+    assert r.status_code == 200 and b"goodput per tier" in r.data
+    assert "script-src 'self'" in r.headers["Content-Security-Policy"]
+    assert r.headers["X-Frame-Options"] == "DENY"
+    assert b"cdn" not in r.data.lower() and b"https://" not in r.data
+
+
+def test_every_form_post_needs_the_csrf_token(app: Flask) -> None:
+    c = app.test_client()
+    assert c.post("/admin/login", data={"username": "root", "password": PASSWORD}).status_code == 400
+    tok = login(c)
+    for path, form in [("/admin/tenants", {"tenant_id": "evil"}),
+                       ("/admin/tenants/x/quota/interactive", {"requests_per_minute": "1"}),
+                       ("/admin/logout", {})]:
+        r = c.post(path, data=form)
+        assert r.status_code == 400 and b"CSRF" in r.data, path
+        r = c.post(path, data={**form, "csrf_token": tok + "x"})
+        assert r.status_code == 400, path
+    svc = app.extensions["tokenfleet.tenancy"]
+    assert tenants.get_tenant(svc.engine, "evil") is None
+
+
+def test_mutations_are_audited_and_keys_shown_once(app: Flask) -> None:
+    c = app.test_client()
+    tok = login(c)
+    r = c.post("/admin/tenants", data={"tenant_id": "acme", "slo_class": "premium",
+                                       "allowed_regions": "eu-west, eu-central",
+                                       "csrf_token": tok})
+    assert r.status_code == 302
+    c.post("/admin/tenants/acme/quota/batch", data={
+        "requests_per_minute": "100", "tokens_per_minute": "", "max_concurrent_requests": "4",
+        "daily_token_budget": "1000000", "csrf_token": tok})
+    r = c.post("/admin/tenants/acme/quota/batch", data={
+        "requests_per_minute": "lots", "csrf_token": tok}, follow_redirects=True)
+    assert b"not a whole number" in r.data
+    c.post("/admin/tenants/acme/keys", data={"name": "ci", "csrf_token": tok})
+    page = c.get("/admin/tenants/acme").data.decode()
+    key = re.search(r'id="new-key">([^<]+)<', page)
+    assert key and key.group(1).startswith("tf-")
+    assert key.group(1) not in c.get("/admin/tenants/acme").data.decode(), "key shown twice"
+    svc = app.extensions["tokenfleet.tenancy"]
+    ctx = svc.directory.authenticate(key.group(1))
+    assert ctx is not None and ctx.allowed_regions == ("eu-west", "eu-central")
+    assert ctx.quotas.batch.as_dict() == {"requests_per_minute": 100, "tokens_per_minute": None,
+                                          "max_concurrent_requests": 4,
+                                          "daily_token_budget": 1_000_000}
+    key_id = tenants.list_keys(svc.engine, "acme")[0].id
+    c.post(f"/admin/tenants/acme/keys/{key_id}/revoke", data={"csrf_token": tok})
+    time.sleep(svc.directory.local_ttl_s + 0.05)
+    assert svc.directory.authenticate(key.group(1)) is None
+    c.post("/admin/logout", data={"csrf_token": tok})
+    acts = [a for a in audit_actions(app) if a[0] == "admin:root"]
+    assert [a[1] for a in acts] == ["admin.login", "tenant.create", "tenant.set_quota",
+                                    "key.create", "key.revoke", "admin.logout"]
+    audit_page = None
+    tok = login(c)
+    audit_page = c.get("/admin/audit").data.decode()
+    assert "tenant.set_quota" in audit_page and key.group(1) not in audit_page
+
+
+def test_password_change_ends_sessions_and_logins_are_rate_limited(app: Flask) -> None:
+    c = app.test_client()
+    login(c)
+    assert c.get("/admin/tenants").status_code == 200
+    svc = app.extensions["tokenfleet.tenancy"]
+    set_admin_password(svc.engine, "root", "another-password", actor="test")
+    assert c.get("/admin/tenants").status_code == 302
+    attacker = app.test_client()
+    tok = csrf(attacker)
+    codes = [attacker.post("/admin/login", data={"username": "root", "password": f"guess{i}",
+                                                 "csrf_token": tok}).status_code
+             for i in range(12)]
+    assert codes.count(401) == 12
+    r = attacker.post("/admin/login", data={"username": "root", "password": "another-password",
+                                            "csrf_token": tok})
+    assert r.status_code == 401 and b"too many attempts" in r.data
+
+
+# ---- real Chromium against the live stack ---------------------------------------------------
+def _ensure_browser() -> str | None:
+    """None if Chromium and playwright are usable (installing them if needed), else why not."""
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "playwright"],
+                           capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            return f"the playwright package is missing and `pip install playwright` failed: " \
+                   f"{r.stderr.strip()[-300:]}"
+    if not Path(CHROMIUM).exists():
+        if os.geteuid() != 0 or shutil.which("apt-get") is None:
+            return f"{CHROMIUM} is missing and apt-get is not usable here (need root on Debian)"
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-qq"], capture_output=True, timeout=600, env=env)
+        r = subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], capture_output=True,
+                           text=True, timeout=900, env=env)
+        if r.returncode != 0 or not Path(CHROMIUM).exists():
+            return f"`apt-get install chromium` failed: {r.stderr.strip()[-300:]}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    why = _ensure_browser()
+    if why is not None:
+        pytest.skip(f"no browser for the Playwright tests: {why}")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM,
+                              args=["--no-sandbox", "--disable-dev-shm-usage"])
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[Any]:
+    from tokenfleet.live.testing import running_stack
+
+    with running_stack(router="round_robin", time_scale=0.02) as stack:
+        svc = stack.app.extensions["tokenfleet.tenancy"]
+        set_admin_password(svc.engine, "root", PASSWORD, actor="test")
+        start_runner(stack.app)  # the live stack turns the API's runner off by default
+        yield stack
+        svc.close()
+
+
+def shot(page: Any, name: str) -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    return path
+
+
+def test_admin_journey_in_chromium(browser: Any, live: Any) -> None:
+    import openai
+
+    page = browser.new_page(viewport={"width": 1360, "height": 900})
+    page.set_default_timeout(15_000)
+    base = live.url
+    # log in
+    page.goto(base + "/admin/")
+    assert "/admin/login" in page.url
+    page.fill("input[name=username]", "root")
+    page.fill("input[name=password]", PASSWORD)
+    page.click("button[type=submit]")
+    page.wait_for_selector("#chart-goodput")
+    page.wait_for_selector("#instances tbody tr")
+    assert page.locator("#instances .pill.ok").count() == 2  # a0 and b0 healthy
+    shot(page, "01-dashboard")
+    # create a tenant
+    page.click("text=Tenants")
+    page.fill("#create-tenant input[name=tenant_id]", "browser-co")
+    page.fill("#create-tenant input[name=name]", "Browser Co")
+    page.click("#create-tenant button[type=submit]")
+    page.wait_for_url("**/admin/tenants/browser-co")
+    # set a quota: 3 requests per minute on the interactive budget
+    page.fill("#quota-interactive input[name=requests_per_minute]", "3")
+    page.click("#quota-interactive button[type=submit]")
+    page.wait_for_selector("text=interactive quota of browser-co saved")
+    # a key, shown once
+    page.click("#create-key button[type=submit]")
+    key = page.inner_text("#new-key").strip()
+    assert key.startswith("tf-")
+    shot(page, "02-tenant-quota-key")
+
+    # the API enforces the quota: 3 pass, the 4th is a 429 naming the limit
+    client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=30)
+    msgs = [{"role": "user", "content": "hello"}]
+    for _ in range(3):
+        client.chat.completions.create(model=live.model, messages=msgs, max_tokens=4)
+    r = requests.post(base + "/v1/chat/completions", timeout=30,
+                      headers={"Authorization": f"Bearer {key}"},
+                      json={"model": live.model, "messages": msgs, "max_tokens": 4})
+    assert r.status_code == 429
+    assert r.json()["error"]["code"] == "requests_per_minute_exceeded"
+    assert 1 <= int(r.headers["Retry-After"]) <= 20  # 1 request refills in 20 s at 3/min
+    page.reload()
+    assert "0 requests" in page.inner_text("#quota-interactive + p")
+
+    # a batch through the live path; watch its progress bar fill on the batches page
+    lines = "".join(json.dumps({"custom_id": f"c{i}", "method": "POST",
+                                "url": "/v1/chat/completions",
+                                "body": {"model": live.model, "max_tokens": 6,
+                                         "messages": [{"role": "user", "content": f"q{i}"}]}})
+                    + "\n" for i in range(40))
+    f = client.files.create(file=("job.jsonl", io.BytesIO(lines.encode())), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    page.click("text=Batches")
+    row = page.locator(f"tr[data-batch='{batch.id}']")
+    row.wait_for()
+    seen = set()
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        seen.add(int(row.locator("progress").get_attribute("value") or 0))
+        if "completed" in row.inner_text():
+            break
+        time.sleep(0.2)
+    assert "completed" in row.inner_text(), row.inner_text()
+    assert row.locator(".counts").inner_text().strip() == "40 / 0 / 40"
+    shot(page, "03-batches")
+    out = client.files.content(client.batches.retrieve(batch.id).output_file_id).text
+    assert sorted(json.loads(x)["custom_id"] for x in out.splitlines()) == sorted(
+        f"c{i}" for i in range(40))
+    # the audit log shows what the admin did
+    page.click("text=Audit log")
+    text = page.inner_text("#audit")
+    for action in ("admin.login", "tenant.create", "tenant.set_quota", "key.create"):
+        assert action in text
+    shot(page, "04-audit")
+    page.goto(base + "/admin/")
+    page.wait_for_selector("#chart-goodput polyline, #chart-goodput circle")
+    shot(page, "05-dashboard-after-traffic")
+    page.close()
