@@ -154,3 +154,27 @@ def test_cli_bad_arguments(argv: list[str], needle: str,
     assert rc == 2
     assert needle in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_results_do_not_depend_on_python_hash_seed(tmp_path: Path) -> None:
+    """String hashing is randomised per process; a policy that iterates a set of
+    instance ids to break ties would silently make runs irreproducible."""
+    import subprocess
+    import sys
+
+    policies = [n for n in ROUTERS.names() if not n.startswith("_")]
+    outs = []
+    for seed in ("1", "2"):
+        out = tmp_path / f"run{seed}.json"
+        cmd = [sys.executable, "-m", "tokenfleet.cli.main", "sim", "--synthetic", "chat",
+               "--synthetic-requests", "150", "--instances", "4", "--load", "0.9",
+               "--quiet", "--json", str(out)]
+        for p in policies:
+            cmd += ["--policy", p]
+        env = {**__import__("os").environ, "PYTHONHASHSEED": seed}
+        subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
+        outs.append(json.loads(out.read_text())["runs"])
+    for a, b in zip(*outs):
+        assert a["policy"] == b["policy"]
+        for key in ("ttft_p50_s", "ttft_p95_s", "throughput_tok_s", "prefix_hit_ratio"):
+            assert a[key] == b[key], (a["policy"], key)
