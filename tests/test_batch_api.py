@@ -471,3 +471,36 @@ def test_5000_line_batch_survives_a_killed_runner_process(
     out = env.content("alpha", done["output_file_id"])
     assert len(out) == n
     assert sorted(x["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(n))
+
+
+# ---- through the live path: SLOMax/router/Celery workers/engines --------------------------
+def test_batch_lines_run_through_the_live_path_in_the_batch_tier() -> None:
+    openai = pytest.importorskip("openai")
+    from tokenfleet.live.testing import API_KEY, TENANT, running_stack
+    from web.batch_api import start_runner
+
+    with running_stack(router="round_robin", time_scale=0.02) as stack:
+        svc = stack.app.extensions["tokenfleet.tenancy"]
+        start_runner(stack.app)
+        try:
+            client = openai.OpenAI(base_url=stack.url + "/v1", api_key=API_KEY, max_retries=0)
+            f = client.files.create(file=("live.jsonl", jsonl(stack.model, 30, max_tokens=5)),
+                                    purpose="batch")
+            b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+            deadline = time.monotonic() + 60
+            while b.status not in ("completed", "failed") and time.monotonic() < deadline:
+                time.sleep(0.2)
+                b = client.batches.retrieve(b.id)
+            assert b.status == "completed" and b.request_counts.completed == 30, b
+            out = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines()]
+            assert sorted(x["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(30))
+            rids = {x["response"]["request_id"] for x in out}
+            rows = stack.ledger_rows(expect=lambda rows: rids <= {
+                r["request_id"] for r in rows if r["status"] in ("completed", "slo_missed")})
+            mine = [r for r in rows if r["request_id"] in rids]
+            assert len(mine) == 30
+            assert {r["tier"] for r in mine} == {"batch"} and {r["tenant_id"] for r in mine} == {TENANT}
+            assert {r["instance"] for r in mine} <= {"a0", "b0"}
+        finally:
+            svc.close()
