@@ -22,7 +22,9 @@ import logging
 from pathlib import Path
 from typing import Any, Mapping
 
+import redis
 from flask import Flask, Response
+from sqlalchemy import exc as sa_exc
 from werkzeug.exceptions import HTTPException
 
 from tokenfleet.live.config import LiveConfig
@@ -90,6 +92,22 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     def _api_error(err: ApiError) -> Response:
         metrics.error(err.status)
         return err.response()
+
+    @app.errorhandler(redis.RedisError)
+    def _redis_down(err: redis.RedisError) -> Response:
+        # any code on the request path (ours or a hook) that needs Redis while it
+        # is down or restarting: a retryable 503, not an internal error
+        metrics.error(503)
+        return ApiError(503, f"the live state store is unavailable ({err.__class__.__name__});"
+                        " retry shortly", code="service_unavailable",
+                        retry_after_s=2).response()
+
+    @app.errorhandler(sa_exc.OperationalError)
+    @app.errorhandler(sa_exc.InterfaceError)
+    def _db_down(err: Exception) -> Response:
+        metrics.error(503)
+        return ApiError(503, "the database is unavailable; retry shortly",
+                        code="service_unavailable", retry_after_s=5).response()
 
     @app.errorhandler(HTTPException)
     def _http_error(err: HTTPException) -> Response:

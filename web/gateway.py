@@ -82,6 +82,7 @@ class Dispatched:
     attempt: int = 1
     redispatches: int = 0
     first_token_s: float | None = None
+    tokens: int = 0  # completion tokens relayed so far
     state_checked_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -460,6 +461,8 @@ class Gateway:
                 if actual != d.instance:
                     self._rebind(d, actual)
                 self._on_first_token(d, actual)
+            if ev.kind == "d":
+                d.tokens += ev.tokens
             elif ev.kind == "retry":
                 d.attempt = max(d.attempt, ev.attempt)
             elif ev.kind == "end":
@@ -549,8 +552,9 @@ class Gateway:
         self._ledger({"request_id": info.request_id, "tenant_id": info.tenant,
                       "tier": info.tier, "model": info.model, "status": status,
                       "arrival_ts": info.arrival_s, "finished_ts": time.time(),
-                      "prompt_tokens": info.input_tokens, "attempts": d.attempt,
-                      "error": message[:500]})
+                      "first_token_ts": d.first_token_s, "instance": d.instance or None,
+                      "prompt_tokens": info.input_tokens, "completion_tokens": d.tokens,
+                      "attempts": d.attempt, "error": message[:500]})
         if self.metrics is not None:
             self.metrics.finished(info.tier, status)
         return RelayEvent("err", message=message, code=code,
@@ -568,7 +572,8 @@ class Gateway:
             self._ledger({"request_id": info.request_id, "tenant_id": info.tenant,
                           "tier": info.tier, "model": info.model, "status": "cancelled",
                           "arrival_ts": info.arrival_s, "finished_ts": time.time(),
-                          "prompt_tokens": info.input_tokens})
+                          "first_token_ts": d.first_token_s,
+                          "prompt_tokens": info.input_tokens, "completion_tokens": d.tokens})
             if self.metrics is not None:
                 self.metrics.finished(info.tier, "cancelled")
 

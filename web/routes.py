@@ -46,8 +46,12 @@ def chat_completions() -> Response:
     principal = current_app.extensions["tokenfleet.auth"].authenticate(
         request.headers.get("Authorization"))
     body = _body()
-    prep = gw.prepare(body, principal.tenant, request.headers, principal.slo_class)
-    d = gw.dispatch(prep)
+    try:
+        prep = gw.prepare(body, principal.tenant, request.headers, principal.slo_class)
+        d = gw.dispatch(prep)
+    except redis.RedisError as exc:
+        raise ApiError(503, f"the live state store is unavailable ({exc.__class__.__name__}); "
+                       "retry shortly", code="service_unavailable", retry_after_s=2) from None
     events = gw.events(d)
     if not prep.stream:
         return _complete(gw, d, events)

@@ -212,7 +212,7 @@ class WorkerRuntime:
             log.info("engine %s healthy again", self.info.url)
         try:
             self.state.publish_snapshot(self.info.instance_id, res.metrics,
-                                        self.running_by_tier())
+                                        self.running_by_tier(), info=self.info)
         except Exception as exc:  # noqa: BLE001 - Redis blip: next round retries
             log.debug("snapshot not written: %r", exc)
 

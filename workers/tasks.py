@@ -226,15 +226,21 @@ def _on_engine_error(rt: WorkerRuntime, job: dict[str, Any], relay: RelayWriter,
     log.warning("request %s attempt %d failed on %s: %s", rid, attempt, rt.info.instance_id,
                 exc)
     started = first_ts is not None
-    if not started and exc.retryable and attempt < rt.live.max_attempts:
+    # an abort that was not the client's (engine unhealthy, stalled) is the
+    # engine's fault: another instance may well serve the request
+    retryable = exc.retryable or exc.kind == "aborted"
+    if not started and retryable and attempt < rt.live.max_attempts:
         if _retry_elsewhere(rt, job, relay, str(exc)):
-            _record(rt, _row(job, rt, "in_flight", attempts=attempt + 1,
+            # placement columns stay NULL: this row may reach the database after
+            # the next attempt's final row, and must not overwrite where it ran
+            _record(rt, _row(job, rt, "in_flight", attempts=attempt + 1, dc=None,
+                             instance=None,
                              error=f"attempt {attempt} on {rt.info.instance_id}: {exc}"))
             return "retried"
     status = "timed_out" if exc.kind == "stall" else "failed"
     won, final = state.finish(rid, status, rt.worker_id)
     if won:
-        code = 504 if status == "timed_out" else (exc.status if not exc.retryable
+        code = 504 if status == "timed_out" else (exc.status if not retryable
                                                    and exc.status < 500 else 502)
         relay.error(f"{'engine timed out' if status == 'timed_out' else 'engine failed'}"
                     f" after {attempt} attempt(s): {exc}", code,

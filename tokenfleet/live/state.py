@@ -169,7 +169,11 @@ class LiveState:
             pipe.execute()
 
     def publish_snapshot(self, instance_id: str, m: ScrapedMetrics,
-                         running_by_tier: Mapping[str, int] | None = None) -> None:
+                         running_by_tier: Mapping[str, int] | None = None,
+                         info: InstanceInfo | None = None) -> None:
+        """Write the last scrape. With ``info`` the static facts are rewritten
+        too, so a Redis that lost its data (restart without persistence, flush)
+        learns the instance again within one scrape interval."""
         mapping: dict[str, Any] = {
             "scraped_at": m.scraped_at_s, "num_running": m.num_running,
             "num_waiting": m.num_waiting, "kv_usage": m.kv_usage,
@@ -178,7 +182,17 @@ class LiveState:
             "heartbeat_at": time.time()}
         if running_by_tier is not None:
             mapping["running_by_tier"] = json.dumps(dict(running_by_tier))
-        self.r.hset(self.k("inst", instance_id), mapping=mapping)
+        if info is None:
+            self.r.hset(self.k("inst", instance_id), mapping=mapping)
+            return
+        mapping.update({"dc": info.dc, "model": info.model, "model_version": info.model_version,
+                        "url": info.url, "profile": info.profile,
+                        "max_model_len": info.max_model_len_tokens,
+                        "kv_capacity_tokens": info.kv_capacity_tokens, "slots": info.slots})
+        with self.r.pipeline(transaction=False) as pipe:
+            pipe.sadd(self.k("instances"), instance_id)
+            pipe.hset(self.k("inst", instance_id), mapping=mapping)
+            pipe.execute()
 
     def mark_unhealthy(self, instance_id: str, for_s: float, reason: str) -> None:
         self.r.hset(self.k("inst", instance_id), mapping={

@@ -47,6 +47,8 @@ class LiveStack:
     live_overrides: dict[str, Any] = field(default_factory=dict)
     broker_url: str | None = None  # default: the embedded Redis
     with_beat: bool = False
+    #: extra create_app config (e.g. {"CHAT_QUOTAS": False})
+    app_config: dict[str, Any] = field(default_factory=dict)
 
     redis: Any = None
     postgres: Any = None
@@ -131,6 +133,7 @@ class LiveStack:
                                "BATCH_RUNNER": False}
         if self.database_url:
             cfg["DATABASE_URL"] = self.database_url
+        cfg.update(self.app_config)
         self.app = create_app(cfg)
         self.server = make_server("127.0.0.1", 0, self.app, threaded=True)
         self.server.daemon_threads = True
