@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from typing import Any, Iterator
 
 import openai
@@ -19,7 +20,12 @@ import requests
 from tokenfleet.live.testing import API_KEY, InstanceSpec, LiveStack, running_stack
 
 # ~40k tokens: about 2.7 s of prefill on the emulated H200
-LONG_PROMPT = " ".join(f"Paragraph {i} of the contract, with clauses." for i in range(3700))
+_LONG = " ".join(f"Paragraph {i} of the contract, with clauses." for i in range(3700))
+
+
+def long_prompt() -> str:
+    """A fresh one each time: a cached prefix would make the prefill instant."""
+    return f"[{uuid.uuid4().hex}] {_LONG}"
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +89,7 @@ def test_worker_killed_before_first_token_is_retried_elsewhere(healthy: LiveStac
         try:
             out["resp"] = c.chat.completions.create(
                 model=stack.model, max_tokens=4,
-                messages=[{"role": "user", "content": LONG_PROMPT}])
+                messages=[{"role": "user", "content": long_prompt()}])
         except Exception as exc:  # noqa: BLE001
             out["error"] = exc
 
@@ -187,7 +193,7 @@ def test_engine_stall_is_detected_within_two_scrapes_and_retried(healthy: LiveSt
 
     def call() -> None:
         out["resp"] = c.chat.completions.create(
-            model=stack.model, max_tokens=4, messages=[{"role": "user", "content": LONG_PROMPT}])
+            model=stack.model, max_tokens=4, messages=[{"role": "user", "content": long_prompt()}])
 
     t0 = time.time()
     th = threading.Thread(target=call)
