@@ -504,3 +504,53 @@ def test_batch_lines_run_through_the_live_path_in_the_batch_tier() -> None:
             assert {r["instance"] for r in mine} <= {"a0", "b0"}
         finally:
             svc.close()
+
+
+# ---- schemathesis against the app's /openapi.json (bounded examples) -------------------------
+def test_schemathesis_finds_no_server_errors_or_schema_violations(
+        pg: EmbeddedPostgres, redis_server: EmbeddedRedis, data_dir: Path) -> None:
+    pytest.importorskip("schemathesis", reason="schemathesis is not installed "
+                        "(pip install schemathesis; it belongs in the dev extras)")
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.openapi import from_wsgi
+    from schemathesis.specs.openapi.checks import (
+        content_type_conformance,
+        ignored_auth,
+        negative_data_rejection,
+        response_headers_conformance,
+        response_schema_conformance,
+        status_code_conformance,
+    )
+
+    from web import close_app, create_app
+
+    url = fresh_database(pg, f"schema{os.getpid()}")
+    app = create_app({"REDIS_URL": redis_server.url, "DATABASE_URL": url,
+                      "DATA_DIR": str(data_dir / "schema"), "ADMISSION": "none",
+                      "BATCH_RUNNER": False})
+    try:
+        svc = app.extensions["tokenfleet.tenancy"]
+        admin.create_tenant(svc.engine, "fuzz", actor="test")
+        key, _ = admin.create_key(svc.engine, "fuzz", actor="test")
+        f = svc.files.upload("fuzz", "batch", "seed.jsonl", io.BytesIO(jsonl("m", 2)))
+        schema = from_wsgi("/openapi.json", app).include(path_regex=r"^/v1/(files|batches|usage)")
+        checks = [not_a_server_error, status_code_conformance, content_type_conformance,
+                  response_headers_conformance, response_schema_conformance,
+                  negative_data_rejection, ignored_auth]
+        operations = [op.ok() for op in schema.get_all_operations()]
+        assert len(operations) == 10
+        for op in operations:
+            @settings(max_examples=25, deadline=None, derandomize=True, database=None,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=op.as_strategy())
+            def check(case: Any) -> None:
+                if case.path_parameters and "file_id" in case.path_parameters \
+                        and case.path_parameters["file_id"] == "seed":
+                    case.path_parameters["file_id"] = f.id
+                case.call_and_validate(headers={"Authorization": f"Bearer {key}"}, checks=checks)
+
+            check()
+    finally:
+        app.extensions["tokenfleet.tenancy"].close()
+        close_app(app)

@@ -49,12 +49,26 @@ def tier_series(engine: Engine, *, window_s: float = 1800.0, bucket_s: int = 60,
     return {"goodput": good, "attainment": att}
 
 
-def share_history(engine: Engine, *, limit: int = 15) -> list[dict[str, Any]]:
-    """The controller's most recent share changes, newest first."""
+def share_history(engine: Engine, *, limit: int = 15, scan: int = 2000) -> list[dict[str, Any]]:
+    """The controller's most recent share *changes*, newest first.
+
+    Beat records every tick; a row is a change when its share or knob differs
+    from the previous row of the same tier.
+    """
     with engine.connect() as conn:
-        rows = conn.execute(sa.select(TierShare).order_by(TierShare.id.desc()).limit(limit))
-        return [{"ts": r.ts, "tier": r.tier, "share": r.share,
-                 "threshold": r.admission_threshold, "reason": r.reason} for r in rows]
+        rows = list(conn.execute(sa.select(TierShare).order_by(TierShare.id.desc()).limit(scan)))
+    out: list[dict[str, Any]] = []
+    for i, r in enumerate(rows):
+        prev = next((p for p in rows[i + 1:] if p.tier == r.tier), None)
+        if prev is not None and prev.share == r.share \
+                and prev.admission_threshold == r.admission_threshold:
+            continue
+        out.append({"ts": r.ts, "tier": r.tier, "share": r.share,
+                    "threshold": r.admission_threshold, "reason": r.reason,
+                    "from_share": None if prev is None else prev.share})
+        if len(out) >= limit:
+            break
+    return out
 
 
 def fleet_events(engine: Engine, *, limit: int = 15) -> list[dict[str, Any]]:

@@ -173,9 +173,25 @@ CHAT_QUOTA_RESPONSES = {
 }
 
 
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]},
+                   "code": {"type": ["string", "integer", "null"]}}}}}
+
+
+def base_document() -> dict[str, Any]:
+    """A stand-alone document for apps without web.routes' /openapi.json (tests)."""
+    return {"openapi": "3.1.0", "info": {"title": "TokenFleet files/batches API", "version": "1"},
+            "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+                           "schemas": {}}, "paths": {}}
+
+
 def merge_into(doc: dict[str, Any]) -> dict[str, Any]:
     frag = fragment()
-    doc.setdefault("components", {}).setdefault("schemas", {}).update(frag["schemas"])
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    schemas.setdefault("Error", _ERROR)
+    schemas.update(frag["schemas"])
     doc.setdefault("paths", {}).update(frag["paths"])
     chat = doc["paths"].get("/v1/chat/completions", {}).get("post")
     if chat is not None:

@@ -66,6 +66,27 @@ def _too_large(err: FileTooLarge) -> Response:
     return error(413, str(err), code="file_too_large", param="file")
 
 
+def _has_nul(value: Any) -> bool:
+    """PostgreSQL text cannot hold NUL; such input is never a valid id or value."""
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_nul(v) for v in value)
+    return False
+
+
+@batch_bp.before_request
+def _reject_nul() -> Response | None:
+    if any(_has_nul(v) for v in (request.view_args or {}).values()):
+        return error(404, "No such object (the id contains a NUL character)", code="not_found")
+    if any(_has_nul(v) for v in request.args.values()):
+        return error(400, "query parameters must not contain NUL characters",
+                     code="invalid_parameter")
+    return None
+
+
 def _json_body() -> dict[str, Any]:
     raw = request.get_data(cache=False)
     try:
@@ -75,6 +96,9 @@ def _json_body() -> dict[str, Any]:
                                      code="invalid_json") from None
     if not isinstance(body, dict):
         raise jobs.BatchRequestError(400, "the request body must be a JSON object",
+                                     code="invalid_json")
+    if _has_nul(body):
+        raise jobs.BatchRequestError(400, "the request body must not contain NUL characters",
                                      code="invalid_json")
     return body
 
@@ -104,7 +128,8 @@ def create_file() -> Response:
                      param="purpose")
     if upload is None:
         return error(400, "send the file as multipart/form-data field 'file'", param="file")
-    filename = (upload.filename or "").rsplit("/", 1)[-1]
+    filename = "".join(ch for ch in (upload.filename or "").rsplit("/", 1)[-1]
+                       if ch.isprintable())
     if not filename.endswith(".jsonl"):
         return error(400, "batch input files must be .jsonl", param="file",
                      code="invalid_file_format")
