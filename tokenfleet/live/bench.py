@@ -1,0 +1,219 @@
+"""Replay a trace against a live TokenFleet API and measure what clients see.
+
+Each trace request becomes a streamed chat completion sent at its (scaled)
+arrival time. Prompts are synthesised so prefix sharing in the trace becomes
+byte-identical prefixes on the wire: engine block ``j`` of a request is 64
+bytes (16 tokens at the emulator's 4 bytes per token) derived from its
+chained block hash, so two requests share leading text exactly as long as
+they share leading block hashes. The true output length goes to the engine
+through ``vllm_xargs.output_tokens`` (an engine-side knob the policies never
+see; ``max_tokens`` stays the trace's budget). Results are summarised by
+:func:`tokenfleet.sim.metrics.summarize`, so the JSON has the same shape as
+``tokenfleet sim --json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+from urllib.parse import urlsplit
+
+from tokenfleet.core.tiers import SLOConfig, classify
+from tokenfleet.core.types import BLOCK_SIZE_TOKENS
+from tokenfleet.sim.records import RequestRecord
+from tokenfleet.workloads.trace import TraceRequest
+
+BYTES_PER_BLOCK = BLOCK_SIZE_TOKENS * 4
+_ALPHABET = "abcdefghijklmnopqrstuvwxyz"
+
+
+def block_text(block_hash: int) -> str:
+    """64 printable bytes determined by one chained block hash."""
+    digest = hashlib.blake2b(str(block_hash).encode(), digest_size=48).digest()
+    words = []
+    for i in range(0, 48, 4):
+        chunk = digest[i:i + 4]
+        words.append("".join(_ALPHABET[b % 26] for b in chunk))
+    text = " ".join(words) + " "
+    return text[:BYTES_PER_BLOCK].ljust(BYTES_PER_BLOCK, ".")
+
+
+def prompt_text(req: TraceRequest) -> str:
+    """Text of ``input_tokens`` tokens whose full blocks follow the block hashes."""
+    hashes = req.info.block_hashes
+    n_full = req.info.input_tokens // BLOCK_SIZE_TOKENS
+    parts = [block_text(h) for h in hashes[:n_full]]
+    for j in range(len(parts), n_full):  # a trace without hashes: unique blocks
+        parts.append(block_text(hash((req.info.request_id, j))))
+    tail_tokens = req.info.input_tokens - n_full * BLOCK_SIZE_TOKENS
+    if tail_tokens:
+        parts.append(block_text(hash((req.info.request_id, "tail")))[:4 * tail_tokens])
+    return "".join(parts)
+
+
+@dataclass(slots=True)
+class Outcome:
+    request: TraceRequest
+    tier: str
+    sent_s: float
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    status: str = "pending"
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    http_status: int = 0
+    error: str = ""
+
+
+class _Client:
+    """One keep-alive connection per sender thread."""
+
+    def __init__(self, url: str, api_key: str, timeout_s: float) -> None:
+        u = urlsplit(url)
+        self.host = u.hostname or "127.0.0.1"
+        self.port = u.port or 80
+        self.base = u.path.rstrip("/")
+        if not self.base.endswith("/v1"):
+            self.base += "/v1"
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+
+    def conn(self) -> http.client.HTTPConnection:
+        c = getattr(self._local, "conn", None)
+        if c is None:
+            c = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+            self._local.conn = c
+        return c
+
+    def drop(self) -> None:
+        c = getattr(self._local, "conn", None)
+        if c is not None:
+            c.close()
+        self._local.conn = None
+
+
+def _one(client: _Client, out: Outcome, model: str, clock: Callable[[], float]) -> None:
+    req = out.request
+    body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": req.info.max_tokens,
+            "messages": [{"role": "user", "content": prompt_text(req)}],
+            "vllm_xargs": {"output_tokens": max(1, req.output_tokens)}}
+    payload = json.dumps(body).encode()
+    headers = {"Authorization": f"Bearer {client.api_key}", "Content-Type": "application/json",
+               "X-TokenFleet-Tier": out.tier}
+    conn = client.conn()
+    try:
+        out.sent_s = clock()
+        conn.request("POST", client.base + "/chat/completions", body=payload, headers=headers)
+        resp = conn.getresponse()
+        out.http_status = resp.status
+        if resp.status != 200:
+            raw = resp.read()
+            out.status = "rejected" if resp.status == 429 else "failed"
+            out.error = raw[:300].decode("utf-8", "replace")
+            out.finish_s = clock()
+            return
+        buf = b""
+        errored = False
+        while True:
+            data = resp.read1(65536)
+            if not data:
+                break
+            buf += data
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                if event.startswith(b"event: error"):
+                    errored = True
+                    out.error = event[:300].decode("utf-8", "replace")
+                    continue
+                if not event.startswith(b"data: "):
+                    continue
+                data_s = event[6:]
+                if data_s == b"[DONE]":
+                    continue
+                chunk = json.loads(data_s)
+                if chunk.get("usage"):
+                    u = chunk["usage"]
+                    out.output_tokens = int(u.get("completion_tokens", 0))
+                    out.cached_tokens = int((u.get("prompt_tokens_details") or {})
+                                            .get("cached_tokens", 0) or 0)
+                for ch in chunk.get("choices") or ():
+                    if (ch.get("delta") or {}).get("content") and out.first_token_s is None:
+                        out.first_token_s = clock()
+        out.finish_s = clock()
+        out.status = "failed" if errored else "completed"
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        client.drop()
+        out.status = "failed"
+        out.error = repr(exc)[:300]
+        out.finish_s = clock()
+
+
+def replay(url: str, api_key: str, requests: Sequence[TraceRequest], *, model: str,
+           slo: SLOConfig | None = None, max_inflight: int = 512, timeout_s: float = 600.0,
+           progress: Callable[[int, int], None] | None = None) -> tuple[list[Outcome], float]:
+    """Send every request at its arrival time (relative to now); returns the
+    outcomes and the wall-clock span of the run."""
+    slo = slo or SLOConfig()
+    client = _Client(url, api_key, timeout_s)
+    start = time.monotonic()
+    base = requests[0].arrival_s if requests else 0.0
+
+    def clock() -> float:
+        return time.monotonic() - start
+
+    outs = [Outcome(r, classify(r.info, slo), r.arrival_s - base) for r in requests]
+    done = [0]
+    lock = threading.Lock()
+
+    def run(o: Outcome) -> None:
+        _one(client, o, model, clock)
+        if progress is not None:
+            with lock:
+                done[0] += 1
+                progress(done[0], len(outs))
+
+    with ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="bench") as pool:
+        for o in outs:
+            delay = o.sent_s - clock()
+            if delay > 0:
+                time.sleep(delay)
+            pool.submit(run, o)
+    return outs, clock()
+
+
+def to_records(outs: Sequence[Outcome]) -> list[RequestRecord]:
+    """Client-side outcomes as simulator records (arrival = when it was sent)."""
+    recs = []
+    for o in outs:
+        info = o.request.info
+        recs.append(RequestRecord(
+            request_id=info.request_id, tenant=info.tenant, tier=o.tier,
+            arrival_s=o.sent_s, input_tokens=info.input_tokens, max_tokens=info.max_tokens,
+            dispatched_s=o.sent_s if o.http_status == 200 else None,
+            first_token_s=o.first_token_s, finish_s=o.finish_s,
+            cached_tokens=o.cached_tokens, output_tokens=o.output_tokens,
+            status=o.status if o.status != "pending" else "failed"))
+    return recs
+
+
+def summary(outs: Sequence[Outcome], wall_s: float, slo: SLOConfig | None = None,
+            label: str = "live") -> dict[str, Any]:
+    from tokenfleet.sim.metrics import summarize
+
+    recs = to_records(outs)
+    span = max((r.finish_s or r.arrival_s for r in recs), default=0.0)
+    out: dict[str, Any] = {"policy": label}
+    out.update(summarize(recs, slo or SLOConfig(), duration_s=max(span, 1e-9)))
+    out["wall_s"] = wall_s
+    errors = [o.error for o in outs if o.error][:5]
+    if errors:
+        out["sample_errors"] = errors
+    return out
