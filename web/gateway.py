@@ -352,20 +352,25 @@ class Gateway:
             admitted = time.time()
             log.debug("route %s: %s -> %s (expected cached %d, %s)", info.request_id,
                       decision.instance_id, queue, cached, decision.reason)
-            self.state.create_request(info.request_id, queue, self.live.request_state_ttl_s,
-                                      tier=info.tier, instance=target.instance_id)
             job = self._job(prep, queue, target.instance_id if affinity else "",
                             target.dc, cached, admitted, attempt=1)
-            if affinity:
-                self.state.account_dispatch(target.instance_id, info, cached)
+            # request state, queue depth, accounting and counters: one round trip
+            # (the id is a fresh uuid, so no existence check is needed)
+            with self.state.batch() as b:
+                b.create_request(info.request_id, queue, self.live.request_state_ttl_s,
+                                 tier=info.tier, instance=target.instance_id)
+                b.queued(queue, 1)
+                if affinity:
+                    b.account(target.instance_id, "on_dispatch", info, cached)
+                b.count(**{f"arrived_{info.tier}": 1,
+                           f"dispatched_{'affinity' if affinity else 'pool'}": 1})
+            self.celery.send_task(TASK_CHAT, args=[job], task_id=f"{info.request_id}.1",
+                                  queue=queue, routing_key=queue)
             self._ledger({"request_id": info.request_id, "tenant_id": info.tenant,
                           "tier": info.tier, "model": info.model, "status": "in_flight",
                           "arrival_ts": info.arrival_s, "admitted_ts": admitted,
                           "dc": target.dc, "prompt_tokens": info.input_tokens,
                           "attempts": 1})
-            self._publish(job, queue)
-            self.state.count(**{f"arrived_{info.tier}": 1,
-                                f"dispatched_{'affinity' if affinity else 'pool'}": 1})
         except redis.RedisError as exc:
             raise ApiError(503, f"the live state store is unavailable ({exc.__class__.__name__})"
                            "; retry shortly", code="service_unavailable",

@@ -88,13 +88,15 @@ def run_job(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = 
     state = rt.state
     rid = job["rid"]
     attempt = int(job["attempt"])
-    try:
-        state.queued_incr(job["queue"], -1)
-    except Exception:  # noqa: BLE001
-        pass
+    info = _info(job)
+    accounted = job.get("accounted") == rt.info.instance_id
+    cached_est = int(job.get("expected_cached") or 0)
     verdict = state.claim(rid, attempt, rt.worker_id, rt.live.lease_ttl_s,
-                          rt.info.instance_id, received_ts or time.time())
+                          rt.info.instance_id, received_ts or time.time(), queue=job["queue"],
+                          dispatch=None if accounted else (info, cached_est))
     relay = RelayWriter(state, rid, rt.live.stream_ttl_s, rt.info.instance_id)
+    if verdict != "run":
+        state.queued_incr(job["queue"], -1)
     if verdict in ("done", "busy", "stale", "missing"):
         return _record_duplicate(rt, job, verdict)
     if verdict == "cancelled":
@@ -113,22 +115,17 @@ def run_job(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = 
                              error="worker lost after first token"))
         return "failed"
 
-    info = _info(job)
     if not rt.is_engine_healthy() and attempt < rt.live.max_attempts:
         # Taken from a queue just before the gate closed it: send it on, untouched.
         if _retry_elsewhere(rt, job, relay, "engine unhealthy before start"):
+            state.account_finish(rt.info.instance_id, info, False, cached_est)
             return "retried"
 
     flight = Flight(rid, job["tier"], attempt)
     rt.add_flight(flight)
-    accounted = job.get("accounted") == rt.info.instance_id
-    cached_est = int(job.get("expected_cached") or 0)
-    if not accounted:
-        state.account_dispatch(rt.info.instance_id, info, cached_est)
     dispatched = time.time()
     first_ts: float | None = None
     tokens = 0
-    text_chars = 0
     usage: dict[str, Any] | None = None
     finish_reason = "stop"
     engine_rid = f"{rid}-{attempt}"
@@ -140,15 +137,21 @@ def run_job(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = 
     try:
         for piece in call.stream():
             if piece.tokens and first_ts is None:
+                # first token: relay it and do all first-token bookkeeping in one
+                # round trip, the relay entry first
                 first_ts = time.time()
                 flight.first_token = True
-                state.mark_first_token(rid)
-                state.account_first_token(rt.info.instance_id, info, cached_est)
-                _publish_prefix(rt, job)
-            if piece.text or piece.tokens:
+                with state.batch() as b:
+                    b.xadd(relay.key, relay.delta_fields(piece.text, piece.tokens),
+                           ttl_s=rt.live.stream_ttl_s)
+                    b.first_token(rid)
+                    b.account(rt.info.instance_id, "on_first_token", info, cached_est)
+                    b.kv_events(_prefix_events(rt, job))
+                relay.mark_expiry_set()
+                tokens += piece.tokens
+            elif piece.text or piece.tokens:
                 relay.delta(piece.text, piece.tokens)
                 tokens += piece.tokens
-                text_chars += len(piece.text)
             if piece.finish_reason:
                 finish_reason = piece.finish_reason
             if piece.usage is not None:
@@ -175,12 +178,13 @@ def run_job(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = 
     ok = meets_slo(slo, status="completed", input_tokens=prompt, ttft_s=ttft, tpot_s=tpot,
                    e2e_s=finished - float(job["arrival_ts"]), deadline_in_s=deadline_in)
     status = "completed" if ok else "slo_missed"
-    won, final = state.finish(rid, status, rt.worker_id)
+    end = relay.end_fields(finish_reason, usage or {
+        "prompt_tokens": prompt, "completion_tokens": completion,
+        "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}})
+    # settle and append the end entry atomically: only the winner ends the stream
+    won, final = state.finish(rid, status, rt.worker_id, end_event=end,
+                              stream_ttl_s=rt.live.stream_ttl_s)
     if won:
-        relay.end(finish_reason, usage or {
-            "prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}})
         state.count(**{f"finished_{job['tier']}": 1, f"slo_met_{job['tier']}": int(ok),
                        "completion_tokens": completion})
     else:
@@ -191,18 +195,18 @@ def run_job(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = 
     return status
 
 
-def _publish_prefix(rt: WorkerRuntime, job: dict[str, Any]) -> None:
+def _prefix_events(rt: WorkerRuntime, job: dict[str, Any]) -> list[KVEvent]:
     """Approximate prefix knowledge for every API replica: once prefill is done
-    this instance holds the prompt's blocks. Skipped when the engine's own vLLM
-    KV events are relayed (exact mode)."""
+    this instance holds the prompt's blocks. None when the engine's own vLLM KV
+    events are relayed (exact mode)."""
     if rt.exact_kv_events or not job.get("messages"):
-        return
+        return []
     try:
         hashes = chat_block_hashes(job["messages"])
-        if hashes:
-            rt.state.publish_kv_events([KVEvent(rt.info.instance_id, "stored", hashes)])
     except Exception:  # noqa: BLE001
-        log.debug("approximate KV event not published", exc_info=True)
+        log.debug("approximate KV event not built", exc_info=True)
+        return []
+    return [KVEvent(rt.info.instance_id, "stored", hashes)] if hashes else []
 
 
 def _on_engine_error(rt: WorkerRuntime, job: dict[str, Any], relay: RelayWriter,

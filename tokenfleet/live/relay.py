@@ -77,13 +77,22 @@ class RelayWriter:
             pipe.execute()
         self._expiry_set = True
 
+    def delta_fields(self, text: str, tokens: int) -> dict[str, Any]:
+        return {"k": "d", "t": text, "n": tokens, "i": self.instance_id}
+
+    def end_fields(self, finish_reason: str, usage: dict[str, Any] | None) -> dict[str, Any]:
+        return {"k": "end", "f": finish_reason or "stop",
+                "u": json.dumps(usage) if usage else "", "i": self.instance_id}
+
     def delta(self, text: str, tokens: int) -> None:
-        self._add({"k": "d", "t": text, "n": tokens, "i": self.instance_id})
+        self._add(self.delta_fields(text, tokens))
+
+    def mark_expiry_set(self) -> None:
+        """The caller wrote an entry and the stream's EXPIRE in its own pipeline."""
+        self._expiry_set = True
 
     def end(self, finish_reason: str, usage: dict[str, Any] | None) -> None:
-        self._add({"k": "end", "f": finish_reason or "stop",
-                   "u": json.dumps(usage) if usage else "", "i": self.instance_id},
-                  final=True)
+        self._add(self.end_fields(finish_reason, usage), final=True)
 
     def error(self, message: str, code: int = 500, error_type: str = "server_error") -> None:
         self._add({"k": "err", "m": message, "c": code, "y": error_type}, final=True)

@@ -48,6 +48,9 @@ if redis.call('HGET', KEYS[1], 'first_token') == '1' then return 'started' end
 redis.call('HSET', KEYS[1], 'status', 'running', 'owner', ARGV[2], 'claimed_at', ARGV[4],
            'instance', ARGV[5], 'received_at', ARGV[6])
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+-- start-of-run bookkeeping in the same step: queue depth, dispatch accounting
+if ARGV[7] ~= '' then redis.call('HINCRBY', KEYS[5], ARGV[7], -1) end
+for i = 8, #ARGV, 2 do redis.call('HINCRBY', KEYS[4], ARGV[i], ARGV[i + 1]) end
 return 'run'
 """
 
@@ -78,6 +81,13 @@ if ARGV[2] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[2]
 end
 redis.call('HSET', KEYS[1], 'status', 'done', 'final', ARGV[1])
 redis.call('DEL', KEYS[2])
+if #ARGV > 3 then
+  -- the winner's terminal stream entry, in the same step (saves a round trip)
+  local fields = {}
+  for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
+  redis.call('XADD', KEYS[3], '*', unpack(fields))
+  redis.call('EXPIRE', KEYS[3], tonumber(ARGV[3]))
+end
 return {1, ARGV[1]}
 """
 
@@ -298,6 +308,10 @@ class LiveState:
         getattr(acct, fn_name)(req, expected_cached_tokens=cached, **kw)
         return {name: getattr(acct, name) for name in ACCOUNTING_FIELDS}
 
+    def batch(self) -> Batch:
+        """Several small writes in one round trip (``with state.batch() as b: ...``)."""
+        return Batch(self)
+
     def account_dispatch(self, instance_id: str, req: RequestInfo, cached: int) -> None:
         self._acct_delta(instance_id, self._delta("on_dispatch", req, cached))
 
@@ -369,12 +383,23 @@ class LiveState:
         return bool(self.r.exists(self.k("lease", rid)))
 
     def claim(self, rid: str, attempt: int, owner: str, lease_ttl_s: float,
-              instance_id: str, received_at: float | None = None) -> str:
-        """'run' | 'done' | 'busy' | 'stale' | 'started' | 'cancelled' | 'missing'."""
+              instance_id: str, received_at: float | None = None, *, queue: str = "",
+              dispatch: tuple[RequestInfo, int] | None = None) -> str:
+        """'run' | 'done' | 'busy' | 'stale' | 'started' | 'cancelled' | 'missing'.
+
+        On 'run' the same atomic step takes the request off ``queue``'s depth
+        and, with ``dispatch`` = (request, expected cached tokens), books it in
+        the instance's dispatch accounting: one round trip to start a request.
+        """
         now = time.time()
-        out = self._claim(keys=self._req_keys(rid),
-                          args=[attempt, owner, int(lease_ttl_s * 1000), now,
-                                instance_id, received_at or now])
+        args: list[Any] = [attempt, owner, int(lease_ttl_s * 1000), now, instance_id,
+                           received_at or now, queue]
+        if dispatch is not None:
+            for name, d in self._delta("on_dispatch", dispatch[0], dispatch[1]).items():
+                if d:
+                    args += [name, d]
+        out = self._claim(keys=self._req_keys(rid) + [self.k("acct", instance_id),
+                                                       self.k("queued")], args=args)
         return out.decode() if isinstance(out, bytes) else str(out)
 
     def renew_leases(self, rids: Iterable[str], lease_ttl_s: float) -> None:
@@ -395,9 +420,16 @@ class LiveState:
         return int(self._redispatch(keys=self._req_keys(rid)[:2],
                                     args=[attempt, max_attempts, queue, owner, time.time()]))
 
-    def finish(self, rid: str, status: str, owner: str = "") -> tuple[bool, str]:
-        """Settle the final status once; (won, final status)."""
-        won, final = self._finish(keys=self._req_keys(rid)[:2], args=[status, owner])
+    def finish(self, rid: str, status: str, owner: str = "",
+               end_event: Mapping[str, Any] | None = None,
+               stream_ttl_s: float = 120.0) -> tuple[bool, str]:
+        """Settle the final status once; (won, final status). ``end_event``: stream
+        entry fields the winner appends to the request's relay stream atomically."""
+        args: list[Any] = [status, owner, int(stream_ttl_s)]
+        for k, v in (end_event or {}).items():
+            args += [k, v]
+        won, final = self._finish(keys=self._req_keys(rid)[:2] + [self.stream_key(rid)],
+                                  args=args)
         return bool(won), final.decode() if isinstance(final, bytes) else str(final)
 
     def cancel(self, rid: str, ttl_s: float = 600.0) -> None:
@@ -433,3 +465,59 @@ class LiveState:
                 out.append(KVEvent(fields[b"i"].decode(), fields[b"k"].decode(),
                                    tuple(msgpack.unpackb(fields[b"h"]))))
         return last_id, out
+
+
+class Batch:
+    """Buffered writes sent as one pipeline on exit (no transaction)."""
+
+    def __init__(self, state: LiveState) -> None:
+        self.state = state
+        self.pipe = state.r.pipeline(transaction=False)
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        try:
+            if exc_type is None:
+                self.pipe.execute()
+        finally:
+            self.pipe.reset()
+
+    def account(self, instance_id: str, fn: str, req: RequestInfo, cached: int,
+                **kw: Any) -> None:
+        """A DispatchAccounting transition (``on_dispatch``, ``on_first_token``,
+        ``on_finish``) of one instance."""
+        key = self.state.k("acct", instance_id)
+        for name, d in LiveState._delta(fn, req, cached, **kw).items():
+            if d:
+                self.pipe.hincrby(key, name, d)
+
+    def queued(self, queue: str, n: int) -> None:
+        self.pipe.hincrby(self.state.k("queued"), queue, n)
+
+    def count(self, **deltas: int) -> None:
+        for name, d in deltas.items():
+            self.pipe.hincrby(self.state.k("counters"), name, d)
+
+    def create_request(self, rid: str, queue: str, ttl_s: float, **extra: Any) -> None:
+        key = self.state.k("req", rid)
+        now = time.time()
+        self.pipe.hset(key, mapping={"created": now, "status": "queued", "attempt": 1,
+                                     "first_token": 0, "queue": queue, "queued_at": now,
+                                     **extra})
+        self.pipe.expire(key, int(ttl_s))
+
+    def first_token(self, rid: str) -> None:
+        self.pipe.hset(self.state.k("req", rid), "first_token", 1)
+
+    def xadd(self, key: str, fields: Mapping[str, Any], ttl_s: float | None = None) -> None:
+        self.pipe.xadd(key, dict(fields))
+        if ttl_s is not None:
+            self.pipe.expire(key, int(ttl_s))
+
+    def kv_events(self, events: Sequence[KVEvent], maxlen: int = 200_000) -> None:
+        for ev in events:
+            self.pipe.xadd(self.state.k("kv"), {"i": ev.instance_id, "k": ev.kind,
+                                               "h": msgpack.packb(list(ev.block_hashes))},
+                           maxlen=maxlen, approximate=True)
