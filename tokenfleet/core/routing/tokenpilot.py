@@ -63,7 +63,6 @@ _MASK64 = (1 << 64) - 1
 #: hashing: 32 x 16 = 512 tokens, enough to tell system prompts apart while a
 #: conversation's next turn keeps the same key.
 _FAMILY_BLOCKS = 32
-_RATE_TAU_S = 5.0  # time constant of our own dispatch-rate estimate
 
 
 def _family_key(block_hashes: Sequence[int]) -> int:
@@ -78,7 +77,8 @@ class _Flight:
     """One of our requests, from dispatch to completion."""
 
     __slots__ = ("request", "instance_id", "dispatch_s", "work_s", "base_pred_s",
-                 "cached_tokens", "kv_tokens", "probes", "prefilling", "blind", "ttft_s")
+                 "cached_tokens", "kv_tokens", "probes", "prefilling", "blind", "ttft_s",
+                 "ticket")
 
     def __init__(self, request: RequestInfo, instance_id: str, dispatch_s: float,
                  work_s: float, base_pred_s: float, cached_tokens: int,
@@ -95,6 +95,7 @@ class _Flight:
         # sent to the family's rendezvous instance without knowing its cache
         self.blind = blind
         self.ttft_s = 0.0
+        self.ticket = 0  # speculative cache entry, dropped at the first token
 
 
 class _InstState:
@@ -105,7 +106,8 @@ class _InstState:
                  "scrape_seen_s", "scrape_prev_s", "scraped_done_at_s", "eng_busy_until_s",
                  "last_queries", "last_hits", "scraped_load", "free_kv_tokens", "cap_tokens",
                  "spec_discount_tokens", "infl_factor", "infl_wait_s", "decode_step_s",
-                 "last_dispatch_s")
+                 "last_dispatch_s", "stamp", "slot", "pos",
+                 "last_running", "last_kappa")
 
     def __init__(self, inst: InstanceView, prefill: PrefillModel,
                  inflation: StepInflation, kappa: LogRatioCorrector) -> None:
@@ -140,6 +142,11 @@ class _InstState:
         self.infl_wait_s = 0.0
         self.decode_step_s = 0.01
         self.last_dispatch_s = float("-inf")
+        self.stamp = 0  # route() call that last listed this instance as a candidate
+        self.slot = 0  # its index in that call's candidate lists
+        self.pos = inst.index  # position in the pool, for rendezvous order
+        self.last_running = -1
+        self.last_kappa = 0.0
 
 
 @ROUTERS.register("tokenpilot")
@@ -163,8 +170,8 @@ class TokenPilotRouter(BaseRouter):
         kv_safety: float = 0.95,
         ghost_threshold: float = 0.05,
         rendezvous_share: float = 0.25,
-        anticipate_replicas: bool = True,
         full_scan_max: int = 256,
+        refresh_per_call: int = 16,
         sample_size: int = 64,
         **_shared: object,
     ) -> None:
@@ -180,10 +187,11 @@ class TokenPilotRouter(BaseRouter):
         self.kv_safety = kv_safety
         self.ghost_threshold = ghost_threshold
         self._rendezvous_cut = int(round(64 * rendezvous_share))
-        self.anticipate_replicas = anticipate_replicas
         self.full_scan_max = full_scan_max
+        self.refresh_per_call = max(1, refresh_per_call)
         self.sample_size = sample_size
         self._by_id: dict[str, InstanceView] = {}
+        self._stamp = 0
         self._states: dict[str, _InstState] = {}
         self._flights: dict[str, _Flight] = {}
         self._models: dict[int, tuple[EngineProfile, PrefillModel, StepInflation,
@@ -191,8 +199,6 @@ class TokenPilotRouter(BaseRouter):
         self._mean_work_s = 0.3  # kappa-corrected, pool-wide, for the herd window
         self._mean_input_tokens = 4096.0
         self._typical_out = float(output_prior_tokens)
-        self._own_rate_s = 0.0  # seconds of prefill we dispatch per second (decayed)
-        self._own_rate_at_s = 0.0
         self._scraped_total = 0  # sum of scraped_load over instances
         self.replicas_est = 1.0  # scraped load / own load: how many of us there are
         self.hit_realization = 1.0  # engine-reported cached / our expected cached
@@ -237,8 +243,9 @@ class TokenPilotRouter(BaseRouter):
             st.since_scrape_s = 0.0
             st.since_scrape_kv = 0
         kappa = st.kappa.value
-        if st.last_queries >= 0 and m.prefix_queries_total >= st.last_queries:
-            du = (m.prefix_queries_total - st.last_queries) - (m.prefix_hits_total - st.last_hits)
+        queries = m.prefix_queries_total
+        if queries != st.last_queries and st.last_queries >= 0 and queries > st.last_queries:
+            du = (queries - st.last_queries) - (m.prefix_hits_total - st.last_hits)
             if du > 0:
                 pm = st.prefill
                 base = du * (pm.per_token_s + pm.per_pair_s * 0.5 * self._mean_input_tokens
@@ -256,11 +263,15 @@ class TokenPilotRouter(BaseRouter):
         st.scraped_load = load
         st.free_kv_tokens = (st.cap_tokens * (1.0 - m.kv_usage) * self.kv_safety
                              - st.since_scrape_kv - m.num_running * 0.5 * self._typical_out)
-        ctx = self._mean_input_tokens + 0.5 * self._typical_out
-        factor, wait = st.inflation.get(max(0, m.num_running), ctx)
-        st.infl_factor = factor
-        st.infl_wait_s = kappa * wait
-        st.decode_step_s = max(0.01, 2.0 * kappa * wait)
+        running = m.num_running
+        if running != st.last_running or kappa != st.last_kappa:
+            st.last_running = running
+            st.last_kappa = kappa
+            ctx = self._mean_input_tokens + 0.5 * self._typical_out
+            factor, wait = st.inflation.get(max(0, running), ctx)
+            st.infl_factor = factor
+            st.infl_wait_s = kappa * wait
+            st.decode_step_s = max(0.01, 2.0 * kappa * wait)
 
     # -- routing ----------------------------------------------------------------
     def route(self, request: RequestInfo, pool: PoolSnapshot) -> RouteDecision:
@@ -284,8 +295,6 @@ class TokenPilotRouter(BaseRouter):
         states: list[_InstState] = []
         costs: list[float] = []
         fits: list[bool] = []
-        cached_l: list[int] = []
-        ranks: list[int] = []
         queues: list[float] = []
         p0: PrefillModel | None = None
         k0: LogRatioCorrector | None = None
@@ -299,8 +308,8 @@ class TokenPilotRouter(BaseRouter):
         home = key % n_pool if n_pool else 0
         if n_pool > self.full_scan_max:
             instances = self._sample(instances, hits, home)
-        top = -1
-        top_rank = n_pool
+        stamp = self._stamp = self._stamp + 1
+        refresh_budget = self.refresh_per_call
         for inst in instances:
             m = inst.metrics
             if not inst.ready or not m.healthy:
@@ -312,8 +321,13 @@ class TokenPilotRouter(BaseRouter):
             if ml and n_in >= ml:
                 continue
             st = states_get(inst.instance_id)
-            if st is None or m.scraped_at_s != st.scrape_seen_s or st.profile is not inst.profile:
+            if st is None or st.profile is not inst.profile:
                 st = self._sync(inst)
+            elif m.scraped_at_s != st.scrape_seen_s and refresh_budget:
+                # A new scrape is absorbed over a few decisions, so no single
+                # decision pays for the whole pool; the rest wait one call.
+                refresh_budget -= 1
+                self._refresh_scrape(st, m)
             # Queue ahead, in seconds: our own drain clock, or what the scrape
             # showed (every replica's work) followed by our dispatches since.
             x = st.scraped_done_at_s
@@ -339,15 +353,10 @@ class TokenPilotRouter(BaseRouter):
                 any_fit = True
                 if cost < best:
                     best = cost
-            rank = inst.index - home
-            if rank < 0:
-                rank += n_pool
-            if rank < top_rank:
-                top_rank, top = rank, len(states)
+            st.stamp = stamp
+            st.slot = len(states)
             states.append(st)
             costs.append(cost)
-            cached_l.append(c)
-            ranks.append(rank)
             queues.append(q)
         n = len(states)
         if n == 0:
@@ -362,18 +371,22 @@ class TokenPilotRouter(BaseRouter):
             ratio = self._scraped_total / own_total
             ratio = 1.0 if ratio < 1.0 else (64.0 if ratio > 64.0 else ratio)
             self.replicas_est += 0.05 * (ratio - self.replicas_est)
-        if self.anticipate_replicas and self.replicas_est > 1.3:
-            best = self._anticipate_others(now, states, costs, queues, fits, best)
-        # Another replica may have sent this prompt family to its rendezvous
-        # instance: expect the hit fraction we have observed there before.
-        blind = cached_l[top] == 0
+        # The family's rendezvous instance: the first candidate at or after
+        # position key mod N. Another replica may have sent this family there:
+        # expect the hit fraction we have observed when routing blind to it.
+        top = self._home_slot(pool.instances, home, stamp)
+        if hits:
+            hits = dict(hits)
+        else:
+            hits = {}
+        blind = hits.get(states[top].instance_id, 0) == 0
         if blind and self.ghost_hit_frac > 0.01:
             st = states[top]
             c = int(self.ghost_hit_frac * max_cached) // BLOCK_SIZE_TOKENS * BLOCK_SIZE_TOKENS
             own = st.kappa.value * st.prefill.seconds(n_in - c, c)
             cost = (queues[top] + own) * st.infl_factor + st.infl_wait_s
             if fits[top] or not any_fit:
-                cached_l[top] = c
+                hits[st.instance_id] = c
                 costs[top] = cost
                 if cost < best:
                     best = cost
@@ -392,25 +405,38 @@ class TokenPilotRouter(BaseRouter):
         rendezvous = (self.ghost_hit_frac > self.ghost_threshold
                       or ((key >> 7) & 63) < self._rendezvous_cut)
         j = -1
+        jr = n_pool
         if rendezvous:
-            jr = n_pool
             for k in range(n):
-                if fits[k] and costs[k] <= limit and ranks[k] < jr:
-                    j, jr = k, ranks[k]
+                if fits[k] and costs[k] <= limit:
+                    rank = (states[k].pos - home) % n_pool
+                    if rank < jr:
+                        j, jr = k, rank
         else:
             jl = 1 << 62
-            jr = n_pool
             for k in range(n):
                 if fits[k] and costs[k] <= limit:
                     load = len(states[k].inflight)
-                    if load < jl or (load == jl and ranks[k] < jr):
-                        j, jl, jr = k, load, ranks[k]
+                    if load <= jl:
+                        rank = (states[k].pos - home) % n_pool
+                        if load < jl or rank < jr:
+                            j, jl, jr = k, load, rank
         st = states[j]
-        c = cached_l[j]
+        c = hits.get(st.instance_id, 0)
         pred = (queues[j] + st.kappa.value * st.prefill.seconds(n_in - c, c)) \
             * st.infl_factor + st.infl_wait_s
         return self._dispatch(request, now, st, pred, c, probes, reserve_out,
                               blind and j == top)
+
+    def _home_slot(self, instances: Sequence[InstanceView], home: int, stamp: int) -> int:
+        """Slot of the first candidate at or after pool position ``home``."""
+        n = len(instances)
+        get = self._states.get
+        for k in range(n):
+            st = get(instances[(home + k) % n].instance_id)
+            if st is not None and st.stamp == stamp:
+                return st.slot
+        raise AssertionError("no candidate")  # pragma: no cover
 
     def _sample(self, instances: Sequence[InstanceView], hits: dict[str, int] | None,
                 home: int) -> list[InstanceView]:
@@ -459,48 +485,6 @@ class TokenPilotRouter(BaseRouter):
         deficit = (need_tokens - st.free_kv_tokens) / max(1.0, float(need_tokens))
         return min(1.0, deficit) * typical_out * st.decode_step_s
 
-    def _anticipate_others(self, now: float, states: list[_InstState], costs: list[float],
-                           queues: list[float], fits: list[bool], best: float) -> float:
-        """Add the work other replicas probably sent since the last scrape.
-
-        They saw the same scrape, so they filled the instances that looked
-        emptiest: pour their expected work (our own dispatch rate times the
-        other replicas, times the scrape's age) over the queues like water.
-        Returns the new best cost.
-        """
-        age = 0.0
-        for st in states:
-            a = now - st.scrape_seen_s
-            if a > age:
-                age = a
-        rate = self._own_rate_s * math.exp(-(now - self._own_rate_at_s) / _RATE_TAU_S)
-        pour = (self.replicas_est - 1.0) * rate * min(age, 5.0)
-        if pour <= 0.0:
-            return best
-        n = len(queues)
-        order = sorted(range(n), key=queues.__getitem__)
-        filled = 0.0
-        water = queues[order[0]]
-        k = 0
-        while k < n:
-            nxt = queues[order[k + 1]] if k + 1 < n else math.inf
-            need = (nxt - water) * (k + 1)
-            if filled + need >= pour:
-                water += (pour - filled) / (k + 1)
-                break
-            filled += need
-            water = nxt
-            k += 1
-        best = math.inf
-        for j in range(n):
-            if queues[j] < water:
-                st = states[j]
-                costs[j] += (water - queues[j]) * st.infl_factor
-                queues[j] = water
-            if fits[j] and costs[j] < best:
-                best = costs[j]
-        return best
-
     def _dispatch(self, request: RequestInfo, now: float, st: _InstState, pred: float,
                   cached: int, probes: tuple[int, ...], reserve_out: int,
                   blind: bool) -> RouteDecision:
@@ -523,10 +507,7 @@ class TokenPilotRouter(BaseRouter):
         st.mean_work_base_s += 0.1 * (base_own - st.mean_work_base_s)
         self._mean_work_s += 0.05 * (work - self._mean_work_s)
         self._mean_input_tokens += 0.05 * (request.input_tokens - self._mean_input_tokens)
-        decay = math.exp(-(now - self._own_rate_at_s) / _RATE_TAU_S)
-        self._own_rate_s = self._own_rate_s * decay + work / _RATE_TAU_S
-        self._own_rate_at_s = now
-        self.knowledge.speculate(iid, probes, now)
+        flight.ticket = self.knowledge.speculate(iid, probes, now)
         return RouteDecision(
             instance_id=iid,
             expected_cached_tokens=cached,
@@ -562,7 +543,7 @@ class TokenPilotRouter(BaseRouter):
             return
         self._end_prefill(flight, event.now_s, st)
         flight.ttft_s = event.ttft_s  # kappa learns at completion, see on_complete
-        self.knowledge.unspeculate(flight.instance_id, flight.probes)
+        self.knowledge.unspeculate(flight.ticket)
         self.knowledge.confirm(flight.instance_id, flight.probes)
 
     def on_complete(self, event: CompletionEvent) -> None:
@@ -579,7 +560,7 @@ class TokenPilotRouter(BaseRouter):
         if st is not None:
             if flight.prefilling:
                 self._end_prefill(flight, event.now_s, st)
-                self.knowledge.unspeculate(flight.instance_id, flight.probes)
+                self.knowledge.unspeculate(flight.ticket)
             st.inflight.pop(rid, None)
             if flight.dispatch_s > st.scrape_seen_s:
                 st.since_scrape_kv = max(0, st.since_scrape_kv - flight.kv_tokens)

@@ -131,7 +131,9 @@ class PrefixKnowledge:
         self.speculative_ttl_s = speculative_ttl_s
         self.routed = ProbeLRU()
         self._spec: dict[int, dict[str, int]] = {}  # probe hash -> instance -> refs
-        self._spec_expiry: deque[tuple[float, str, tuple[int, ...]]] = deque()
+        self._spec_live: dict[int, tuple[str, tuple[int, ...]]] = {}  # ticket -> entry
+        self._spec_expiry: deque[tuple[float, int]] = deque()
+        self._ticket = 0
         self._exact: dict[int, set[str]] = {}
         self._exact_blocks: dict[str, set[int]] = {}
         self.exact_instances: set[str] = set()
@@ -159,9 +161,10 @@ class PrefixKnowledge:
         return confirmed, spec
 
     # -- updates from routing and first tokens -------------------------------
-    def speculate(self, instance_id: str, probes: tuple[int, ...], now_s: float) -> None:
+    def speculate(self, instance_id: str, probes: tuple[int, ...], now_s: float) -> int:
+        """Write a speculative entry; returns a ticket for :meth:`unspeculate` (0: none)."""
         if self.speculative_ttl_s <= 0.0:
-            return
+            return 0
         spec = self._spec
         probes = probes[_SPEC_EVERY - 1 :: _SPEC_EVERY]
         for h in probes:
@@ -170,10 +173,16 @@ class PrefixKnowledge:
                 spec[h] = {instance_id: 1}
             else:
                 refs[instance_id] = refs.get(instance_id, 0) + 1
-        self._spec_expiry.append((now_s + self.speculative_ttl_s, instance_id, probes))
+        self._ticket += 1
+        self._spec_live[self._ticket] = (instance_id, probes)
+        self._spec_expiry.append((now_s + self.speculative_ttl_s, self._ticket))
+        return self._ticket
 
-    def unspeculate(self, instance_id: str, probes: tuple[int, ...]) -> None:
-        self._unspeculate(instance_id, probes[_SPEC_EVERY - 1 :: _SPEC_EVERY])
+    def unspeculate(self, ticket: int) -> None:
+        """Drop one speculative entry (first token arrived, or it was cancelled)."""
+        entry = self._spec_live.pop(ticket, None)
+        if entry is not None:
+            self._unspeculate(*entry)
 
     def _unspeculate(self, instance_id: str, probes: tuple[int, ...]) -> None:
         spec = self._spec
@@ -193,8 +202,7 @@ class PrefixKnowledge:
         """Drop speculation nobody confirmed (lost events, very long queues)."""
         q = self._spec_expiry
         while q and q[0][0] <= now_s:
-            _, inst, probes = q.popleft()
-            self._unspeculate(inst, probes)
+            self.unspeculate(q.popleft()[1])
 
     def confirm(self, instance_id: str, probes: Sequence[int]) -> None:
         """The prefill finished: the prefix is now really cached there."""
