@@ -320,7 +320,7 @@ class BatchRunner:
             prompt = result.prompt_tokens or (admission.prompt_tokens if result.ok else 0)
             try:
                 self.gate.finish(admission, completion_tokens=result.completion_tokens,
-                                 prompt_tokens=prompt)
+                                 prompt_tokens=prompt, ran=not result.transient)
             except Exception:  # noqa: BLE001 - quota reconcile must not block the result
                 log.exception("batch line %s: quota release failed", flight.line_id)
         dt = time.monotonic() - t0

@@ -97,15 +97,20 @@ class TenancyGate:
         return Admission(tenant, decision.ticket, prompt_tokens)
 
     def finish(self, admission: Admission, *, completion_tokens: int,
-               prompt_tokens: int | None = None) -> None:
-        """Reconcile with real usage; idempotent, so call it in a ``finally``."""
+               prompt_tokens: int | None = None, ran: bool = True) -> None:
+        """Reconcile with real usage; idempotent, so call it in a ``finally``.
+
+        ``ran=False``: the request was never served (error before the engine,
+        retryable refusal): its reservation is refunded and it is not counted
+        as a request in the usage table.
+        """
         if admission.done:
             return
         admission.done = True
         prompt = admission.prompt_tokens if prompt_tokens is None else prompt_tokens
         limits = admission.tenant.quotas.for_budget(admission.ticket.budget)
         self.quotas.release(admission.ticket, limits, actual_tokens=prompt + completion_tokens)
-        if self.usage is not None:
+        if self.usage is not None and ran:
             self.usage.record(admission.tenant.id, admission.ticket.budget, requests=1,
                               prompt_tokens=prompt, completion_tokens=completion_tokens)
 

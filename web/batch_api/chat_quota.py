@@ -129,7 +129,7 @@ def install_chat_quota(app: Flask) -> None:
         if adm is None:
             return resp
         if resp.status_code >= 400:
-            svc.gate.finish(adm, completion_tokens=0, prompt_tokens=0)
+            svc.gate.finish(adm, completion_tokens=0, prompt_tokens=0, ran=False)
             return resp
         if resp.is_streamed:
             sniffer = _UsageSniffer(resp.response)
@@ -159,4 +159,4 @@ def install_chat_quota(app: Flask) -> None:
     def _release_on_crash(exc: BaseException | None) -> None:
         adm: Admission | None = g.pop("tf_admission", None)
         if adm is not None:  # after_request did not run: the request did not complete
-            svc.gate.finish(adm, completion_tokens=0, prompt_tokens=0)
+            svc.gate.finish(adm, completion_tokens=0, prompt_tokens=0, ran=False)
