@@ -107,18 +107,20 @@ class LiveStack:
             self.start_worker(spec)
         if self.with_beat:
             self.sup.start("beat", [sys.executable, "-m", "tokenfleet.cli.main", "beat",
-                                    "--loglevel", "WARNING"], env, restart=False)
+                                    "--loglevel", "INFO"], env, restart=False)
         self._start_api()
         self.wait_ready()
 
     def start_worker(self, spec: InstanceSpec) -> None:
         assert self.sup is not None
         emu = self.emulators[spec.instance_id]
+        extra = ["--kv-events", emu.kv_events_endpoint] if getattr(
+            emu, "kv_events_endpoint", None) else []
         self.sup.start(f"worker-{spec.instance_id}", [
             sys.executable, "-m", "tokenfleet.cli.main", "worker", "--dc", spec.dc,
             "--instance", spec.instance_id, "--engine-url", emu.url, "--profile", PROFILE,
-            "--slots", str(spec.slots), "--loglevel", "INFO"], self.env, restart=False,
-            stop_timeout_s=10.0)
+            "--slots", str(spec.slots), "--loglevel", "INFO", *extra], self.env,
+            restart=False, stop_timeout_s=10.0)
 
     def _start_api(self) -> None:
         from werkzeug.serving import make_server

@@ -111,13 +111,17 @@ def run(args: argparse.Namespace) -> int:
                 inst = f"{dc.split('-')[-1]}-{k}"
                 eport = _free_port()
                 engine_url = f"http://127.0.0.1:{eport}"
+                # the engine publishes vLLM KV events; its worker relays them to the
+                # shared prefix index (exact cache knowledge for every API replica)
+                kv = f"tcp://127.0.0.1:{_free_port()}"
                 sup.start(f"engine-{inst}", py + [
                     "engine-sim", "--port", str(eport), "--profile", args.profile,
-                    "--time-scale", str(args.time_scale), "--seed", str(100 * d + k)], env)
+                    "--time-scale", str(args.time_scale), "--seed", str(100 * d + k),
+                    "--kv-events-endpoint", kv], env)
                 sup.start(f"worker-{inst}", py + [
                     "worker", "--dc", dc, "--instance", inst, "--engine-url", engine_url,
                     "--profile", args.profile, "--slots", str(args.slots),
-                    "--loglevel", args.loglevel], env, stop_timeout_s=15.0)
+                    "--kv-events", kv, "--loglevel", args.loglevel], env, stop_timeout_s=15.0)
                 engines.append(inst)
         sup.start("beat", py + ["beat", "--loglevel", args.loglevel], env)
         sup.start("api", py + ["api", "--host", host, "--port", str(port),

@@ -1,0 +1,90 @@
+"""Beat's control loops and the engine KV-event relay, on a live stack.
+
+Beat runs as its own process (Celery beat + control worker); the SLOMax tick
+every 0.5 s and the FleetMind cycle every 2 s. Engines publish vLLM KV events
+over ZeroMQ and the workers relay them into the shared prefix index.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import pytest
+import requests
+import sqlalchemy as sa
+
+from tokenfleet.emulator.tokenizer import chat_block_hashes
+from tokenfleet.live.testing import InstanceSpec, LiveStack, running_stack
+from tokenfleet.service.db import make_engine
+
+KV = {"kv_events_endpoint": "tcp://127.0.0.1:*"}
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[LiveStack]:
+    with running_stack(router="tokenpilot", with_beat=True,
+                       live_overrides={"control_period_s": 0.5, "fleet_period_s": 2.0},
+                       instances=[InstanceSpec("dc-a", "a0", dict(KV)),
+                                  InstanceSpec("dc-b", "b0", dict(KV))]) as s:
+        yield s
+
+
+def _wait(cond, timeout_s: float = 15.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_beat_runs_both_loops_visible_in_logs_metrics_and_ledger(stack: LiveStack) -> None:
+    st = stack.gateway.state
+    assert _wait(lambda: st.counters().get("control_ticks", 0) >= 3)
+    assert _wait(lambda: st.counters().get("fleet_cycles", 0) >= 1)
+    assert {"interactive", "long_context", "batch"} <= set(st.shares())
+    assert {"batch_share", "long_share", "reject_factor"} <= set(st.thresholds())
+    m = requests.get(stack.url + "/metrics", timeout=5).text
+    assert 'tokenfleet_tier_share{tier="batch"}' in m
+    assert 'tokenfleet_admission_knob{knob="reject_factor"}' in m
+    assert 'tokenfleet_fleet_events_total{event="control_ticks"}' in m
+    log = stack.sup.children["beat"].log_path.read_text()  # type: ignore[union-attr]
+    assert "SLOMax tick" in log and "FleetMind cycle" in log
+    engine = make_engine(stack.database_url)  # type: ignore[arg-type]
+    try:
+        with engine.connect() as conn:
+            n = conn.execute(sa.text("SELECT count(*) FROM tier_shares")).scalar_one()
+    finally:
+        engine.dispose()
+    assert n >= 3
+
+
+def test_controller_cuts_the_batch_share_when_interactive_misses(stack: LiveStack) -> None:
+    st = stack.gateway.state
+    assert _wait(lambda: st.thresholds().get("batch_share") is not None)
+    before = st.thresholds()["batch_share"]
+    assert before is not None
+    # what workers report when interactive requests miss their SLO while batch waits
+    for _ in range(6):
+        st.count(arrived_interactive=40, finished_interactive=40, slo_met_interactive=10)
+        st.queued_incr("dc-a.batch", 0)
+        time.sleep(0.5)
+    assert _wait(lambda: (st.thresholds().get("batch_share") or 1.0) < before, 10)
+    assert st.shares()["batch"] < before, "workers get the new batch share"
+
+
+def test_engine_kv_events_feed_the_shared_prefix_index(stack: LiveStack) -> None:
+    c = stack.client()
+    msgs = [{"role": "system", "content": "Z" * 8000}, {"role": "user", "content": "kv?"}]
+    resp = c.chat.completions.create(model=stack.model, max_tokens=2, messages=msgs)
+    rid = resp.id.removeprefix("chatcmpl-")
+    inst = stack.ledger_rows(f"request_id = '{rid}'", expect=lambda rows: bool(rows) and bool(
+        rows[0]["instance"]))[0]["instance"]
+    hashes = chat_block_hashes(msgs)
+    gw = stack.gateway
+    # the engine's own BlockStored events (same hashes as the emulator computes)
+    assert _wait(lambda: gw.index.match_instance(inst, hashes) >= len(hashes) - 1, 10)
+    # AllBlocksCleared from the engine reaches the index: the relay is exact, not guessed
+    stack.emulators[inst].loop.reset_prefix_cache()
+    assert _wait(lambda: gw.index.match_instance(inst, hashes) == 0, 10)
