@@ -554,3 +554,34 @@ def test_schemathesis_finds_no_server_errors_or_schema_violations(
     finally:
         app.extensions["tokenfleet.tenancy"].close()
         close_app(app)
+
+
+def test_cli_submit_wait_shows_progress_and_saves_the_output(
+        env: Env, emulator: EmulatorServer, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from tokenfleet.cli.main import main as cli_main
+
+    srv = make_server("127.0.0.1", 0, env.app, threaded=True)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    r = runner(env, HttpExecutor(emulator.base_url))
+    r.start()
+    src = tmp_path / "work.jsonl"
+    src.write_bytes(jsonl(env.model, 12))
+    out = tmp_path / "out.jsonl"
+    try:
+        rc = cli_main(["batch", "submit", str(src), "--wait", "--interval", "0.1",
+                       "--base-url", f"http://127.0.0.1:{srv.server_port}/v1",
+                       "--api-key", env.keys["alpha"], "--output", str(out)])
+    finally:
+        r.stop()
+        srv.shutdown()
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "completed 12" in text and f"output: {out} (12 lines)" in text
+    assert sorted(json.loads(x)["custom_id"] for x in out.read_text().splitlines()) == sorted(
+        f"req-{i}" for i in range(12))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"custom_id": "a"}\nnot json\n')
+    rc = cli_main(["batch", "submit", str(bad), "--base-url", "http://127.0.0.1:1/v1",
+                   "--api-key", "k"])
+    assert rc == 2 and "cannot reach the API" in capsys.readouterr().err
