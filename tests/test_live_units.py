@@ -1,0 +1,316 @@
+"""The live glue piece by piece, against a real (embedded) Redis and a real emulator:
+metrics parsing, queue names, request-state transitions, the token relay, the
+engine client's abort, the tier gate's choice of queues, error shapes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Iterator
+
+import pytest
+import requests
+
+from tokenfleet.core.types import DispatchAccounting, KVEvent, RequestInfo, ScrapedMetrics
+from tokenfleet.emulator import EmulatorServer
+from tokenfleet.errors import ConfigError
+from tokenfleet.live.config import LiveConfig
+from tokenfleet.live.engine_client import EngineCall, EngineError
+from tokenfleet.live.queues import affinity_queue, pool_queue, tier_of_queue, worker_queues
+from tokenfleet.live.relay import RelayReader, RelayWriter
+from tokenfleet.live.scrape import Scraper, parse_metrics
+from tokenfleet.live.state import InstanceInfo, LiveState
+from tokenfleet.service.testing import embedded_redis, temp_data_dir
+from web.errors import ApiError, retry_after_header
+from workers.runtime import WorkerRuntime
+
+
+@pytest.fixture(scope="module")
+def state() -> Iterator[LiveState]:
+    with temp_data_dir() as d, embedded_redis(d) as r:
+        yield LiveState.from_url(r.url, prefix="unit")
+
+
+@pytest.fixture(scope="module")
+def emulator() -> Iterator[EmulatorServer]:
+    emu = EmulatorServer("llama3-8b-h200", port=0, time_scale=0.05, seed=3)
+    emu.start()
+    yield emu
+    emu.stop()
+
+
+def _req(rid: str = "r1", n: int = 100) -> RequestInfo:
+    return RequestInfo(rid, 0.0, n, 10)
+
+
+# -- metrics ---------------------------------------------------------------------------
+def test_parse_vllm_metrics_sums_engines_and_averages_kv() -> None:
+    text = "\n".join([
+        "# HELP vllm:num_requests_running x",
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
+        'vllm:num_requests_running{engine="1",model_name="m"} 2.0',
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 4.0',
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5',
+        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25',
+        'vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.9',
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0',
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 250.0',
+        'vllm:time_to_first_token_seconds_bucket{le="0.1"} 7.0',
+    ])
+    m = parse_metrics(text, 12.5)
+    assert (m.num_running, m.num_waiting) == (5, 4)
+    assert m.kv_usage == pytest.approx(0.375)  # the new name wins over the deprecated one
+    assert (m.prefix_queries_total, m.prefix_hits_total) == (1000, 250)
+    assert m.scraped_at_s == 12.5 and m.healthy
+
+
+def test_scraper_reads_a_real_emulator_and_notices_a_stall(emulator: EmulatorServer) -> None:
+    sc = Scraper(emulator.url)
+    res = sc.scrape()
+    assert res.metrics.healthy and res.error == ""
+    emulator.loop.stall_after_s = 0.0
+    try:
+        bad = sc.scrape()
+        assert not bad.metrics.healthy and "503" in bad.error
+    finally:
+        emulator.loop.stall_after_s = None
+    gone = Scraper("http://127.0.0.1:1").scrape()
+    assert not gone.metrics.healthy and "scrape failed" in gone.error
+
+
+# -- queues and config -------------------------------------------------------------------
+def test_queue_names_are_computed_and_ordered_by_tier() -> None:
+    assert pool_queue("dc1", "batch") == "dc1.batch"
+    assert affinity_queue("dc1", "i7", "interactive") == "dc1.i7.interactive"
+    assert tier_of_queue("dc1.i7.long_context") == "long_context"
+    assert worker_queues("dc1", "i7") == [
+        "dc1.i7.interactive", "dc1.interactive", "dc1.i7.long_context", "dc1.long_context",
+        "dc1.i7.batch", "dc1.batch"]
+    assert worker_queues("dc1", None) == ["dc1.interactive", "dc1.long_context", "dc1.batch"]
+    with pytest.raises(ValueError):
+        pool_queue("dc.1", "batch")
+
+
+def test_live_config_from_env_and_seed_keys() -> None:
+    cfg = LiveConfig.load(env={"TOKENFLEET_ROUTER": "round_robin",
+                               "TOKENFLEET_SCRAPE_INTERVAL_S": "0.2",
+                               "TOKENFLEET_SEED_API_KEYS": "k1=t1, k2=t2"})
+    assert cfg.router == "round_robin" and cfg.scrape_interval_s == 0.2
+    assert cfg.seed_keys() == {"k1": "t1", "k2": "t2"}
+    assert LiveConfig.load(env=cfg.as_env()) == cfg
+    with pytest.raises(ConfigError):
+        LiveConfig.load(env={"TOKENFLEET_MAX_ATTEMPTS": "zero"})
+    with pytest.raises(ConfigError):
+        LiveConfig.load(env={}, stale_after_s=0.5, scrape_interval_s=0.5)
+    with pytest.raises(ConfigError):
+        LiveConfig.load(env={"TOKENFLEET_SEED_API_KEYS": "nokey"}).seed_keys()
+
+
+def test_error_shape_and_retry_after_bounds() -> None:
+    e = ApiError(429, "busy", code="rate_limit_exceeded", retry_after_s=500)
+    assert e.body() == {"error": {"message": "busy", "type": "requests", "param": None,
+                                  "code": "rate_limit_exceeded"}}
+    assert e.headers() == {"Retry-After": "120"}
+    assert retry_after_header(0.2) == 1 and retry_after_header(None) == 1
+    assert retry_after_header(float("inf")) == 1 and retry_after_header(7.1) == 8
+    assert ApiError(400, "x").headers() == {}
+
+
+# -- request state: the idempotency record ----------------------------------------------
+def test_claim_runs_an_attempt_once(state: LiveState) -> None:
+    state.create_request("c1", "q.interactive", 60)
+    assert state.claim("c1", 1, "w1", 5, "i1") == "run"
+    assert state.claim("c1", 1, "w2", 5, "i2") == "busy"  # redelivered while running
+    assert state.lease_alive("c1")
+    assert state.finish("c1", "completed", "w1") == (True, "completed")
+    assert state.claim("c1", 1, "w2", 5, "i2") == "done"  # redelivered after the end
+    assert state.finish("c1", "failed") == (False, "completed")  # settled once
+    assert state.claim("nope", 1, "w", 5, "i") == "missing"
+
+
+def test_redispatch_moves_to_a_new_attempt_and_stales_the_old(state: LiveState) -> None:
+    state.create_request("c2", "q.interactive", 60)
+    assert state.claim("c2", 1, "w1", 0.2, "i1") == "run"
+    assert state.redispatch("c2", 1, 3, "q2.interactive") == -4  # still leased
+    time.sleep(0.3)  # the worker died: its lease ran out
+    assert state.redispatch("c2", 1, 3, "q2.interactive") == 2
+    assert state.redispatch("c2", 1, 3, "q3.interactive") == -3  # someone moved it already
+    assert state.claim("c2", 1, "w1", 5, "i1") == "stale"  # the old message, redelivered
+    assert state.claim("c2", 2, "w2", 5, "i2") == "run"
+    state.mark_first_token("c2")
+    assert state.redispatch("c2", 2, 3, "q4.interactive", owner="w2") == -2  # streaming
+    st = state.request_state("c2")
+    assert st["attempt"] == "2" and st["queue"] == "q2.interactive"
+
+
+def test_lost_after_first_token_is_reported_as_started(state: LiveState) -> None:
+    state.create_request("c3", "q.interactive", 60)
+    assert state.claim("c3", 1, "w1", 0.1, "i1") == "run"
+    state.mark_first_token("c3")
+    time.sleep(0.2)
+    assert state.claim("c3", 1, "w2", 5, "i2") == "started"
+
+
+def test_out_of_attempts_and_cancel(state: LiveState) -> None:
+    state.create_request("c4", "q.interactive", 60)
+    assert state.redispatch("c4", 1, 1, "q2.interactive") == -5
+    state.create_request("c5", "q.interactive", 60)
+    state.cancel("c5")
+    assert state.claim("c5", 1, "w", 5, "i") == "cancelled"
+    assert state.cancelled(["c5", "c4"]) == {"c5"}
+
+
+def test_claim_books_queue_depth_and_dispatch_accounting(state: LiveState) -> None:
+    state.create_request("c6", "dcx.interactive", 60)
+    state.queued_incr("dcx.interactive", 1)
+    req = _req("c6", 320)
+    assert state.claim("c6", 1, "w", 5, "ix", queue="dcx.interactive",
+                       dispatch=(req, 64)) == "run"
+    assert state.queued()["dcx.interactive"] == 0
+    acct = state.accounting(["ix"])["ix"]
+    want = DispatchAccounting()
+    want.on_dispatch(req, 64)
+    assert acct == want
+    state.account_first_token("ix", req, 64)
+    state.account_finish("ix", req, True, 64)
+    assert state.accounting(["ix"])["ix"].inflight_requests == 0
+
+
+def test_finish_appends_the_end_entry_only_for_the_winner(state: LiveState) -> None:
+    state.create_request("c7", "q.interactive", 60)
+    w = RelayWriter(state, "c7", 60, "i1")
+    w.delta("hello", 1)
+    assert state.finish("c7", "completed", end_event=w.end_fields("stop", {"a": 1}))[0]
+    assert not state.finish("c7", "failed", end_event=w.end_fields("stop", None))[0]
+    kinds = [ev.kind for ev in RelayReader(state, "c7", block_ms=50).events(lambda: None)]
+    assert kinds == ["d", "end"]
+
+
+# -- relay -------------------------------------------------------------------------------
+def test_relay_carries_tokens_in_order_and_ends(state: LiveState) -> None:
+    w = RelayWriter(state, "s1", 30, "i9")
+
+    def produce() -> None:
+        for i in range(50):
+            w.delta(f"t{i} ", 1)
+        w.end("length", {"completion_tokens": 50})
+
+    threading.Thread(target=produce).start()
+    evs = list(RelayReader(state, "s1", block_ms=100).events(lambda: None))
+    deltas = [e for e in evs if e.kind == "d"]
+    assert "".join(e.text for e in deltas) == "".join(f"t{i} " for i in range(50))
+    assert evs[-1].kind == "end" and evs[-1].usage == {"completion_tokens": 50}
+    assert all(e.instance == "i9" for e in deltas)
+    assert 0 < state.r.ttl(state.stream_key("s1")) <= 30
+
+
+def test_relay_reader_reports_idle_and_a_terminal_idle_verdict(state: LiveState) -> None:
+    ticks = []
+
+    def on_idle():  # type: ignore[no-untyped-def]
+        ticks.append(1)
+        if len(ticks) == 3:
+            from tokenfleet.live.relay import RelayEvent
+
+            return RelayEvent("err", message="gave up", code=504)
+        return None
+
+    evs = list(RelayReader(state, "silent", block_ms=20).events(on_idle))
+    assert [e.kind for e in evs] == ["idle", "idle", "err"]
+
+
+# -- instances and the shared prefix feed ------------------------------------------------
+def test_instance_views_show_age_health_and_accounting(state: LiveState) -> None:
+    info = InstanceInfo("v1", "dcv", "m", "http://x", "llama3-8b-h200", 4096, 100000, 8)
+    state.publish_snapshot("v1", ScrapedMetrics(scraped_at_s=time.time(), num_running=2),
+                           {"interactive": 2}, info=info)
+    now = time.time()
+    (v,) = [x for x in state.instance_views(now, 3.0) if x.instance_id == "v1"]
+    assert v.ready and v.metrics.healthy and v.metrics.num_running == 2
+    assert v.dc == "dcv" and v.max_model_len_tokens == 4096 and v.profile.name
+    state.mark_unhealthy("v1", 5.0, "engine answered 500")
+    (v,) = [x for x in state.instance_views(time.time(), 3.0) if x.instance_id == "v1"]
+    assert v.ready and not v.metrics.healthy
+    (v,) = [x for x in state.instance_views(time.time() + 10, 3.0) if x.instance_id == "v1"]
+    assert not v.ready, "a snapshot older than stale_after_s means a dead worker"
+
+
+def test_kv_event_stream_round_trip(state: LiveState) -> None:
+    last, _ = state.read_kv_events("0-0", block_ms=None)
+    state.publish_kv_events([KVEvent("i1", "stored", (1, 2, 3)), KVEvent("i1", "cleared", ())])
+    last2, evs = state.read_kv_events(last, block_ms=100)
+    assert evs == [KVEvent("i1", "stored", (1, 2, 3)), KVEvent("i1", "cleared", ())]
+    assert last2 != last
+
+
+# -- engine client ---------------------------------------------------------------------
+def _body(n: int) -> dict:  # type: ignore[type-arg]
+    return {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": n,
+            "stream_options": {"include_usage": True}, "vllm_xargs": {"output_tokens": n}}
+
+
+def test_engine_call_streams_and_reports_usage(emulator: EmulatorServer) -> None:
+    pieces = list(EngineCall(emulator.url, _body(12), "e1").stream())
+    assert sum(p.tokens for p in pieces) == 12
+    assert pieces[-1].usage is not None and pieces[-1].usage["completion_tokens"] == 12
+    assert any(p.finish_reason == "length" for p in pieces)
+
+
+def test_engine_call_abort_stops_the_engine(emulator: EmulatorServer) -> None:
+    call = EngineCall(emulator.url, _body(5000), "e2")
+    got = []
+    with pytest.raises(EngineError) as exc:
+        for p in call.stream():
+            got.append(p.tokens)
+            if sum(got) >= 3:
+                call.abort("cancelled by client")
+    assert exc.value.kind == "aborted" and exc.value.started
+    time.sleep(0.3)
+    m = requests.get(emulator.url + "/metrics", timeout=5).text
+    assert 'finished_reason="abort"' in m and "vllm:num_requests_running" in m
+    running = [ln for ln in m.splitlines() if ln.startswith("vllm:num_requests_running")]
+    assert running and float(running[0].split()[-1]) == 0.0
+
+
+def test_engine_call_classifies_failures(emulator: EmulatorServer) -> None:
+    with pytest.raises(EngineError) as exc:
+        list(EngineCall("http://127.0.0.1:1", _body(2), "e3").stream())
+    assert exc.value.kind == "connect" and exc.value.retryable
+    bad = dict(_body(2), max_tokens=10**7)
+    with pytest.raises(EngineError) as exc:
+        list(EngineCall(emulator.url, bad, "e4").stream())
+    assert exc.value.status == 400 and not exc.value.retryable
+    emulator.config.fail_5xx_rate = 1.0
+    try:
+        with pytest.raises(EngineError) as exc:
+            list(EngineCall(emulator.url, _body(2), "e5").stream())
+        assert exc.value.status == 500 and exc.value.retryable
+    finally:
+        emulator.config.fail_5xx_rate = 0.0
+    emulator.loop.stall_after_s = 0.0
+    try:
+        with pytest.raises(EngineError) as exc:
+            list(EngineCall(emulator.url, _body(2), "e6", stall_timeout_s=0.3).stream())
+        assert exc.value.kind == "stall" and exc.value.retryable
+    finally:
+        emulator.loop.stall_after_s = None
+
+
+# -- the tier gate ------------------------------------------------------------------------
+def test_tier_gate_applies_shares_health_and_yielding(state: LiveState) -> None:
+    info = InstanceInfo("g1", "dcg", "m", "http://127.0.0.1:1", "llama3-8b-h200", 4096, 1, 4)
+    rt = WorkerRuntime(LiveConfig.load(env={}), state, info)
+    rt._shares, rt._shares_at = {"interactive": 1.0, "long_context": 1.0,
+                                 "batch": 0.5}, time.monotonic() + 1e6
+    all_q = worker_queues("dcg", "g1")
+    assert rt.desired_queues() == all_q
+    rt.reserved.update({"t1": "batch", "t2": "batch"})  # batch at its share (2 of 4)
+    assert rt.desired_queues() == [q for q in all_q if not q.endswith(".batch")]
+    rt.reserved.clear()
+    # RabbitMQ-style broker: lower tiers pause while a higher one has work queued
+    assert rt.desired_queues({"dcg.interactive": 2}) == ["dcg.g1.interactive",
+                                                         "dcg.interactive"]
+    rt.broker_orders_queues = True  # Redis: the poll order already does it
+    assert rt.desired_queues({"dcg.interactive": 2}) == all_q
+    rt.unhealthy_until = time.time() + 5
+    assert rt.desired_queues() == []
