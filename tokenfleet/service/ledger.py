@@ -297,4 +297,7 @@ class BatchLine(Base):
     batch: Mapped[Batch] = relationship(back_populates="lines")
 
 
+# Tenancy tables live beside their logic but share this metadata (migration 0002).
+from tokenfleet.tenancy import models as _tenancy_models  # noqa: E402,F401
+
 ALL_TABLES = tuple(sorted(Base.metadata.tables))
