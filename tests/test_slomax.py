@@ -100,14 +100,19 @@ def test_classification_threshold_is_configurable() -> None:
 
 
 # -- 2. admission decisions on hand-built snapshots ---------------------------------------
-def test_interactive_avoids_instances_with_a_long_prefill() -> None:
-    pol = SLOMaxAdmission(slo=SLO)
-    insts = instances(3)
-    book(insts[0], req("L", 40000, tier="long_context"))
-    d = pol.on_arrival(req("x", 800, tier="interactive"), AdmissionSnapshot(0.0, insts, queues()))
-    assert d.action == ADMIT
-    assert d.instance_ids is not None and "i0" not in d.instance_ids
-    assert set(d.instance_ids) == {"i1", "i2"}
+def test_interactive_stays_off_the_long_context_lane() -> None:
+    pol = SLOMaxAdmission(slo=SLO, adaptive=False)  # lane: the last 2 of 4 instances
+    insts = instances(4)
+    book(insts[3], req("L", 40000, tier="long_context"))
+    snap = AdmissionSnapshot(0.0, insts, queues())
+    d = pol.on_arrival(req("x", 800, tier="interactive"), snap)
+    assert d.action == ADMIT and set(d.instance_ids or ()) == {"i0", "i1"}
+    # Off-lane instances backed up past the TTFT limit: spill onto the lane,
+    # but not onto the instance that is prefilling a long prompt.
+    for inst in insts[:2]:
+        book(inst, req(f"big{inst.instance_id}", 60000, tier="interactive"))
+    d = pol.on_arrival(req("y", 800, tier="interactive"), snap)
+    assert d.action == ADMIT and d.instance_ids == ("i2",)
 
 
 def test_long_context_capped_per_instance_then_queued_then_rejected_early() -> None:
@@ -117,8 +122,9 @@ def test_long_context_capped_per_instance_then_queued_then_rejected_early() -> N
     snap = AdmissionSnapshot(0.0, insts, qs)
     first = req("L1", 30000, tier="long_context")
     d1 = pol.on_arrival(first, snap)
-    assert d1.action == ADMIT
-    book(insts[0], first)
+    # the long-context lane is the last instance; the other stays free for chat
+    assert d1.action == ADMIT and d1.instance_ids == ("i1",)
+    book(insts[1], first)
     # One long prefill is allowed at a time on half the instances: the next waits.
     second = req("L2", 30000, tier="long_context")
     d2 = pol.on_arrival(second, snap)
@@ -145,7 +151,7 @@ def test_retry_after_is_honest_about_the_predicted_wait() -> None:
     waits = []
     for n in (10, 20, 40):
         insts = instances(2)
-        book(insts[0], req("busy", 30000, tier="long_context"))
+        book(insts[1], req("busy", 30000, tier="long_context"))
         qs = queues()
         for k in range(n):
             qs["long_context"].append(QueuedRequest(req(f"q{k}", 20000, tier="long_context"), 0))
@@ -400,7 +406,7 @@ def test_fcfs_admission_is_exactly_todays_behaviour() -> None:
 def test_client_timeouts_cancel_and_count_spent_work_as_waste() -> None:
     # A batch job floods one instance; chat clients give up after 0.5 s without
     # a first token. FCFS leaves them behind the job; strict priority serves them.
-    jobs = [TraceRequest(req(f"b{i}", 6000, 1024, task_type="batch", deadline_s=1e4), 800)
+    jobs = [TraceRequest(req(f"b{i}", 2000, 1024, task_type="batch", deadline_s=1e4), 800)
             for i in range(60)]
     chats = [TraceRequest(req(f"c{i}", 500, 1024, arrival_s=0.01 + 0.001 * i), 100, 0.5)
              for i in range(10)]

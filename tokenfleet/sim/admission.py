@@ -241,9 +241,14 @@ class AdmissionDriver:
         tl.inflight += 1
         tl.prefill_pending += 1
         tl.prefill_pending_tokens += uncached
+        tl.dispatched_uncached_tokens += uncached
         tl.reserved_kv_tokens += reserved
         self._flights[info.request_id] = _Flight(idx, uncached, reserved, self.env.now)
-        self.window.tier(info.tier).dispatched += 1
+        w = self.window.tier(info.tier)
+        w.dispatched += 1
+        w.prefill_tokens += uncached
+        if info.tier == "batch" and info.input_tokens >= self.slo.long_context_min_input_tokens:
+            self.window.batch_long_tokens += uncached
 
     def _on_first_token(self, info: RequestInfo, idx: int) -> None:
         fl = self._flights.get(info.request_id)
@@ -333,6 +338,9 @@ class AdmissionDriver:
                 if load.inflight:
                     w.tier(tier).inflight += load.inflight
         w.batch_remaining = len(self._batch_deadlines)
+        thr = self.slo.long_context_min_input_tokens
+        bq = self.queues.get("batch")
+        w.batch_long_queued = sum(1 for it in bq if it.request.input_tokens >= thr) if bq else 0
         w.batch_deadline_s = min(self._batch_deadlines.values(), default=None)
         t0 = time.perf_counter()
         knobs = self.policy.on_window(w, now)

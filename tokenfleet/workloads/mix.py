@@ -36,7 +36,7 @@ from tokenfleet.workloads.trace import TraceRequest
 _CLASS_KEYS = {
     "name", "tier", "trace", "format", "synthetic", "options", "n_requests", "tenant",
     "task_type", "slo_class", "max_tokens", "rate_rps", "rate_scale", "start_s", "at_s",
-    "count", "skip", "client_timeout_s", "deadline_s",
+    "count", "skip", "client_timeout_s", "deadline_s", "max_input_tokens",
 }
 _TOP_KEYS = {"name", "description", "seed", "duration_s", "router", "slo", "classes"}
 
@@ -62,6 +62,7 @@ class ClassSpec:
     skip: int = 0
     client_timeout_s: float | None = None
     deadline_s: float | None = None
+    max_input_tokens: int | None = None  # drop longer prompts (e.g. the model context)
 
     @property
     def is_job(self) -> bool:
@@ -199,6 +200,8 @@ def parse_mix(data: Mapping[str, Any], source: str = "<mix>",
             else _num(source, f"{f}.client_timeout_s", c["client_timeout_s"], strict=True),
             deadline_s=None if c.get("deadline_s") is None
             else _num(source, f"{f}.deadline_s", c["deadline_s"], strict=True),
+            max_input_tokens=None if c.get("max_input_tokens") is None
+            else _int(source, f"{f}.max_input_tokens", c["max_input_tokens"], minimum=1),
         )
         classes.append(spec)
     return MixSpec(name=str(data.get("name", Path(source).stem)), duration_s=duration,
@@ -273,6 +276,8 @@ def _retag(spec: ClassSpec, r: TraceRequest, arrival_s: float) -> TraceRequest:
 def build_class(spec: ClassSpec, duration_s: float, seed: int = 0,
                 rate_multiplier: float = 1.0) -> list[TraceRequest]:
     reqs = sorted(_source(spec, seed), key=lambda r: r.info.arrival_s)
+    if spec.max_input_tokens is not None:
+        reqs = [r for r in reqs if r.info.input_tokens <= spec.max_input_tokens]
     if spec.is_job:
         picked = reqs[spec.skip: spec.skip + spec.count if spec.count else None]
         return [_retag(spec, r, float(spec.at_s or 0.0)) for r in picked]

@@ -61,6 +61,7 @@ class TierLoad:
     prefill_pending: int = 0  # dispatched, no first token yet
     prefill_pending_tokens: int = 0  # their uncached input (router's estimate)
     reserved_kv_tokens: int = 0  # prompt + output reserve, while in flight
+    dispatched_uncached_tokens: int = 0  # cumulative: prefill work sent so far
 
 
 @dataclass(slots=True)
@@ -212,6 +213,7 @@ class TierWindow:
     queued: int = 0  # queue length at the end of the window
     inflight: int = 0  # dispatched, not finished, at the end of the window
     dispatched: int = 0
+    prefill_tokens: int = 0  # uncached prompt tokens dispatched in the window
 
     @property
     def attainment(self) -> float | None:
@@ -238,6 +240,10 @@ class WindowStats:
     batch_remaining: int = 0
     #: batch requests finished (any status) in this window
     batch_finished: int = 0
+    #: queued batch requests with long prompts (they need long-context lane slots)
+    batch_long_queued: int = 0
+    #: uncached prompt tokens of long batch prompts dispatched in the window
+    batch_long_tokens: int = 0
 
     def tier(self, name: str) -> TierWindow:
         w = self.tiers.get(name)

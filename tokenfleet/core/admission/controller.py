@@ -9,8 +9,12 @@ uses until the next period:
     how much of each instance batch work may fill (seats and prefill budget);
     batch is the first to yield when a protected tier misses its target.
 ``long_share``
-    the fraction of instances that may run a long-context prefill at once;
-    the rest stay free of long prefills so interactive TTFT holds.
+    the fraction of instances in the long-context lane (the only instances
+    that run long prefills); the rest stay free of multi-second prefills so
+    interactive TTFT and TPOT hold. It is feedforward plus feedback: the
+    long-context share of the prefill work dispatched (smoothed), plus a
+    damped trim that grows when long-context requests wait for lane slots
+    and shrinks when interactive misses its target.
 ``reject_factor``
     a long-context request is rejected at arrival when its predicted TTFT
     exceeds ``reject_factor`` x its limit.
@@ -100,9 +104,11 @@ class ControllerConfig:
     batch_share: float = 0.5
     batch_share_bounds: tuple[float, float] = (0.05, 1.0)
     batch_step: float = 0.1
-    long_share: float = 0.5
-    long_share_bounds: tuple[float, float] = (0.125, 1.0)
-    long_step: float = 0.125
+    long_share: float = 0.5  # used until prefill work has been observed
+    long_share_bounds: tuple[float, float] = (0.125, 0.875)
+    long_trim: float = 0.1  # initial feedback trim on top of the work share
+    long_trim_bounds: tuple[float, float] = (-0.25, 0.375)
+    long_step: float = 0.0625
     reject_factor: float = 1.0
     reject_factor_bounds: tuple[float, float] = (0.8, 2.0)
     reject_step: float = 0.1
@@ -121,8 +127,9 @@ class SLOMaxController:
             raise ValueError("period_s must be > 0")
         self.batch = _Knob(c.batch_share, *c.batch_share_bounds, step=c.batch_step,
                            min_step=c.batch_step / 16, max_step=c.batch_step * 2)
-        self.long = _Knob(c.long_share, *c.long_share_bounds, step=c.long_step,
+        self.long = _Knob(c.long_trim, *c.long_trim_bounds, step=c.long_step,
                           min_step=c.long_step / 8, max_step=c.long_step * 2)
+        self.long_work: float | None = None  # smoothed long-context share of prefill work
         self.reject = _Knob(c.reject_factor, *c.reject_factor_bounds, step=c.reject_step,
                             min_step=c.reject_step / 8, max_step=c.reject_step * 2)
         self.att: dict[str, float] = {}  # smoothed attainment per protected tier
@@ -130,8 +137,15 @@ class SLOMaxController:
         self.last_reason = ""
 
     @property
+    def long_share(self) -> float:
+        c = self.cfg
+        base = c.long_share - c.long_trim if self.long_work is None else self.long_work
+        lo, hi = c.long_share_bounds
+        return min(hi, max(lo, base + self.long.value))
+
+    @property
     def state(self) -> ControlState:
-        return ControlState(self.batch.value, self.long.value, self.reject.value)
+        return ControlState(self.batch.value, self.long_share, self.reject.value)
 
     # -- the control law -----------------------------------------------------------
     def update(self, window: WindowStats, now_s: float) -> ControlState:
@@ -170,16 +184,24 @@ class SLOMaxController:
             self.batch.move(+1, c.damping, c.regrow_after, multiplicative=True)
             reasons.append("batch+")
 
-        # 2) long-context share: trade instances between the two protected tiers.
+        # 2) long-context lane: feedforward from the work mix (long-context and
+        #    long batch prompts vs interactive prefill), trimmed by feedback.
+        wi = window.tiers.get("interactive")
+        lw = window.tiers.get("long_context")
+        lane_work = (lw.prefill_tokens if lw is not None else 0) + window.batch_long_tokens
+        int_work = wi.prefill_tokens if wi is not None else 0
+        if lane_work + int_work > 0:
+            frac = lane_work / (lane_work + int_work)
+            self.long_work = frac if self.long_work is None else a * frac + (1 - a) * self.long_work
         g_int = gaps.get("interactive")
-        g_long = gaps.get("long_context")
-        if g_int is not None and g_long is not None:
-            if g_long < -c.band and g_int > c.band / 2:
-                self.long.move(+1, c.damping, c.regrow_after, multiplicative=False)
-                reasons.append("long+")
-            elif g_int < -c.band and g_long > c.band / 2 and self.batch.value <= self.batch.lo + 1e-9:
-                self.long.move(-1, c.damping, c.regrow_after, multiplicative=False)
-                reasons.append("long-")
+        short_of_slots = lw is not None and (
+            lw.queued > 0 or lw.rejected > max(1.0, c.band * max(1, lw.finished)))
+        if g_int is not None and g_int < -c.band:
+            self.long.move(-1, c.damping, c.regrow_after, multiplicative=False)
+            reasons.append("long-")
+        elif short_of_slots and (g_int is None or g_int > c.band / 2):
+            self.long.move(+1, c.damping, c.regrow_after, multiplicative=False)
+            reasons.append("long+")
 
         # 3) long-context reject threshold: reject earlier while admitted work
         #    finishes late; admit more while rejections are the main miss.
@@ -201,7 +223,8 @@ class SLOMaxController:
             return {"value": k.value, "step": k.step, "last_dir": k.last_dir, "run": k.run}
 
         return {"batch": knob(self.batch), "long": knob(self.long), "reject": knob(self.reject),
-                "att": dict(self.att), "batch_rate": self.batch_rate}
+                "att": dict(self.att), "batch_rate": self.batch_rate,
+                "long_work": self.long_work}
 
     def load_state(self, data: Mapping[str, Any]) -> None:
         for name in ("batch", "long", "reject"):
@@ -214,3 +237,5 @@ class SLOMaxController:
         self.att = {str(t): float(v) for t, v in data.get("att", {}).items()}
         br = data.get("batch_rate")
         self.batch_rate = None if br is None else float(br)
+        lw = data.get("long_work")
+        self.long_work = None if lw is None else float(lw)

@@ -134,6 +134,8 @@ class SLOMaxAdmission(BaseAdmission):
                  kv_budget: float = 0.95,
                  clean_ttft_fraction: float = 0.5,
                  interactive_reject_factor: float = 3.0,
+                 prefill_fraction: float = 0.7,
+                 tpot_guard: float = 0.6,
                  output_reserve: str = "max_tokens") -> None:
         if long_prefill_per_instance < 1 or long_inflight_per_instance < 1:
             raise ValueError("long-context caps must be >= 1")
@@ -160,6 +162,12 @@ class SLOMaxAdmission(BaseAdmission):
         self.batch_share = st.batch_share
         self.long_share = st.long_share
         self.reject_factor = st.reject_factor
+        self.prefill_fraction = prefill_fraction
+        self.bucket_s = 0.5  # burst allowance, seconds of prefill
+        self.tpot_guard = tpot_guard
+        # instance -> (budget level s, at s, cumulative uncached tokens seen)
+        self._buckets: dict[str, tuple[float, float, int]] = {}
+        self._tpot: dict[str, tuple[float, float]] = {}  # instance -> (EWMA TPOT, at s)
         self._costs = _Costs()
         self._kappa: dict[str, float] = {}  # observed / predicted TTFT, per tier
         self._hit: dict[str, float] = {}  # learned prefix-hit ratio, per tier
@@ -233,40 +241,59 @@ class SLOMaxAdmission(BaseAdmission):
     # -- interactive -----------------------------------------------------------------
     def _interactive(self, req: RequestInfo, snap: AdmissionSnapshot, waited_s: float
                      ) -> tuple[tuple[str, ...] | None, float]:
-        """Allowed instances (None: no room anywhere) and the best predicted TTFT."""
+        """Allowed instances (None: no room anywhere) and the best predicted TTFT.
+
+        Preference: off the long-context lane and well inside the limit; off
+        the lane within the limit; on the lane but not prefilling a long
+        prompt; anywhere within the limit; else the best prediction."""
         room = [i for i in snap.instances if self._room(i, req)]
         if not room:
             return None, math.inf
         pred = self._predicted(req, room)
         limit = self._limit(req) - waited_s
-        clean = [i.instance_id for i in room
-                 if i.tier(LONG).prefill_pending == 0
-                 and pred[i.instance_id] <= self.clean_fraction * limit]
+        lane = self._long_lane(snap)
         best = min(pred.values())
-        if clean:
-            ids = tuple(clean)
+        off = [i for i in room if i.instance_id not in lane]
+        tiers = (
+            [i for i in off if pred[i.instance_id] <= self.clean_fraction * limit],
+            [i for i in off if pred[i.instance_id] <= limit],
+            [i for i in room if i.tier(LONG).prefill_pending == 0
+             and pred[i.instance_id] <= limit],
+            [i for i in room if pred[i.instance_id] <= limit],
+        )
+        pick = next((t for t in tiers if t), None)
+        if pick is not None:
+            ids = tuple(i.instance_id for i in pick)
         else:
-            ok = [i for i in room if pred[i.instance_id] <= limit]
-            ok_clean = [i for i in ok if i.tier(LONG).prefill_pending == 0]
-            pick = ok_clean or ok
-            if pick:
-                ids = tuple(i.instance_id for i in pick)
-            else:
-                ids = tuple(i for i, v in pred.items() if v <= best * 1.05)
+            ids = tuple(i for i, v in pred.items() if v <= best * 1.05)
         self._remember(req, pred, ids)
         return ids, best
 
     # -- long context ----------------------------------------------------------------
+    def _long_lane(self, snap: AdmissionSnapshot) -> set[str]:
+        """The instances long prefills may use: the last ``long_share`` of the
+        ready ones, by pool position. A stable set keeps long prompts' prefix
+        cache together and the other instances free of multi-second prefills
+        that would stall interactive streams."""
+        ready = sorted((i for i in snap.instances if i.view.ready and i.view.metrics.healthy),
+                       key=lambda i: i.view.index)
+        n = max(1, round(self.long_share * len(ready)))
+        return {i.instance_id for i in ready[len(ready) - n:]}
+
+    def _long_batch_pending(self, inst: InstanceLoad) -> bool:
+        tb = inst.tier(BATCH)
+        return tb.prefill_pending_tokens >= self.slo.long_context_min_input_tokens
+
     def _long_slots(self, req: RequestInfo, snap: AdmissionSnapshot) -> list[InstanceLoad]:
-        ready = [i for i in snap.instances if i.view.ready and i.view.metrics.healthy]
-        allowed_busy = max(1, round(self.long_share * len(ready)))
-        busy = sum(1 for i in ready if i.tier(LONG).prefill_pending > 0)
+        lane = self._long_lane(snap)
         out = []
-        for inst in ready:
+        for inst in snap.instances:
+            if inst.instance_id not in lane:
+                continue
             tl = inst.tier(LONG)
             if tl.prefill_pending >= self.long_prefill_cap or tl.inflight >= self.long_inflight_cap:
                 continue
-            if tl.prefill_pending == 0 and busy >= allowed_busy:
+            if self._long_batch_pending(inst):
                 continue
             if self._room(inst, req):
                 out.append(inst)
@@ -302,8 +329,21 @@ class SLOMaxAdmission(BaseAdmission):
         return kappa * (busy_s + queued_s) / slots
 
     # -- the Admission interface ------------------------------------------------------
+    def _never_fits(self, req: RequestInfo, snap: AdmissionSnapshot) -> bool:
+        """No instance could ever hold it (context length or whole KV budget)."""
+        need = self._reserve(req)
+        for inst in snap.instances:
+            v = inst.view
+            if v.max_model_len_tokens and req.input_tokens + 1 > v.max_model_len_tokens:
+                continue
+            if need <= int(v.kv_capacity_tokens * self.kv_budget):
+                return False
+        return bool(snap.instances)
+
     def on_arrival(self, request: RequestInfo, snap: AdmissionSnapshot) -> AdmissionDecision:
         tier = request.tier
+        if self._never_fits(request, snap):
+            return AdmissionDecision(REJECT, reason="larger than any instance's context or KV")
         if tier == BATCH:
             return self._batch_arrival(request, snap)
         if tier == LONG:
@@ -413,27 +453,91 @@ class SLOMaxAdmission(BaseAdmission):
         head = q.head()
         assert head is not None
         req = head.request
-        if req.deadline_s is not None and snap.now_s >= req.deadline_s:
+        now = snap.now_s
+        if req.deadline_s is not None and now >= req.deadline_s:
             return Action(DROP, BATCH, req.request_id, status="timed_out",
                           reason="deadline passed while queued")
         share = self.batch_share
-        ids = []
+        if req.input_tokens >= self.slo.long_context_min_input_tokens:
+            return self._next_long_batch(snap, req)
+        best: InstanceLoad | None = None
+        best_level = -math.inf
         for inst in snap.instances:
             prof = inst.view.profile
             if inst.tier(INTERACTIVE).prefill_pending > 0:
                 continue  # interactive first: never add prefill work ahead of it
+            if self._slow_decode(inst, now):
+                continue  # streams here are near their TPOT limit: add no prefill
             tb = inst.tier(BATCH)
             seats = self.batch_max_seats or prof.max_num_seqs // 2
             if tb.inflight >= max(1, math.ceil(share * seats)):
                 continue
-            budget = share * prof.max_num_batched_tokens
-            if tb.prefill_pending and tb.prefill_pending_tokens + req.input_tokens > budget:
+            if tb.prefill_pending and \
+                    tb.prefill_pending_tokens + req.input_tokens > share * prof.max_num_batched_tokens:
                 continue
-            if self._room(inst, req):
-                ids.append(inst.instance_id)
-        if not ids:
+            level = self._bucket_level(inst, now, share)
+            if level <= 0.0 or not self._room(inst, req):
+                continue
+            if level > best_level:
+                best, best_level = inst, level
+        if best is None:
             return None
-        return Action(DISPATCH, BATCH, req.request_id, instance_ids=tuple(ids))
+        return Action(DISPATCH, BATCH, req.request_id, instance_ids=(best.instance_id,))
+
+    def _next_long_batch(self, snap: AdmissionSnapshot, req: RequestInfo) -> Action | None:
+        """A long batch prompt holds a step budget for a second or more, like a
+        long-context prefill: it takes a free long-context lane slot once no
+        long-context request waits, and leaves one slot free for the next."""
+        q = snap.queues.get(LONG)
+        if q is not None and len(q) > 0:
+            return None
+        now = snap.now_s
+        lane = self._long_lane(snap)
+
+        def fits(i: InstanceLoad) -> bool:
+            seats = self.batch_max_seats or i.view.profile.max_num_seqs // 2
+            return (i.tier(LONG).prefill_pending == 0 and not self._long_batch_pending(i)
+                    and i.tier(BATCH).inflight < max(1, math.ceil(self.batch_share * seats))
+                    and not self._slow_decode(i, now) and self._room(i, req))
+
+        free = [i for i in snap.instances if i.instance_id in lane and fits(i)]
+        if len(free) > (1 if len(lane) > 1 else 0):
+            # fewest interactive streams first: they would feel this prefill
+            pick = min(free, key=lambda i: (i.tier(INTERACTIVE).inflight, i.view.index))
+            return Action(DISPATCH, BATCH, req.request_id, instance_ids=(pick.instance_id,))
+        return None
+
+    def _bucket_level(self, inst: InstanceLoad, now_s: float, share: float) -> float:
+        """Prefill budget of one instance, in seconds of prefill.
+
+        It refills at ``share * prefill_fraction`` seconds per second and every
+        prefill dispatched there (any tier, from the driver's cumulative
+        counter) drains it, so batch is dispatched only while all prefill work
+        stays under that fraction of the instance's time: the rest of the steps
+        stay short, which is what keeps streaming TPOT in bounds."""
+        rate = share * self.prefill_fraction
+        total = sum(t.dispatched_uncached_tokens for t in inst.tiers.values())
+        state = self._buckets.get(inst.instance_id)
+        if state is None:
+            lvl, t, seen = self.bucket_s, now_s, total
+        else:
+            lvl, t, seen = state
+        per_token = self._costs.per_token_s(inst.view.profile)
+        lvl += rate * max(0.0, now_s - t) - per_token * (total - seen)
+        lvl = min(self.bucket_s, max(-self.bucket_s, lvl))
+        self._buckets[inst.instance_id] = (lvl, now_s, total)
+        return lvl
+
+    def _slow_decode(self, inst: InstanceLoad, now_s: float) -> bool:
+        """Recent interactive streams on this instance ran near the TPOT limit."""
+        obs = self._tpot.get(inst.instance_id)
+        if obs is None:
+            return False
+        tpot, t = obs
+        if now_s - t > 10.0:  # stale evidence
+            return False
+        limit = self.slo.slo_for(INTERACTIVE).tpot_s
+        return limit is not None and tpot > self.tpot_guard * limit
 
     # -- learning from what a live gateway observes -----------------------------------
     def on_first_token(self, event: FirstTokenEvent) -> None:
@@ -455,6 +559,11 @@ class SLOMaxAdmission(BaseAdmission):
         if event.status != "completed":
             return
         req = event.request
+        if req.tier == INTERACTIVE and event.ttft_s is not None and event.output_tokens > 1:
+            tpot = (event.e2e_s - event.ttft_s) / (event.output_tokens - 1)
+            prev = self._tpot.get(event.instance_id)
+            ew = tpot if prev is None else 0.8 * prev[0] + 0.2 * tpot
+            self._tpot[event.instance_id] = (ew, event.now_s)
         if req.input_tokens > 0:
             h = min(1.0, event.cached_tokens / req.input_tokens)
             old = self._hit.get(req.tier)
