@@ -3,24 +3,32 @@
 Mixed traffic hurts itself in one FIFO: a batch job floods the engines'
 waiting queues, long prefills hold a whole step budget for seconds, and every
 tier misses. SLOMax keeps the engines' own queues short and decides at the
-gateway, per tier (the rules are spelled out in docs/slomax.md):
+gateway, per tier (rules and rationale in docs/slomax.md):
 
+long-context lane
+    Long prefills (long_context requests, and long batch prompts) run only on
+    a lane: the last ``long_share`` of the instances, one long prefill per
+    instance at a time. The other instances never see a multi-second
+    prefill, so interactive TTFT and TPOT hold there.
 interactive
-    dispatched at once, to instances with no long prefill in flight and a
-    predicted TTFT well inside the limit ("clean"); rejected at arrival only
-    when no instance could plausibly meet the limit.
+    dispatched at once, preferring off-lane instances whose predicted TTFT is
+    well inside the limit, then off-lane within the limit, then lane
+    instances not prefilling a long prompt; rejected at arrival only when no
+    instance could plausibly meet the limit.
 long_context
-    at most ``long_prefill_per_instance`` long prefills per instance, on at
-    most ``long_share`` of the instances at once, so the others stay clean
-    for interactive. Excess requests wait in a FIFO; a request whose
-    predicted TTFT (queue wait + prefill) exceeds ``reject_factor`` x its
-    limit is rejected at arrival, with ``Retry-After`` = the predicted time
-    until it could be served, instead of wasting prefill on a sure miss.
+    waits in a FIFO for a free lane slot; a request whose predicted TTFT
+    (queue wait + prefill) exceeds ``reject_factor`` x its limit is rejected
+    at arrival, with ``Retry-After`` = how far past the limit it would be
+    served, instead of wasting prefill on a sure miss.
 batch
-    always queued; dispatched only to instances with no interactive request
-    waiting for its first token, within ``batch_share`` of their seats and
-    prefill budget. When interactive load returns, batch yields by not being
-    dispatched: nothing running is ever preempted.
+    always queued; a short prompt is dispatched only to an instance with no
+    interactive request waiting for its first token, whose recent
+    interactive TPOT is comfortably inside the limit, within ``batch_share``
+    of its seats and of its prefill budget (prefill of all tiers may take at
+    most ``batch_share * prefill_fraction`` of an instance's time, the rest of
+    the steps stay short). A long batch prompt takes a free lane slot once
+    no long-context request waits. When interactive load returns, batch
+    yields by not being dispatched: nothing running is ever preempted.
 
 Every dispatch keeps KV headroom for prompt + reserved output (``max_tokens``
 by default), so the engine never has to evict; batch and long-context also
@@ -167,13 +175,13 @@ class SLOMaxAdmission(BaseAdmission):
         self.tpot_guard = tpot_guard
         # instance -> (budget level s, at s, cumulative uncached tokens seen)
         self._buckets: dict[str, tuple[float, float, int]] = {}
-        self._tpot: dict[str, tuple[float, float]] = {}  # instance -> (EWMA TPOT, at s)
+        # (instance, tier) -> (EWMA of observed TPOT, when last observed)
+        self._tpot: dict[tuple[str, str], tuple[float, float]] = {}
         self._costs = _Costs()
         self._kappa: dict[str, float] = {}  # observed / predicted TTFT, per tier
         self._hit: dict[str, float] = {}  # learned prefix-hit ratio, per tier
         self._outputs: dict[str, _Quantile] = {}
         self._pred: dict[str, dict[str, float]] = {}  # rid -> instance -> predicted s
-        self.rejected_retry_after_s: list[float] = []
 
     # -- small helpers ---------------------------------------------------------------
     def _limit(self, req: RequestInfo) -> float:
@@ -299,8 +307,7 @@ class SLOMaxAdmission(BaseAdmission):
                 out.append(inst)
         return out
 
-    def _long_wait_s(self, snap: AdmissionSnapshot, queue: TierQueue | None,
-                     exclude_tokens: int = 0) -> float:
+    def _long_wait_s(self, snap: AdmissionSnapshot, queue: TierQueue | None) -> float:
         """Predicted gateway wait for a long request joining the back of the queue."""
         ready = [i for i in snap.instances if i.view.ready]
         if not ready:
@@ -323,7 +330,7 @@ class SLOMaxAdmission(BaseAdmission):
                 return 0.0
             return kappa * busy_s / slots
         n = len(queue)
-        tokens = queue.input_tokens - exclude_tokens
+        tokens = queue.input_tokens
         per = int(tokens * (1.0 - hit) / max(1, n))
         queued_s = n * self._costs.prefill_s(prof, per)
         return kappa * (busy_s + queued_s) / slots
@@ -358,7 +365,6 @@ class SLOMaxAdmission(BaseAdmission):
         if best > self.interactive_reject_factor * limit:
             self._pred.pop(request.request_id, None)
             retry = best - limit
-            self.rejected_retry_after_s.append(retry)
             return AdmissionDecision(REJECT, retry_after_s=retry, predicted_wait_s=best,
                                      reason=f"predicted TTFT {best:.2f}s >> limit {limit:.2f}s")
         return AdmissionDecision(ADMIT, instance_ids=ids, predicted_wait_s=0.0,
@@ -381,7 +387,6 @@ class SLOMaxAdmission(BaseAdmission):
         wait = self._long_wait_s(snap, queue)
         if wait + own > self.reject_factor * limit:
             retry = max(0.0, wait + own - limit)
-            self.rejected_retry_after_s.append(retry)
             return AdmissionDecision(
                 REJECT, retry_after_s=retry, predicted_wait_s=wait,
                 reason=f"predicted TTFT {wait + own:.1f}s > {self.reject_factor:.2f} x {limit:.1f}s")
@@ -460,8 +465,7 @@ class SLOMaxAdmission(BaseAdmission):
         share = self.batch_share
         if req.input_tokens >= self.slo.long_context_min_input_tokens:
             return self._next_long_batch(snap, req)
-        best: InstanceLoad | None = None
-        best_level = -math.inf
+        ids = []
         for inst in snap.instances:
             prof = inst.view.profile
             if inst.tier(INTERACTIVE).prefill_pending > 0:
@@ -475,14 +479,14 @@ class SLOMaxAdmission(BaseAdmission):
             if tb.prefill_pending and \
                     tb.prefill_pending_tokens + req.input_tokens > share * prof.max_num_batched_tokens:
                 continue
-            level = self._bucket_level(inst, now, share)
-            if level <= 0.0 or not self._room(inst, req):
+            if self._bucket_level(inst, now, share) <= 0.0 or not self._room(inst, req):
                 continue
-            if level > best_level:
-                best, best_level = inst, level
-        if best is None:
+            ids.append(inst.instance_id)
+        if not ids:
             return None
-        return Action(DISPATCH, BATCH, req.request_id, instance_ids=(best.instance_id,))
+        # the router picks among them (prefix affinity); the budget of whichever
+        # it picks is charged from the driver's dispatch counters
+        return Action(DISPATCH, BATCH, req.request_id, instance_ids=tuple(ids))
 
     def _next_long_batch(self, snap: AdmissionSnapshot, req: RequestInfo) -> Action | None:
         """A long batch prompt holds a step budget for a second or more, like a
@@ -502,9 +506,9 @@ class SLOMaxAdmission(BaseAdmission):
 
         free = [i for i in snap.instances if i.instance_id in lane and fits(i)]
         if len(free) > (1 if len(lane) > 1 else 0):
-            # fewest interactive streams first: they would feel this prefill
-            pick = min(free, key=lambda i: (i.tier(INTERACTIVE).inflight, i.view.index))
-            return Action(DISPATCH, BATCH, req.request_id, instance_ids=(pick.instance_id,))
+            # any free slot: the router picks by prefix-cache affinity
+            return Action(DISPATCH, BATCH, req.request_id,
+                          instance_ids=tuple(i.instance_id for i in free))
         return None
 
     def _bucket_level(self, inst: InstanceLoad, now_s: float, share: float) -> float:
@@ -529,15 +533,16 @@ class SLOMaxAdmission(BaseAdmission):
         return lvl
 
     def _slow_decode(self, inst: InstanceLoad, now_s: float) -> bool:
-        """Recent interactive streams on this instance ran near the TPOT limit."""
-        obs = self._tpot.get(inst.instance_id)
-        if obs is None:
-            return False
-        tpot, t = obs
-        if now_s - t > 10.0:  # stale evidence
-            return False
-        limit = self.slo.slo_for(INTERACTIVE).tpot_s
-        return limit is not None and tpot > self.tpot_guard * limit
+        """Recent streams on this instance (interactive or long-context) ran
+        near their TPOT limit: adding prefill there would push them over."""
+        for tier in (INTERACTIVE, LONG):
+            obs = self._tpot.get((inst.instance_id, tier))
+            if obs is None or now_s - obs[1] > 10.0:  # none, or stale evidence
+                continue
+            limit = self.slo.slo_for(tier).tpot_s
+            if limit is not None and obs[0] > self.tpot_guard * limit:
+                return True
+        return False
 
     # -- learning from what a live gateway observes -----------------------------------
     def on_first_token(self, event: FirstTokenEvent) -> None:
@@ -559,11 +564,13 @@ class SLOMaxAdmission(BaseAdmission):
         if event.status != "completed":
             return
         req = event.request
-        if req.tier == INTERACTIVE and event.ttft_s is not None and event.output_tokens > 1:
+        if req.tier in (INTERACTIVE, LONG) and event.ttft_s is not None \
+                and event.output_tokens > 1:
             tpot = (event.e2e_s - event.ttft_s) / (event.output_tokens - 1)
-            prev = self._tpot.get(event.instance_id)
+            key = (event.instance_id, req.tier)
+            prev = self._tpot.get(key)
             ew = tpot if prev is None else 0.8 * prev[0] + 0.2 * tpot
-            self._tpot[event.instance_id] = (ew, event.now_s)
+            self._tpot[key] = (ew, event.now_s)
         if req.input_tokens > 0:
             h = min(1.0, event.cached_tokens / req.input_tokens)
             old = self._hit.get(req.tier)
