@@ -364,8 +364,10 @@ class Gateway:
                     b.account(target.instance_id, "on_dispatch", info, cached)
                 b.count(**{f"arrived_{info.tier}": 1,
                            f"dispatched_{'affinity' if affinity else 'pool'}": 1})
+            # argsrepr/kwargsrepr: skip Celery's safe-repr of the job for its headers
             self.celery.send_task(TASK_CHAT, args=[job], task_id=f"{info.request_id}.1",
-                                  queue=queue, routing_key=queue)
+                                  queue=queue, routing_key=queue, argsrepr="",
+                                  kwargsrepr="")
             self._ledger({"request_id": info.request_id, "tenant_id": info.tenant,
                           "tier": info.tier, "model": info.model, "status": "in_flight",
                           "arrival_ts": info.arrival_s, "admitted_ts": admitted,
@@ -424,7 +426,7 @@ class Gateway:
     def _publish(self, job: dict[str, Any], queue: str) -> None:
         self.state.queued_incr(queue)
         self.celery.send_task(TASK_CHAT, args=[job], task_id=f"{job['rid']}.{job['attempt']}",
-                              queue=queue, routing_key=queue)
+                              queue=queue, routing_key=queue, argsrepr="", kwargsrepr="")
 
     def _ledger(self, row: dict[str, Any]) -> None:
         if self.ledger is None:

@@ -304,7 +304,7 @@ def _retry_elsewhere(rt: WorkerRuntime, job: dict[str, Any], relay: RelayWriter,
     send = rt.send_task or app.send_task
     state.queued_incr(queue)
     send(TASK_CHAT, args=[nxt], task_id=f"{job['rid']}.{new_attempt}", queue=queue,
-         routing_key=queue)
+         routing_key=queue, argsrepr="", kwargsrepr="")
     return True
 
 

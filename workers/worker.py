@@ -146,6 +146,11 @@ def run_worker(opts: WorkerOptions, *, redis_url: str, broker_url: str,
     queues = list(rt.queues) + ([CONTROL_QUEUE] if opts.control else [])
     # Celery warns about root (pickle); we accept JSON only, which is safe as root.
     warnings.filterwarnings("ignore", message="You're running the worker with superuser")
+    # per-request INFO lines of Celery ("received", "succeeded") cost more than the
+    # routing decision at high rates; the ledger and metrics carry that information
+    if opts.loglevel != "DEBUG":
+        for name in ("celery.worker.strategy", "celery.app.trace"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     rt.start()
     log.info("worker %s (dc %s) serving %s at %s, %d slots, queues: %s", opts.instance_id,
              opts.dc, model, opts.engine_url, opts.slots, ", ".join(queues))

@@ -78,9 +78,8 @@ class _Caller:
 
 def overhead(stack: LiveStack, rate_rps: float = 50.0, duration_s: float = 20.0,
              output_tokens: int = 8) -> dict[str, Any]:
-    emu = next(iter(stack.emulators.values()))
     api = _Caller(stack.url, API_KEY)
-    direct = _Caller(emu.url, None)
+    direct = _Caller(next(iter(stack.engine_urls.values())), None)
     body = {"model": stack.model, "stream": True, "max_tokens": output_tokens,
             "vllm_xargs": {"output_tokens": output_tokens},
             "stream_options": {"include_usage": True}}
@@ -176,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         specs = [InstanceSpec("dc-a", f"a{i}", {"time_scale": 1e-4}, slots=64)
                  for i in range(args.workers)]
         stack = LiveStack(data_dir=d, instances=specs, with_postgres=True, time_scale=1e-4,
-                          router="round_robin", app_config={"CHAT_QUOTAS": False})
+                          router="round_robin", app_config={"CHAT_QUOTAS": False},
+                          engines_in_process=False, api_in_process=False,
+                          admission="none")
         stack.start()
         try:
             report["overhead"] = overhead(stack, args.rate, args.duration)

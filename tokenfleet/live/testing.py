@@ -49,6 +49,13 @@ class LiveStack:
     with_beat: bool = False
     #: extra create_app config (e.g. {"CHAT_QUOTAS": False})
     app_config: dict[str, Any] = field(default_factory=dict)
+    #: False: engines run as `tokenfleet engine-sim` processes (benchmarks: no
+    #: GIL shared with the API); True: in this process, so tests can steer them
+    engines_in_process: bool = True
+    #: False: the API runs as a `tokenfleet api` process (benchmarks)
+    api_in_process: bool = True
+    engine_urls: dict[str, str] = field(default_factory=dict)
+    _state: Any = None
 
     redis: Any = None
     postgres: Any = None
@@ -88,12 +95,14 @@ class LiveStack:
                      "request_timeout_s": 60.0, "router": self.router}
         overrides.update(self.live_overrides)
         self.live = LiveConfig.load(env={}, **overrides)
-        for spec in self.instances:
-            opts = {"time_scale": self.time_scale, "seed": len(self.emulators) + 1}
-            opts.update(spec.emulator)
-            emu = EmulatorServer(PROFILE, port=0, instance_id=spec.instance_id, **opts)
-            emu.start()
-            self.emulators[spec.instance_id] = emu
+        if self.engines_in_process:
+            for spec in self.instances:
+                opts = {"time_scale": self.time_scale, "seed": len(self.emulators) + 1}
+                opts.update(spec.emulator)
+                emu = EmulatorServer(PROFILE, port=0, instance_id=spec.instance_id, **opts)
+                emu.start()
+                self.emulators[spec.instance_id] = emu
+                self.engine_urls[spec.instance_id] = emu.url
         env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENFLEET_")}
         env.update(self.live.as_env())
         env.update({"TOKENFLEET_REDIS_URL": self.redis.url,
@@ -103,22 +112,57 @@ class LiveStack:
             env["TOKENFLEET_DATABASE_URL"] = self.database_url
         self.env = env
         self.sup = Supervisor(self.data_dir / "logs")
+        if not self.engines_in_process:
+            self._start_engine_processes()
         for spec in self.instances:
             self.start_worker(spec)
         if self.with_beat:
             self.sup.start("beat", [sys.executable, "-m", "tokenfleet.cli.main", "beat",
                                     "--loglevel", "INFO"], env, restart=False)
-        self._start_api()
+        if self.api_in_process:
+            self._start_api()
+        else:
+            self._start_api_process()
         self.wait_ready()
+
+    def _start_engine_processes(self) -> None:
+        import http.client
+
+        from tokenfleet.service.embedded import free_port
+
+        assert self.sup is not None
+        for k, spec in enumerate(self.instances):
+            port = free_port()
+            ts = spec.emulator.get("time_scale", self.time_scale)
+            self.sup.start(f"engine-{spec.instance_id}", [
+                sys.executable, "-m", "tokenfleet.cli.main", "engine-sim", "--port", str(port),
+                "--profile", PROFILE, "--time-scale", str(ts), "--seed", str(k + 1)],
+                self.env, restart=False)
+            self.engine_urls[spec.instance_id] = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        for url in self.engine_urls.values():
+            while True:
+                try:
+                    conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]),
+                                                      timeout=1)
+                    conn.request("GET", "/health")
+                    if conn.getresponse().status == 200:
+                        break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"engine at {url} did not start")
+                time.sleep(0.1)
 
     def start_worker(self, spec: InstanceSpec) -> None:
         assert self.sup is not None
-        emu = self.emulators[spec.instance_id]
+        emu = self.emulators.get(spec.instance_id)
         extra = ["--kv-events", emu.kv_events_endpoint] if getattr(
             emu, "kv_events_endpoint", None) else []
         self.sup.start(f"worker-{spec.instance_id}", [
             sys.executable, "-m", "tokenfleet.cli.main", "worker", "--dc", spec.dc,
-            "--instance", spec.instance_id, "--engine-url", emu.url, "--profile", PROFILE,
+            "--instance", spec.instance_id, "--engine-url", self.engine_urls[spec.instance_id],
+            "--profile", PROFILE,
             "--slots", str(spec.slots), "--loglevel", "INFO", *extra], self.env,
             restart=False, stop_timeout_s=10.0)
 
@@ -143,8 +187,25 @@ class LiveStack:
                          name="api", daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_port}"
 
+    def _start_api_process(self) -> None:
+        from tokenfleet.service.embedded import free_port
+
+        assert self.sup is not None
+        port = free_port()
+        env = dict(self.env, TOKENFLEET_SEED_API_KEYS=f"{API_KEY}={TENANT}")
+        self.sup.start("api", [sys.executable, "-m", "tokenfleet.cli.main", "api", "--port",
+                               str(port), "--admission", self.admission, "--loglevel",
+                               "WARNING"], env, restart=False)
+        self.url = f"http://127.0.0.1:{port}"
+        # a local gateway object for reading live state (never serves requests)
+        from tokenfleet.live.state import LiveState
+
+        self._state = LiveState.from_url(self.redis.url, prefix=self.live.redis_prefix)  # type: ignore[union-attr]
+
     @property
     def gateway(self) -> Any:
+        if self.app is None:
+            return _StateOnly(self._state, self.live)
         return self.app.extensions["tokenfleet"]
 
     def wait_ready(self, timeout_s: float = 60.0, n: int | None = None) -> None:
@@ -154,11 +215,23 @@ class LiveStack:
             now = time.time()
             infos = self.gateway.state.instances()
             ok = [i for i in infos if i.is_healthy(now, self.live.stale_after_s)]  # type: ignore[union-attr]
-            if len(ok) >= want and self._consuming(want):
+            if len(ok) >= want and self._consuming(want) and (
+                    self.app is not None or self._api_answers()):
                 return
             self._check_workers()
             time.sleep(0.1)
         raise TimeoutError(f"live stack not ready in {timeout_s}s; logs in {self.data_dir}/logs")
+
+    def _api_answers(self) -> bool:
+        import http.client
+
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", int(self.url.rsplit(":", 1)[1]),
+                                              timeout=1)
+            conn.request("GET", "/health")
+            return conn.getresponse().status == 200
+        except OSError:
+            return False
 
     def _consuming(self, want: int) -> bool:
         """Workers log 'ready' once their consumer runs."""
@@ -210,7 +283,9 @@ class LiveStack:
 
     @property
     def model(self) -> str:
-        return next(iter(self.emulators.values())).model_name
+        if self.emulators:
+            return str(next(iter(self.emulators.values())).model_name)
+        return next(i.model for i in self.gateway.state.instances())
 
     def ledger_rows(self, where: str = "", timeout_s: float = 10.0,
                     expect: Callable[[list[dict[str, Any]]], bool] | None = None
@@ -238,6 +313,14 @@ class LiveStack:
     def worker_log(self, instance_id: str) -> str:
         assert self.sup is not None
         return self.sup.children[f"worker-{instance_id}"].log_path.read_text(errors="replace")
+
+
+@dataclass
+class _StateOnly:
+    """What tests read from ``stack.gateway`` when the API runs in another process."""
+
+    state: Any
+    live: Any
 
 
 @contextlib.contextmanager
