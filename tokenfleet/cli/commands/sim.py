@@ -353,20 +353,22 @@ def run_sweep(args: argparse.Namespace) -> int:
     settings = _settings(args)
     policies = _policies(args)
     base = _base_requests(args)
-    results: dict[str, list[tuple[float, dict[str, Any]]]] = {p: [] for p in policies}
+    results: dict[str, list[tuple[float, dict[str, Any]]]] = {}
     out_runs = []
+    admissions = list(getattr(args, "admission", None) or [])
     prog, factory = _progress_factory(args.quiet)
     for load in loads:
         reqs = _scaled(base, args, load, settings)
         if prog is not None:
             with prog:
                 runs = run_policies(reqs, policies, settings,
-                                    progress=lambda n, t, ld=load: factory(f"{n}@{ld}", t))
+                                    progress=lambda n, t, ld=load: factory(f"{n}@{ld}", t),
+                                    admissions=admissions)
         else:
-            runs = run_policies(reqs, policies, settings)
+            runs = run_policies(reqs, policies, settings, admissions=admissions)
         _print_table(runs, _describe(args, load))
         for r in runs:
-            results[r.policy].append((load, r.summary))
+            results.setdefault(getattr(r, "label", r.policy), []).append((load, r.summary))
             d = r.as_json()
             d["load"] = load
             out_runs.append(d)
