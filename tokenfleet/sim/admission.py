@@ -340,7 +340,10 @@ class AdmissionDriver:
         w.batch_remaining = len(self._batch_deadlines)
         thr = self.slo.long_context_min_input_tokens
         bq = self.queues.get("batch")
-        w.batch_long_queued = sum(1 for it in bq if it.request.input_tokens >= thr) if bq else 0
+        long_batch = [it.request.input_tokens for it in bq
+                      if it.request.input_tokens >= thr] if bq else []
+        w.batch_long_queued = len(long_batch)
+        w.batch_long_queued_tokens = sum(long_batch)
         w.batch_deadline_s = min(self._batch_deadlines.values(), default=None)
         t0 = time.perf_counter()
         knobs = self.policy.on_window(w, now)

@@ -244,6 +244,8 @@ class WindowStats:
     batch_long_queued: int = 0
     #: uncached prompt tokens of long batch prompts dispatched in the window
     batch_long_tokens: int = 0
+    #: prompt tokens of the long batch prompts still queued
+    batch_long_queued_tokens: int = 0
 
     def tier(self, name: str) -> TierWindow:
         w = self.tiers.get(name)

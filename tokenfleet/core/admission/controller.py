@@ -162,7 +162,8 @@ class SLOMaxController:
             self.att[tier] = sig if old is None else a * sig + (1 - a) * old
         gaps = {t: self.att[t] - c.targets[t] for t in c.targets if t in self.att}
         worst = min(gaps.values(), default=0.0)
-        worst_att = min(self.att.values(), default=1.0)
+        # the hard floor that outranks a batch deadline protects interactive
+        floor_att = self.att.get("interactive", min(self.att.values(), default=1.0))
 
         # Batch deadline pacing.
         period = max(window.period_s, 1e-9)
@@ -177,7 +178,7 @@ class SLOMaxController:
 
         reasons = []
         # 1) batch share: first to yield, first to grow back.
-        if worst < -c.band and not (behind and worst_att >= c.hard_floor):
+        if worst < -c.band and not (behind and floor_att >= c.hard_floor):
             self.batch.move(-1, c.damping, c.regrow_after, multiplicative=True)
             reasons.append("batch-")
         elif backlog and (behind or worst > c.band / 2):
@@ -188,7 +189,13 @@ class SLOMaxController:
         #    long batch prompts vs interactive prefill), trimmed by feedback.
         wi = window.tiers.get("interactive")
         lw = window.tiers.get("long_context")
-        lane_work = (lw.prefill_tokens if lw is not None else 0) + window.batch_long_tokens
+        # Batch lane demand is what the deadline requires, not what was let
+        # through (that would shrink the lane whenever batch was held back).
+        batch_need = window.batch_long_tokens
+        if window.batch_long_queued_tokens and window.batch_deadline_s is not None:
+            left_s = max(period, window.batch_deadline_s - now_s - c.deadline_margin_s)
+            batch_need = max(batch_need, int(window.batch_long_queued_tokens * period / left_s))
+        lane_work = (lw.prefill_tokens if lw is not None else 0) + batch_need
         int_work = wi.prefill_tokens if wi is not None else 0
         if lane_work + int_work > 0:
             frac = lane_work / (lane_work + int_work)
