@@ -25,12 +25,12 @@ from tokenfleet.core.admission import (
     WindowStats,
     kv_reservation_tokens,
 )
-from tokenfleet.core.admission.classify import classify_request
+
 from tokenfleet.core.admission.controller import ControllerConfig, SLOMaxController
 from tokenfleet.core.admission.llmd_flow_control import LlmdFlowControlAdmission
 from tokenfleet.core.admission.slomax import SLOMaxAdmission
 from tokenfleet.core.admission.strict_priority import StrictPriorityAdmission
-from tokenfleet.core.tiers import SLOConfig
+from tokenfleet.core.tiers import SLOConfig, classify
 from tokenfleet.core.types import TIERS, InstanceView, RequestInfo, ScrapedMetrics
 from tokenfleet.engine.profiles import get_profile
 from tokenfleet.sim.admission import run_pool_with_admission
@@ -90,13 +90,13 @@ def book(inst: InstanceLoad, r: RequestInfo, prefilling: bool = True) -> None:
     (req("i", 20000, tier="interactive"), "interactive"),  # explicit tier wins
 ])
 def test_classification_rules(info: RequestInfo, tier: str) -> None:
-    assert classify_request(info, SLO) == tier
+    assert classify(info, SLO) == tier
 
 
 def test_classification_threshold_is_configurable() -> None:
     slo = SLOConfig.from_mapping({"long_context_min_input_tokens": 2000})
-    assert classify_request(req("a", 2500), slo) == "long_context"
-    assert classify_request(req("a", 2500), SLO) == "interactive"
+    assert classify(req("a", 2500), slo) == "long_context"
+    assert classify(req("a", 2500), SLO) == "interactive"
 
 
 # -- 2. admission decisions on hand-built snapshots ---------------------------------------
@@ -495,7 +495,7 @@ def test_mix_composes_classes_with_their_own_rules(tmp_path: Path) -> None:
     assert rate == pytest.approx(3.0, rel=0.05)
     assert max(r.info.arrival_s for r in reqs) <= 60.0
     assert all(r.client_timeout_s == 60.0 for r in by["docs"])
-    assert [classify_request(r.info, SLO) for r in by["docs"]] == ["long_context"] * len(by["docs"])
+    assert [classify(r.info, SLO) for r in by["docs"]] == ["long_context"] * len(by["docs"])
     assert [r.info.arrival_s for r in reqs] == sorted(r.info.arrival_s for r in reqs)
     # rate multiplier scales streams, never the job
     more = build_mix(spec, 2.0)

@@ -49,6 +49,9 @@ DEFAULT_SLOS: dict[str, TierSLO] = {
 class SLOConfig:
     tiers: Mapping[str, TierSLO] = field(default_factory=lambda: dict(DEFAULT_SLOS))
     long_context_min_input_tokens: int = 8192
+    # An output budget this large holds KV and a seat as long as a long prompt
+    # does, so it is long_context too (None disables the rule).
+    long_output_min_tokens: int | None = 16384
 
     def slo_for(self, tier: str) -> TierSLO:
         return self.tiers.get(tier, self.tiers.get("interactive", TierSLO()))
@@ -78,19 +81,35 @@ class SLOConfig:
         if not isinstance(thr, int) or thr < 1:
             raise ValidationError(source, "long_context_min_input_tokens",
                                   "must be a positive integer")
-        return cls(tiers=tiers, long_context_min_input_tokens=thr)
+        out_thr = data.get("long_output_min_tokens", 16384)
+        if out_thr is not None and (not isinstance(out_thr, int) or out_thr < 1):
+            raise ValidationError(source, "long_output_min_tokens",
+                                  "must be a positive integer or null")
+        return cls(tiers=tiers, long_context_min_input_tokens=thr,
+                   long_output_min_tokens=out_thr)
 
 
 def classify(request: RequestInfo, slo: SLOConfig) -> str:
-    """Tier from what is known at arrival; an explicit valid tier wins."""
+    """Tier from what is known at arrival.
+
+    Order: explicit valid tier > batch endpoint or batch SLO class > long
+    input > long output budget > a tenant SLO class naming a tier >
+    interactive. A tenant declared ``interactive`` still gets long_context for
+    a long prompt, since no chat TTFT limit can absorb a long prefill.
+    """
     if request.tier in slo.tiers:
         return request.tier
     if request.task_type == "batch" or request.slo_class == "batch":
         return "batch"
     if request.input_tokens >= slo.long_context_min_input_tokens:
         return "long_context"
+    if (slo.long_output_min_tokens is not None
+            and request.max_tokens >= slo.long_output_min_tokens
+            and "long_context" in slo.tiers):
+        return "long_context"
+    if request.slo_class and request.slo_class in slo.tiers:
+        return request.slo_class
     return "interactive"
-
 
 __all__ = ["TIERS", "TierSLO", "SLOConfig", "DEFAULT_SLOS", "classify", "meets_slo"]
 

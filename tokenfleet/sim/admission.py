@@ -34,8 +34,7 @@ from tokenfleet.core.admission import (
     TierQueue,
     WindowStats,
 )
-from tokenfleet.core.admission.classify import classify_request
-from tokenfleet.core.tiers import SLOConfig, meets_slo
+from tokenfleet.core.tiers import SLOConfig, classify, meets_slo
 from tokenfleet.core.types import TIERS, CompletionEvent, FirstTokenEvent, RequestInfo
 from tokenfleet.sim.cluster import PoolConfig, PoolSim, new_record
 from tokenfleet.sim.core import Environment
@@ -115,7 +114,7 @@ class AdmissionDriver:
     def arrive(self, trace: TraceRequest) -> None:
         env = self.env
         info = trace.info
-        tier = classify_request(info, self.slo)
+        tier = classify(info, self.slo)
         if tier != info.tier:
             info = replace(info, tier=tier)
             trace = TraceRequest(info, trace.output_tokens, trace.client_timeout_s)

@@ -171,6 +171,10 @@ class PoolSim:
 
     # -- engine stepping -------------------------------------------------------
     def _start_step(self, idx: int) -> None:
+        # Re-entrancy guard: a callback during _end_step may already have
+        # dispatched (and so started the next step) on this engine.
+        if self.engines[idx].stepping:
+            return
         dur = self.engines[idx].plan_step()
         if dur > 0.0:
             self.env.schedule(dur, self._end_step, idx, priority=URGENT)
