@@ -12,7 +12,7 @@ from tokenfleet.cli.main import main
 from tokenfleet.core.routing import ROUTERS, BaseRouter
 from tokenfleet.core.routing.base import eligible
 from tokenfleet.core.tiers import SLOConfig
-from tokenfleet.core.types import PoolSnapshot, RequestInfo, RouteDecision
+from tokenfleet.core.types import KVEvent, PoolSnapshot, RequestInfo, RouteDecision
 from tokenfleet.engine.profiles import get_profile
 from tokenfleet.sim.cluster import PoolConfig, run_pool
 from tokenfleet.sim.metrics import summarize
@@ -178,3 +178,26 @@ def test_results_do_not_depend_on_python_hash_seed(tmp_path: Path) -> None:
         assert a["policy"] == b["policy"]
         for key in ("ttft_p50_s", "ttft_p95_s", "throughput_tok_s", "prefix_hit_ratio"):
             assert a[key] == b[key], (a["policy"], key)
+
+
+class _KVSpy(_Spy):
+    kinds: dict[str, int] = {}
+
+    def on_kv_event(self, event: KVEvent) -> None:
+        _KVSpy.kinds[event.kind] = _KVSpy.kinds.get(event.kind, 0) + len(event.block_hashes)
+
+
+def test_kv_events_reach_routers_when_enabled() -> None:
+    if "_kvspy" not in ROUTERS:
+        ROUTERS.add("_kvspy", _KVSpy)
+    try:
+        _KVSpy.kinds = {}
+        reqs = burst(80, [50] * 80, spacing_s=0.02, prefixes=40)
+        run(reqs, "_kvspy", kv_capacity_blocks=1500)
+        assert _KVSpy.kinds == {}, "events are off by default"
+        recs, pool = run(reqs, "_kvspy", kv_capacity_blocks=1500, kv_events=True)
+        stored = sum(len(r.block_hashes) for r in (t.info for t in reqs))
+        assert 0 < _KVSpy.kinds["stored"] <= stored
+        assert _KVSpy.kinds["removed"] > 0  # small caches must evict
+    finally:
+        ROUTERS.remove("_kvspy")

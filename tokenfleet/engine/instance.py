@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tokenfleet.engine.profiles import EngineProfile
 from tokenfleet.errors import CapacityError
@@ -96,6 +96,8 @@ class EngineInstance:
         self.counters = EngineCounters()
         self.stepping = False
         self._batch: list[EngineRequest] = []
+        # Optional vLLM-style KV event sink: ("stored" | "removed", block hashes).
+        self.kv_listener: Callable[[str, Sequence[int]], None] | None = None
 
     # -- public API -----------------------------------------------------------
     def add(self, req: EngineRequest) -> None:
@@ -323,9 +325,13 @@ class EngineInstance:
         if n > spare:
             ev = self._evictable
             cache = self._cache
+            gone = []
             for _ in range(n - spare):
                 h, _ = ev.popitem(last=False)
                 del cache[h]
+                gone.append(h)
+            if self.kv_listener is not None:
+                self.kv_listener("removed", gone)
         self.used_blocks += n
         req.blocks += n
 
@@ -344,6 +350,8 @@ class EngineInstance:
                 break
             cache[h] = 1
             req.hashed.append(h)
+        if self.kv_listener is not None and len(req.hashed) > start:
+            self.kv_listener("stored", req.hashed[start:])
 
     def _free(self, req: EngineRequest) -> None:
         cache = self._cache

@@ -24,6 +24,7 @@ from tokenfleet.core.types import (
     DispatchAccounting,
     FirstTokenEvent,
     InstanceView,
+    KVEvent,
     PoolSnapshot,
     RequestInfo,
     ScrapedMetrics,
@@ -67,6 +68,10 @@ class PoolConfig:
     model: str = "default"
     model_version: str = ""
     kv_capacity_blocks: int | None = None
+    # Deliver vLLM-style KV events (BlockStored/BlockRemoved) from the engines
+    # to every router replica at the end of each step, as a live KV-event
+    # subscriber would; routers with an exact-cache mode then use it.
+    kv_events: bool = False
 
 
 class PoolSim:
@@ -101,6 +106,10 @@ class PoolSim:
                 for i, e in enumerate(self.engines)
             ])
         self.by_index = {e.instance_id: i for i, e in enumerate(self.engines)}
+        self._kv_pending: list[KVEvent] = []
+        if config.kv_events:
+            for e in self.engines:
+                e.kv_listener = self._kv_sink(e.instance_id)
         self._flights: dict[str, _Flight] = {}
         self._rng = random.Random(config.seed)
         self.inflight = 0
@@ -179,10 +188,24 @@ class PoolSim:
         if dur > 0.0:
             self.env.schedule(dur, self._end_step, idx, priority=URGENT)
 
+    def _kv_sink(self, instance_id: str) -> Callable[[str, Sequence[int]], None]:
+        def sink(kind: str, hashes: Sequence[int]) -> None:
+            self._kv_pending.append(KVEvent(instance_id, kind, tuple(hashes)))
+
+        return sink
+
+    def _publish_kv_events(self) -> None:
+        events, self._kv_pending = self._kv_pending, []
+        for ev in events:
+            for router in self.routers:
+                router.on_kv_event(ev)
+
     def _end_step(self, idx: int) -> None:
         engine = self.engines[idx]
         res = engine.finish_step()
         now = self.env.now
+        if self._kv_pending:
+            self._publish_kv_events()
         flights = self._flights
         for er in res.first_tokens:
             fl = flights.get(er.request_id)

@@ -28,6 +28,13 @@ class SimSettings:
     router_kwargs: dict[str, object] = field(default_factory=dict)
     admission_kwargs: dict[str, dict[str, object]] = field(default_factory=dict)  # per policy
     control_period_s: float = 5.0
+    kv_events: bool = False
+
+    def pool_config(self, router: str) -> PoolConfig:
+        return PoolConfig(profile=self.profile, n_instances=self.instances, router=router,
+                          router_kwargs=dict(self.router_kwargs), n_routers=self.routers,
+                          scrape_interval_s=self.scrape_interval_s, seed=self.seed,
+                          kv_events=self.kv_events)
 
 
 @dataclass
@@ -71,10 +78,7 @@ def run_policies(requests: Sequence[TraceRequest], policies: Sequence[str],
         return _run_with_admission(requests, policies, admissions, settings, progress)
     runs = []
     for name in policies:
-        cfg = PoolConfig(profile=settings.profile, n_instances=settings.instances,
-                         router=name, router_kwargs=dict(settings.router_kwargs),
-                         n_routers=settings.routers,
-                         scrape_interval_s=settings.scrape_interval_s, seed=settings.seed)
+        cfg = settings.pool_config(name)
         cb = progress(name, len(requests)) if progress else None
         t0 = time.perf_counter()
         records, pool = run_pool(requests, cfg, settings.slo, progress=cb)
@@ -95,10 +99,7 @@ def _run_with_admission(requests: Sequence[TraceRequest], policies: Sequence[str
     runs = []
     for name in policies:
         for adm in admissions:
-            cfg = PoolConfig(profile=settings.profile, n_instances=settings.instances,
-                             router=name, router_kwargs=dict(settings.router_kwargs),
-                             n_routers=settings.routers,
-                             scrape_interval_s=settings.scrape_interval_s, seed=settings.seed)
+            cfg = settings.pool_config(name)
             label = f"{name}+{adm}"
             cb = progress(label, len(requests)) if progress else None
             t0 = time.perf_counter()

@@ -70,6 +70,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                     help="engine profile (see `tokenfleet profiles`)")
     cl.add_argument("--scrape-interval-ms", type=_positive_float("--scrape-interval-ms"),
                     default=100.0, metavar="MS", help="engine metrics scrape interval")
+    cl.add_argument("--kv-events", action="store_true",
+                    help="feed engine KV events (BlockStored/BlockRemoved) to the routers")
     cl.add_argument("--routers", type=_positive_int("--routers"), default=1, metavar="N",
                     help="independent router replicas (each with its own accounting)")
     pol = p.add_argument_group("policies and output")
@@ -124,6 +126,7 @@ def _settings(args: argparse.Namespace) -> Any:
     return SimSettings(profile=profile, instances=args.instances,
                        scrape_interval_s=args.scrape_interval_ms / 1000.0,
                        routers=args.routers, seed=args.seed, slo=slo,
+                       kv_events=args.kv_events,
                        control_period_s=getattr(args, "control_period_s", 5.0))
 
 
