@@ -304,9 +304,13 @@ def test_tier_gate_applies_shares_health_and_yielding(state: LiveState) -> None:
                                  "batch": 0.5}, time.monotonic() + 1e6
     all_q = worker_queues("dcg", "g1")
     assert rt.desired_queues() == all_q
-    rt.reserved.update({"t1": "batch", "t2": "batch"})  # batch at its share (2 of 4)
+    from workers.runtime import Flight
+
+    for rid in ("t1", "t2"):  # batch at its share (2 of 4 slots), decoding
+        rt.add_flight(Flight(rid, "batch", 1, first_token=True))
     assert rt.desired_queues() == [q for q in all_q if not q.endswith(".batch")]
-    rt.reserved.clear()
+    rt.remove_flight("t1")
+    rt.remove_flight("t2")
     # RabbitMQ-style broker: lower tiers pause while a higher one has work queued
     assert rt.desired_queues({"dcg.interactive": 2}) == ["dcg.g1.interactive",
                                                          "dcg.interactive"]
@@ -314,3 +318,20 @@ def test_tier_gate_applies_shares_health_and_yielding(state: LiveState) -> None:
     assert rt.desired_queues({"dcg.interactive": 2}) == all_q
     rt.unhealthy_until = time.time() + 5
     assert rt.desired_queues() == []
+
+
+def test_pool_queues_pause_while_the_engine_has_prefill_queued(state: LiveState) -> None:
+    from workers.runtime import Flight
+
+    info = InstanceInfo("p1", "dcp", "m", "http://127.0.0.1:1", "llama3-8b-h200", 4096, 1, 8)
+    rt = WorkerRuntime(LiveConfig.load(env={}, pool_prefill_budget_tokens=2048), state, info)
+    rt._shares, rt._shares_at = {"batch": 1.0}, time.monotonic() + 1e6
+    affinity_only = [q for q in worker_queues("dcp", "p1") if q.count(".") == 2]
+    rt.add_flight(Flight("long", "interactive", 1, prefill_tokens=30000))
+    assert rt.desired_queues() == affinity_only, "late binding waits for a free engine"
+    rt._flights["long"].first_token = True  # prefill done: decoding does not block
+    assert rt.desired_queues() == worker_queues("dcp", "p1")
+    rt.add_flight(Flight("short", "interactive", 1, prefill_tokens=300))
+    assert rt.desired_queues() == worker_queues("dcp", "p1")
+    rt.reserved["m1"] = "interactive"  # a message on its way counts as a full budget
+    assert rt.desired_queues() == affinity_only

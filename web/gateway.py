@@ -448,6 +448,10 @@ class Gateway:
             if now > deadline:
                 return self._settle(d, "timed_out", 504,
                                     f"request not finished within {self.live.request_timeout_s:.0f}s")
+            # the lost-worker check costs two Redis reads: at most twice a lease period
+            if now - d.state_checked_s < min(1.0, self.live.lease_ttl_s / 2):
+                return None
+            d.state_checked_s = now
             try:
                 ev = self._watch(d, now)
                 redis_down_since.clear()

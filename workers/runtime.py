@@ -30,7 +30,7 @@ from typing import Any, Callable
 from tokenfleet.core.tiers import SLOConfig
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.engine_client import EngineCall
-from tokenfleet.live.queues import TIER_PRIORITY, tier_of_queue, worker_queues
+from tokenfleet.live.queues import TIER_PRIORITY, is_pool_queue, tier_of_queue, worker_queues
 from tokenfleet.live.scrape import Scraper
 from tokenfleet.live.state import InstanceInfo, LiveState
 
@@ -50,6 +50,7 @@ class Flight:
     call: EngineCall | None = None
     first_token: bool = False
     started_at: float = field(default_factory=time.time)
+    prefill_tokens: int = 0  # uncached prompt tokens (the router's estimate)
 
 
 class WorkerRuntime:
@@ -89,6 +90,8 @@ class WorkerRuntime:
         self.received: dict[str, float] = {}
         #: task id -> tier, for messages received but not started yet
         self.reserved: dict[str, str] = {}
+        #: wakes the tier gate at once (a first token or a finish may reopen queues)
+        self.gate_kick = threading.Event()
         self.exact_kv_events = False
 
     # -- lifecycle ------------------------------------------------------------------
@@ -129,6 +132,7 @@ class WorkerRuntime:
     def remove_flight(self, rid: str) -> None:
         with self._lock:
             self._flights.pop(rid, None)
+        self.gate_kick.set()
 
     def flights(self) -> list[Flight]:
         with self._lock:
@@ -159,18 +163,36 @@ class WorkerRuntime:
                 self.reserved[task_id] = tier
         if not tier or self._consumer is None:
             return
+        if not self.pool_open():
+            self._pause(is_pool_queue, "prefill budget")
         slots = max(1, self.info.slots)
         cap = max(1, math.ceil(self.shares().get(tier, 1.0) * slots))
-        if cap >= slots:
-            return
-        if self.running_by_tier(include_reserved=True).get(tier, 0) >= cap:
-            c = self._consumer
-            try:
-                for q in [q.name for q in c.task_consumer.queues]:
-                    if tier_of_queue(q) == tier:
-                        c.cancel_task_queue(q)
-            except Exception:  # noqa: BLE001
-                log.debug("could not pause tier %s", tier, exc_info=True)
+        if cap < slots and self.running_by_tier(include_reserved=True).get(tier, 0) >= cap:
+            self._pause(lambda q: tier_of_queue(q) == tier, f"tier {tier} share")
+
+    # -- late binding: pool work only for an engine with free prefill capacity ---------
+    def pending_prefill_tokens(self) -> int:
+        """Uncached prompt tokens waiting for prefill here; a message received
+        but not started counts as a full budget (its size is not known yet)."""
+        budget = self.live.pool_prefill_budget_tokens
+        with self._lock:
+            flights = list(self._flights.values())
+            reserved = len(self.reserved)
+        return (sum(f.prefill_tokens for f in flights if not f.first_token)
+                + reserved * budget)
+
+    def pool_open(self) -> bool:
+        return self.pending_prefill_tokens() < self.live.pool_prefill_budget_tokens
+
+    def _pause(self, pred: Callable[[str], bool], why: str) -> None:
+        """Stop consuming the matching queues now (consumer thread only)."""
+        c = self._consumer
+        try:
+            for q in [q.name for q in c.task_consumer.queues]:
+                if pred(q):
+                    c.cancel_task_queue(q)
+        except Exception:  # noqa: BLE001
+            log.debug("could not pause queues (%s)", why, exc_info=True)
 
     def started(self, task_id: str) -> float | None:
         """The task left the pool's queue; returns when its message was received."""
@@ -272,6 +294,7 @@ class WorkerRuntime:
         """
         if not self.is_engine_healthy():
             return []
+        pool_ok = self.pool_open()
         slots = max(1, self.info.slots)
         running = self.running_by_tier(include_reserved=True)
         shares = self.shares()
@@ -279,7 +302,8 @@ class WorkerRuntime:
         out: list[str] = []
         higher_waiting = False
         for tier in TIER_PRIORITY:
-            tier_qs = [q for q in self.queues if tier_of_queue(q) == tier]
+            tier_qs = [q for q in self.queues if tier_of_queue(q) == tier
+                       and (pool_ok or not is_pool_queue(q))]
             cap = max(1, math.ceil(shares.get(tier, 1.0) * slots))
             # A cap of all slots needs no gate (Celery's concurrency is the cap),
             # and not cancelling keeps the broker's poll on every queue.
@@ -290,7 +314,9 @@ class WorkerRuntime:
         return out
 
     def _gate_loop(self) -> None:
-        while not self._stop.wait(0.05):
+        while not self._stop.is_set():
+            self.gate_kick.wait(0.05)
+            self.gate_kick.clear()
             c = self._consumer
             if c is None or getattr(c, "task_consumer", None) is None:
                 continue

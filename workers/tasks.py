@@ -121,7 +121,8 @@ def run_job(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = 
             state.account_finish(rt.info.instance_id, info, False, cached_est)
             return "retried"
 
-    flight = Flight(rid, job["tier"], attempt)
+    flight = Flight(rid, job["tier"], attempt,
+                    prefill_tokens=max(0, int(job["input_tokens"]) - cached_est))
     rt.add_flight(flight)
     dispatched = time.time()
     first_ts: float | None = None
@@ -141,6 +142,7 @@ def run_job(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = 
                 # round trip, the relay entry first
                 first_ts = time.time()
                 flight.first_token = True
+                rt.gate_kick.set()  # its prefill is done: pool work may flow again
                 with state.batch() as b:
                     b.xadd(relay.key, relay.delta_fields(piece.text, piece.tokens),
                            ttl_s=rt.live.stream_ttl_s)

@@ -36,6 +36,10 @@ class LiveConfig:
     affinity_min_cached_tokens: int = 256
     #: ... and at least this fraction of the prompt
     affinity_min_cached_fraction: float = 0.25
+    #: a worker takes work from its DC's shared pool queues only while the prompts
+    #: waiting for prefill on its engine (uncached tokens) stay under this, so late
+    #: binding means "the first engine whose prefill queue is (nearly) empty"
+    pool_prefill_budget_tokens: int = 2048
     #: an affinity-queued request whose instance has been dead this long is re-sent
     affinity_dead_after_s: float = 2.0
     #: worker lease on a running request; renewed every lease_ttl_s / 3

@@ -51,3 +51,8 @@ def worker_queues(dc: str, instance_id: str | None, tiers: tuple[str, ...] = TIE
 
 def tier_of_queue(queue: str) -> str:
     return queue.rsplit(".", 1)[-1]
+
+
+def is_pool_queue(queue: str) -> bool:
+    """``<dc>.<tier>`` (shared by a DC's workers), not ``<dc>.<instance>.<tier>``."""
+    return queue.count(".") == 1 and tier_of_queue(queue) in TIER_PRIORITY
