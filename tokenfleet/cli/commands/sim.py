@@ -263,10 +263,11 @@ def _print_table(runs: Sequence[Any], title: str) -> None:
     Console(width=None if sys.stdout.isatty() else 160).print(t)
 
 
-def _describe(args: argparse.Namespace, load: float | None) -> str:
+def _describe(args: argparse.Namespace, load: float | None, rate_label: str = "") -> str:
     src = (getattr(args, "workload", None) or args.trace
            or f"synthetic:{args.synthetic or 'mixed'}")
-    rate = f"load {load}" if load else (f"rate x{args.rate_scale}" if args.rate_scale else "as recorded")
+    rate = rate_label or (f"load {load}" if load else (
+        f"rate x{args.rate_scale}" if args.rate_scale else "as recorded"))
     return (f"{Path(src).name} | {args.instances} x {args.profile} | {rate} | "
             f"scrape {args.scrape_interval_ms:g} ms | routers {args.routers} | seed {args.seed}")
 
@@ -379,7 +380,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         _write_json(args.json, {"config": vars_for_json(args), "runs": out_runs})
     plot_dir = Path(args.plot or ".")
     if args.plot:
-        print(f"plot: {plot_sweep(results, plot_dir, _describe(args, None))}")
+        print(f"plot: {plot_sweep(results, plot_dir, _describe(args, None, 'loads ' + args.loads))}")
     return 0
 
 
