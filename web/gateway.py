@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 import redis
+from kombu.exceptions import KombuError
 
 from tokenfleet.core.prefix_index import PrefixIndex
 from tokenfleet.core.routing import ROUTERS
@@ -365,9 +366,16 @@ class Gateway:
                 b.count(**{f"arrived_{info.tier}": 1,
                            f"dispatched_{'affinity' if affinity else 'pool'}": 1})
             # argsrepr/kwargsrepr: skip Celery's safe-repr of the job for its headers
-            self.celery.send_task(TASK_CHAT, args=[job], task_id=f"{info.request_id}.1",
-                                  queue=queue, routing_key=queue, argsrepr="",
-                                  kwargsrepr="")
+            try:
+                self.celery.send_task(TASK_CHAT, args=[job], task_id=f"{info.request_id}.1",
+                                      queue=queue, routing_key=queue, argsrepr="",
+                                      kwargsrepr="")
+            except KombuError as exc:
+                self.state.finish(info.request_id, "failed")
+                self.state.queued_incr(queue, -1)
+                raise ApiError(503, f"the message broker is unavailable ({exc.__class__.__name__})"
+                               "; retry shortly", code="service_unavailable",
+                               retry_after_s=2) from None
             self._ledger({"request_id": info.request_id, "tenant_id": info.tenant,
                           "tier": info.tier, "model": info.model, "status": "in_flight",
                           "arrival_ts": info.arrival_s, "admitted_ts": admitted,
@@ -546,7 +554,13 @@ class Gateway:
         job = self._job(d.prep, queue, "", target.dc, decision.expected_cached_tokens,
                         d.dispatch_s, new_attempt)
         job["tried"] = sorted(exclude)
-        self._publish(job, queue)
+        try:
+            self._publish(job, queue)
+        except KombuError:
+            log.warning("request %s: broker unavailable for the re-send; the next check "
+                        "retries", info.request_id)
+            self.state.r.hset(self.state.k("req", info.request_id), "status", "running")
+            return None
         d.attempt = new_attempt
         d.redispatches += 1
         self.state.count(api_redispatches=1)

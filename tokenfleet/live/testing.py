@@ -131,8 +131,12 @@ class LiveStack:
         from tokenfleet.service.embedded import free_port
 
         assert self.sup is not None
+        used: set[int] = set()
         for k, spec in enumerate(self.instances):
             port = free_port()
+            while port in used:  # the OS may hand out a just-released port again
+                port = free_port()
+            used.add(port)
             ts = spec.emulator.get("time_scale", self.time_scale)
             self.sup.start(f"engine-{spec.instance_id}", [
                 sys.executable, "-m", "tokenfleet.cli.main", "engine-sim", "--port", str(port),
@@ -150,8 +154,12 @@ class LiveStack:
                         break
                 except OSError:
                     pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"engine at {url} did not start")
+                child = next(c for c in self.sup.children.values()
+                             if c.name.startswith("engine-") and url.endswith(
+                                 ":" + c.argv[c.argv.index("--port") + 1]))
+                if not child.alive() or time.monotonic() > deadline:
+                    tail = child.log_path.read_text(errors="replace")[-2000:]
+                    raise TimeoutError(f"engine at {url} did not start:\n{tail}")
                 time.sleep(0.1)
 
     def start_worker(self, spec: InstanceSpec) -> None:

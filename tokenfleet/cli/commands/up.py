@@ -47,10 +47,19 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+_TAKEN: set[int] = set()
+
+
 def _free_port() -> int:
+    """A free port not handed out before in this run (the OS may return a port
+    that was just released by an earlier probe)."""
     from tokenfleet.service.embedded import free_port
 
-    return free_port()
+    port = free_port()
+    while port in _TAKEN:
+        port = free_port()
+    _TAKEN.add(port)
+    return port
 
 
 def _get(url: str, path: str, timeout: float = 1.0,
