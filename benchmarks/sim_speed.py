@@ -39,7 +39,7 @@ def main() -> int:
     load_s = time.perf_counter() - t0
     reqs = scale_to_load(reqs, args.load, profile, args.instances)
     print(f"trace: {len(reqs)} requests, loaded in {load_s:.2f} s")
-    print(f"{'policy':<20} {'wall_s':>8} {'sim_req_per_wall_s':>20} {'events':>10}")
+    print(f"{'policy':<20} {'wall_s':>8} {'sim_req_per_wall_s':>20} {'engine_steps':>12}")
     for name in args.policy or ROUTERS.names():
         if name.startswith("_"):
             continue
@@ -48,7 +48,7 @@ def main() -> int:
         records, pool = run_pool(reqs, cfg, SLOConfig())
         wall = time.perf_counter() - t0
         print(f"{name:<20} {wall:>8.2f} {len(records) / wall:>20.0f} "
-              f"{sum(e.counters.steps for e in pool.engines):>10}", flush=True)
+              f"{sum(e.counters.steps for e in pool.engines):>12}", flush=True)
     return 0
 
 
