@@ -425,7 +425,7 @@ class Gateway:
         info = prep.info
         return {"rid": info.request_id, "attempt": attempt, "tenant": info.tenant,
                 "tier": info.tier, "model": info.model, "body": prep.body,
-                "messages": prep.messages, "input_tokens": info.input_tokens,
+                "input_tokens": info.input_tokens,
                 "max_tokens": info.max_tokens, "arrival_ts": info.arrival_s,
                 "admitted_ts": admitted, "queue": queue, "accounted": accounted,
                 "dc": dc, "expected_cached": cached, "tried": [],

@@ -148,8 +148,11 @@ def run_job(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = 
                            ttl_s=rt.live.stream_ttl_s)
                     b.first_token(rid)
                     b.account(rt.info.instance_id, "on_first_token", info, cached_est)
-                    b.kv_events(_prefix_events(rt, job))
                 relay.mark_expiry_set()
+                # after the token is on its way: hashing a long prompt takes a while
+                events = _prefix_events(rt, job)
+                if events:
+                    state.publish_kv_events(events)
                 tokens += piece.tokens
             elif piece.text or piece.tokens:
                 relay.delta(piece.text, piece.tokens)
@@ -201,10 +204,11 @@ def _prefix_events(rt: WorkerRuntime, job: dict[str, Any]) -> list[KVEvent]:
     """Approximate prefix knowledge for every API replica: once prefill is done
     this instance holds the prompt's blocks. None when the engine's own vLLM KV
     events are relayed (exact mode)."""
-    if rt.exact_kv_events or not job.get("messages"):
+    messages = (job.get("body") or {}).get("messages")
+    if rt.exact_kv_events or not messages:
         return []
     try:
-        hashes = chat_block_hashes(job["messages"])
+        hashes = chat_block_hashes(messages)
     except Exception:  # noqa: BLE001
         log.debug("approximate KV event not built", exc_info=True)
         return []
