@@ -41,7 +41,7 @@ from tokenfleet.emulator.tokenizer import (
 )
 from tokenfleet.errors import NoCandidateError, TokenFleetError
 from tokenfleet.live.config import LiveConfig
-from tokenfleet.live.queues import affinity_queue, pool_queue
+from tokenfleet.live.queues import affinity_queue, pool_queue, prefill_header
 from tokenfleet.live.relay import RelayEvent, RelayReader
 from tokenfleet.live.state import InstanceInfo, LiveState
 from web.errors import ApiError, bad_request
@@ -369,7 +369,7 @@ class Gateway:
             try:
                 self.celery.send_task(TASK_CHAT, args=[job], task_id=f"{info.request_id}.1",
                                       queue=queue, routing_key=queue, argsrepr="",
-                                      kwargsrepr="")
+                                      kwargsrepr="", headers=prefill_header(job))
             except KombuError as exc:
                 self.state.finish(info.request_id, "failed")
                 self.state.queued_incr(queue, -1)
@@ -434,7 +434,8 @@ class Gateway:
     def _publish(self, job: dict[str, Any], queue: str) -> None:
         self.state.queued_incr(queue)
         self.celery.send_task(TASK_CHAT, args=[job], task_id=f"{job['rid']}.{job['attempt']}",
-                              queue=queue, routing_key=queue, argsrepr="", kwargsrepr="")
+                              queue=queue, routing_key=queue, argsrepr="", kwargsrepr="",
+                              headers=prefill_header(job))
 
     def _ledger(self, row: dict[str, Any]) -> None:
         if self.ledger is None:

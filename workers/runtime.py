@@ -90,6 +90,8 @@ class WorkerRuntime:
         self.received: dict[str, float] = {}
         #: task id -> tier, for messages received but not started yet
         self.reserved: dict[str, str] = {}
+        #: task id -> prefill tokens of those messages (None: unknown, a full budget)
+        self.reserved_prefill: dict[str, int | None] = {}
         #: wakes the tier gate at once (a first token or a finish may reopen queues)
         self.gate_kick = threading.Event()
         self.exact_kv_events = False
@@ -149,7 +151,7 @@ class WorkerRuntime:
         return out
 
     # -- message receipt (runs in Celery's consumer thread) ---------------------------
-    def on_received(self, task_id: str, queue: str) -> None:
+    def on_received(self, task_id: str, queue: str, prefill_tokens: int | None = None) -> None:
         """Count the message against its tier at once and, if that fills the
         tier's share, stop consuming the tier right here: the consumer thread
         owns the consumer, and waiting for the gate thread would let a burst
@@ -161,6 +163,7 @@ class WorkerRuntime:
             self.received[task_id] = time.time()
             if tier:
                 self.reserved[task_id] = tier
+                self.reserved_prefill[task_id] = prefill_tokens
         if not tier or self._consumer is None:
             return
         if not self.pool_open():
@@ -172,14 +175,14 @@ class WorkerRuntime:
 
     # -- late binding: pool work only for an engine with free prefill capacity ---------
     def pending_prefill_tokens(self) -> int:
-        """Uncached prompt tokens waiting for prefill here; a message received
-        but not started counts as a full budget (its size is not known yet)."""
+        """Uncached prompt tokens waiting for prefill here, counting messages
+        received but not started by their header (a full budget if absent)."""
         budget = self.live.pool_prefill_budget_tokens
         with self._lock:
             flights = list(self._flights.values())
-            reserved = len(self.reserved)
+            reserved = [self.reserved_prefill.get(t) for t in self.reserved]
         return (sum(f.prefill_tokens for f in flights if not f.first_token)
-                + reserved * budget)
+                + sum(budget if n is None else n for n in reserved))
 
     def pool_open(self) -> bool:
         return self.pending_prefill_tokens() < self.live.pool_prefill_budget_tokens
@@ -198,6 +201,7 @@ class WorkerRuntime:
         """The task left the pool's queue; returns when its message was received."""
         with self._lock:
             self.reserved.pop(task_id, None)
+            self.reserved_prefill.pop(task_id, None)
             return self.received.pop(task_id, None)
 
     # -- engine health ----------------------------------------------------------------

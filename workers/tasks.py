@@ -21,7 +21,7 @@ from tokenfleet.core.tiers import meets_slo
 from tokenfleet.core.types import KVEvent, RequestInfo
 from tokenfleet.emulator.tokenizer import chat_block_hashes
 from tokenfleet.live.engine_client import EngineCall, EngineError, send_abort
-from tokenfleet.live.queues import affinity_queue, pool_queue
+from tokenfleet.live.queues import PREFILL_HEADER, affinity_queue, pool_queue, prefill_header
 from tokenfleet.live.relay import RelayWriter
 from tokenfleet.live.state import LiveState
 from workers.app import TASK_CHAT, TASK_CONTROL, TASK_FLEET, app
@@ -46,7 +46,10 @@ def _on_received(request: Any = None, **_: Any) -> None:
 
     if rt_mod.RUNTIME is not None and request is not None:
         info = getattr(request, "delivery_info", None) or {}
-        rt_mod.RUNTIME.on_received(request.id, str(info.get("routing_key") or ""))
+        headers = getattr(request, "request_dict", None) or {}
+        prefill = headers.get(PREFILL_HEADER)
+        rt_mod.RUNTIME.on_received(request.id, str(info.get("routing_key") or ""),
+                                   int(prefill) if prefill is not None else None)
 
 
 def _info(job: dict[str, Any]) -> RequestInfo:
@@ -310,7 +313,7 @@ def _retry_elsewhere(rt: WorkerRuntime, job: dict[str, Any], relay: RelayWriter,
     send = rt.send_task or app.send_task
     state.queued_incr(queue)
     send(TASK_CHAT, args=[nxt], task_id=f"{job['rid']}.{new_attempt}", queue=queue,
-         routing_key=queue, argsrepr="", kwargsrepr="")
+         routing_key=queue, argsrepr="", kwargsrepr="", headers=prefill_header(nxt))
     return True
 
 
