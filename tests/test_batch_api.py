@@ -428,7 +428,7 @@ def test_release_shares_slots_evenly_and_promotes_batches_running_out_of_slack()
 
 
 # ---- 5,000 lines, a runner process killed with SIGKILL midway ---------------------------------
-@pytest.mark.slow
+# In the default run on purpose: the durability acceptance (about 30 s).
 def test_5000_line_batch_survives_a_killed_runner_process(
         env: Env, emulator: EmulatorServer, redis_server: EmbeddedRedis) -> None:
     n = 5000
