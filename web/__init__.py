@@ -146,6 +146,9 @@ def _warm_publisher(celery: Any, connections: int = 8) -> None:
 
 
 def close_app(app: Flask) -> None:
+    tenancy = app.extensions.get("tokenfleet.tenancy")
+    if tenancy is not None:
+        tenancy.close()  # batch runner and usage flusher threads
     gw: Gateway = app.extensions["tokenfleet"]
     gw.close()
     if gw.ledger is not None:
