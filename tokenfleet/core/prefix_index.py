@@ -78,15 +78,26 @@ class PrefixIndex:
         return len(self._lru.get(instance_id, ()))
 
     # -- updates ----------------------------------------------------------
-    def insert(self, instance_id: str, block_hashes: Sequence[int]) -> None:
-        """Record (or refresh) that ``instance_id`` now holds this prefix."""
+    @property
+    def holders(self) -> dict[int, set[str]]:
+        """Sampled hash -> instances believed to hold it (read-only view)."""
+        return self._holders
+
+    def insert(self, instance_id: str, block_hashes: Sequence[int],
+               deepest_first: bool = False) -> None:
+        """Record (or refresh) that ``instance_id`` now holds this prefix.
+
+        ``deepest_first`` touches the tail first so the shallow blocks end up
+        freshest and are evicted last, as an engine evicts tails before heads.
+        """
         lru = self._lru.get(instance_id)
         if lru is None:
             lru = self._lru[instance_id] = OrderedDict()
         holders = self._holders
         get = holders.get
         touch = lru.move_to_end
-        for h in self.sampled(block_hashes):
+        sampled = self.sampled(block_hashes)
+        for h in (reversed(sampled) if deepest_first else sampled):
             if h in lru:
                 touch(h)
                 continue

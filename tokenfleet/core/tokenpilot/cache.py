@@ -26,8 +26,10 @@ deep ones and are evicted last (vLLM evicts tails first too).
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from typing import Iterable, Mapping, Sequence
+
+from tokenfleet.core.prefix_index import PrefixIndex
 
 #: Speculative entries keep every 4th probe: they only need to be right to
 #: within a chunk (their last chunk is discounted anyway) and are written on
@@ -71,56 +73,6 @@ def _depths(table: Mapping[int, Mapping[str, object] | set[str]],
     return out
 
 
-class ProbeLRU:
-    """Approximate index: probe hash -> holders, LRU-bounded per instance."""
-
-    def __init__(self) -> None:
-        self.holders: dict[int, set[str]] = {}
-        self._lru: dict[str, OrderedDict[int, None]] = {}
-        self._capacity: dict[str, int] = {}
-
-    def set_capacity(self, instance_id: str, capacity_probes: int) -> None:
-        self._capacity[instance_id] = max(1, capacity_probes)
-
-    def entries(self, instance_id: str) -> int:
-        return len(self._lru.get(instance_id, ()))
-
-    def insert(self, instance_id: str, probes: Sequence[int]) -> None:
-        lru = self._lru.get(instance_id)
-        if lru is None:
-            lru = self._lru[instance_id] = OrderedDict()
-        holders = self.holders
-        touch = lru.move_to_end
-        for h in reversed(probes):  # deepest first: shallow blocks end up freshest
-            if h in lru:
-                touch(h)
-                continue
-            lru[h] = None
-            held = holders.get(h)
-            if held is None:
-                holders[h] = {instance_id}
-            else:
-                held.add(instance_id)
-        cap = self._capacity.get(instance_id)
-        if cap is not None:
-            while len(lru) > cap:
-                old, _ = lru.popitem(last=False)
-                self._drop(old, instance_id)
-
-    def clear(self, instance_id: str) -> None:
-        lru = self._lru.pop(instance_id, None)
-        if lru:
-            for h in lru:
-                self._drop(h, instance_id)
-
-    def _drop(self, h: int, instance_id: str) -> None:
-        held = self.holders.get(h)
-        if held is not None:
-            held.discard(instance_id)
-            if not held:
-                del self.holders[h]
-
-
 class PrefixKnowledge:
     """Per-router cache beliefs; see the module docstring for the three tiers."""
 
@@ -129,7 +81,7 @@ class PrefixKnowledge:
             raise ValueError("stride_blocks must be >= 1")
         self.stride_blocks = stride_blocks
         self.speculative_ttl_s = speculative_ttl_s
-        self.routed = ProbeLRU()
+        self.routed = PrefixIndex(stride_blocks=1)  # fed already-sampled probes
         self._spec: dict[int, dict[str, int]] = {}  # probe hash -> instance -> refs
         self._spec_live: dict[int, tuple[str, tuple[int, ...]]] = {}  # ticket -> entry
         self._spec_expiry: deque[tuple[float, int]] = deque()
@@ -207,7 +159,7 @@ class PrefixKnowledge:
     def confirm(self, instance_id: str, probes: Sequence[int]) -> None:
         """The prefill finished: the prefix is now really cached there."""
         if instance_id not in self.exact_instances:
-            self.routed.insert(instance_id, probes)
+            self.routed.insert(instance_id, probes, deepest_first=True)
 
     # -- exact engine KV events ------------------------------------------------
     def stored(self, instance_id: str, block_hashes: Iterable[int]) -> None:
