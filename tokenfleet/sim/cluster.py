@@ -173,8 +173,8 @@ class PoolSim:
         if fl is None or fl.done:
             return False
         engine = self.engines[fl.instance]
+        fl.record.wasted_gpu_s += self._work_spent_s(fl, len(engine.running))
         engine.abort(request_id)
-        fl.record.wasted_gpu_s += self._work_spent_s(fl)
         self._complete(fl, status)
         return True
 
@@ -253,14 +253,15 @@ class PoolSim:
         if self.on_done is not None:
             self.on_done(record)
 
-    def _work_spent_s(self, fl: _Flight) -> float:
+    def _work_spent_s(self, fl: _Flight, batch: int) -> float:
+        """GPU time a cancelled request consumed: its prefill, plus its share of
+        the decode steps it rode in (the batch it is in now stands for them)."""
         er = fl.engine_req
         prof = self.cfg.profile
         prefill = prof.prefill_time_s(max(0, er.computed_tokens - er.cached_tokens),
                                       er.cached_tokens)
-        # decode tokens share a step with the batch; charge the batch-1 step time
-        # divided by a typical batch of 16 as a conservative marginal cost
-        decode = er.generated_tokens * prof.decode_step_time_s(1, er.input_tokens) / 16
+        batch = max(1, batch)
+        decode = er.generated_tokens * prof.decode_step_time_s(batch, er.input_tokens) / batch
         return prefill + decode
 
     # -- metrics scraping -----------------------------------------------------
