@@ -32,7 +32,7 @@ from tokenfleet.batch.runner import BatchRunner, RunnerConfig
 from tokenfleet.emulator.server import EmulatorServer
 from tokenfleet.service.embedded import EmbeddedPostgres, EmbeddedRedis
 from tokenfleet.service.ledger import BatchLine
-from tokenfleet.service.testing import embedded_postgres, embedded_redis, fresh_database, temp_data_dir
+from tokenfleet.service.testing import fresh_database
 from tokenfleet.tenancy import admin
 from web.batch_api import init_app
 from web.batch_api.services import TenancyServices
@@ -42,24 +42,6 @@ _names = itertools.count()
 
 
 # ---- fixtures ------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def data_dir() -> Iterator[Path]:
-    with temp_data_dir() as path:
-        yield path
-
-
-@pytest.fixture(scope="module")
-def redis_server(data_dir: Path) -> Iterator[EmbeddedRedis]:
-    with embedded_redis(data_dir) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def pg(data_dir: Path) -> Iterator[EmbeddedPostgres]:
-    with embedded_postgres(data_dir) as server:
-        yield server
-
-
 @pytest.fixture(scope="module")
 def emulator() -> Iterator[EmulatorServer]:
     srv = EmulatorServer("llama3-8b-h200", time_scale=0.002)

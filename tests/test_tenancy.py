@@ -23,7 +23,7 @@ from tokenfleet.errors import ConfigError
 from tokenfleet.service.db import make_engine
 from tokenfleet.service.embedded import EmbeddedPostgres, EmbeddedRedis
 from tokenfleet.service.ledger import ApiKey, AuditLog
-from tokenfleet.service.testing import embedded_postgres, embedded_redis, fresh_database, temp_data_dir
+from tokenfleet.service.testing import fresh_database
 from tokenfleet.tenancy import admin
 from tokenfleet.tenancy.directory import TenantDirectory
 from tokenfleet.tenancy.gate import TenancyError, TenancyGate
@@ -40,24 +40,6 @@ from tokenfleet.tenancy.quota import (
 from tokenfleet.tenancy.usage import UsageRecorder, usage_for
 
 _ids = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def data_dir() -> Iterator[Path]:
-    with temp_data_dir() as path:
-        yield path
-
-
-@pytest.fixture(scope="module")
-def redis_server(data_dir: Path) -> Iterator[EmbeddedRedis]:
-    with embedded_redis(data_dir) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def pg(data_dir: Path) -> Iterator[EmbeddedPostgres]:
-    with embedded_postgres(data_dir) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")
