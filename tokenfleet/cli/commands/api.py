@@ -35,8 +35,9 @@ def run(args: argparse.Namespace) -> int:
     from tokenfleet.service.config import config_from_args
     from web import close_app, create_app
 
-    logging.basicConfig(level=args.loglevel.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tokenfleet.cli.logs import setup_logging
+
+    setup_logging(args.loglevel)
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     cfg = config_from_args(args)
     ep = resolve_endpoints(cfg)

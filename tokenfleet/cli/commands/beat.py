@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 from typing import Any
 
 
@@ -26,8 +24,9 @@ def run(args: argparse.Namespace) -> int:
     from tokenfleet.service.config import config_from_args
     from workers.beat import run_beat
 
-    logging.basicConfig(level=args.loglevel.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tokenfleet.cli.logs import setup_logging
+
+    setup_logging(args.loglevel)
     cfg = config_from_args(args)
     ep = resolve_endpoints(cfg)
     return run_beat(redis_url=ep.redis_url, broker_url=ep.broker_url,

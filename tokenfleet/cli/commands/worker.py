@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 from typing import Any
 
 
@@ -43,8 +41,9 @@ def run(args: argparse.Namespace) -> int:
     from tokenfleet.service.config import config_from_args
     from workers.worker import WorkerOptions, run_worker
 
-    logging.basicConfig(level=args.loglevel.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tokenfleet.cli.logs import setup_logging
+
+    setup_logging(args.loglevel)
     if args.slots < 1:
         raise ConfigError("--slots must be >= 1")
     cfg = config_from_args(args)
