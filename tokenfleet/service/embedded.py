@@ -124,6 +124,18 @@ def _death_signal_preexec(sig: int) -> Callable[[], None]:
     return preexec
 
 
+def _as_user(user: str | None) -> dict[str, Any]:
+    """subprocess arguments that drop to ``user`` completely.
+
+    ``user=`` alone keeps root's group, and a folder's group bits then deny
+    what its "other" bits would allow (a 0701 checkout folder, for one).
+    """
+    if user is None:
+        return {}
+    pw = pwd.getpwnam(user)
+    return {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []}
+
+
 def _wheel_path(package: str, *parts: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -381,7 +393,7 @@ class _EmbeddedServer:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=cwd,
-                user=user,
+                **_as_user(user),
                 # own session: a terminal ^C reaches only the parent, which then
                 # stops servers in order (flush the ledger before the database)
                 start_new_session=True,
@@ -561,7 +573,7 @@ class EmbeddedPostgres(_EmbeddedServer):
                 "--no-sync",
                 "--no-instructions",
             ],
-            user=user,
+            **_as_user(user),
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
