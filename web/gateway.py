@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import redis
 from kombu.exceptions import KombuError
@@ -41,6 +41,7 @@ from tokenfleet.emulator.tokenizer import (
 )
 from tokenfleet.errors import NoCandidateError, TokenFleetError
 from tokenfleet.live.config import LiveConfig
+from tokenfleet.live.fleet import FleetTicket, LiveFleet, load_topology
 from tokenfleet.live.queues import affinity_queue, pool_queue, prefill_header
 from tokenfleet.live.relay import RelayEvent, RelayReader
 from tokenfleet.live.state import InstanceInfo, LiveState
@@ -56,6 +57,8 @@ PASSTHROUGH = ("temperature", "top_p", "stop", "seed", "presence_penalty",
                "frequency_penalty", "logit_bias", "ignore_eos", "min_tokens", "vllm_xargs",
                "top_k", "repetition_penalty")
 TIER_HEADER = "X-TokenFleet-Tier"
+#: the fleet view is re-aggregated from the instance snapshots at most this often
+FLEET_REFRESH_S = 0.1
 
 
 @dataclass(slots=True)
@@ -85,6 +88,7 @@ class Dispatched:
     first_token_s: float | None = None
     tokens: int = 0  # completion tokens relayed so far
     state_checked_s: float = 0.0
+    fleet: FleetTicket | None = None  # the DC choice's accounting, settled at the end
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -100,6 +104,16 @@ class Gateway:
         self.admission = admission
         self.router = ROUTERS.create(live.router, seed=live.router_seed)
         self.router_lock = threading.Lock()
+        # FleetMind first (which DC), then the router inside it; both under router_lock
+        self.fleet: LiveFleet | None = None
+        if live.fleet_policy and live.fleet_policy != "off":
+            topo = load_topology(live.topology) if live.topology else None
+            self.fleet = LiveFleet(live.fleet_policy, topology=topo, slo=self.slo,
+                                   entry_dc=live.entry_dc)
+        self._fleet_at = -1.0
+        self._plan_at = 0.0
+        #: tenant id -> regions its record allows (set by the tenancy layer; () = any)
+        self.tenant_regions: Callable[[str], Sequence[str]] | None = None
         self.index = PrefixIndex(stride_blocks=1)
         self.index_lock = threading.Lock()
         self._infos: list[InstanceInfo] = []
@@ -333,6 +347,7 @@ class Gateway:
         now = time.time()
         try:
             views = self.state.instance_views(now, self.live.stale_after_s, self.instances())
+            views, dc_choice = self._pick_dc(prep, views, now)
             allowed = self._admit(prep, views, now)
             if allowed is not None:
                 views = [v for v in views if v.instance_id in allowed] or views
@@ -385,8 +400,94 @@ class Gateway:
             raise ApiError(503, f"the live state store is unavailable ({exc.__class__.__name__})"
                            "; retry shortly", code="service_unavailable",
                            retry_after_s=2) from None
+        ticket = None
+        if dc_choice is not None and self.fleet is not None:
+            with self.router_lock:
+                try:
+                    ticket = self.fleet.dispatched(info, *dc_choice)
+                except NoCandidateError:  # the pool vanished between choice and send
+                    ticket = None
         return Dispatched(prep=prep, queue=queue, instance=target.instance_id,
-                          decision=decision, dispatch_s=admitted, affinity=affinity)
+                          decision=decision, dispatch_s=admitted, affinity=affinity,
+                          fleet=ticket)
+
+    # -- datacenter choice (FleetMind) ----------------------------------------------------
+    def _refresh_fleet_plan(self) -> None:
+        """The long cycle's spill shares (beat writes them to Redis), once a second."""
+        now = time.monotonic()
+        if self.fleet is None or now - self._plan_at < 1.0:
+            return
+        self._plan_at = now
+        try:
+            raw = self.state.r.hgetall(self.state.k("fleet"))
+        except redis.RedisError:
+            return
+        shares = {}
+        for k, v in raw.items():
+            key = k.decode()
+            if key.startswith("spill_share:"):
+                try:
+                    shares[key.partition(":")[2]] = float(v)
+                except ValueError:
+                    continue
+        self.fleet.spill_share = shares
+
+    def _tenant(self, tenant_id: str) -> Any:
+        assert self.fleet is not None
+        regions: Sequence[str] = ()
+        if self.tenant_regions is not None:
+            try:
+                regions = self.tenant_regions(tenant_id)
+            except Exception:  # noqa: BLE001 - tenancy store down: topology rules only
+                log.warning("tenant %s: allowed regions unavailable; using the topology's",
+                            tenant_id)
+        return self.fleet.tenant(tenant_id, regions)
+
+    def _pick_dc(self, prep: Prepared, views: list[Any], now: float
+                 ) -> tuple[list[Any], tuple[Any, str | None] | None]:
+        """FleetMind picks the datacenter; the router then sees only its instances.
+
+        Returns the chosen DC's views and (decision, home) for the accounting,
+        or all views and None when DC selection is off.
+        """
+        if self.fleet is None:
+            return views, None
+        info = prep.info
+        self._refresh_fleet_plan()
+        tenant = self._tenant(info.tenant)
+        with self.router_lock:
+            if now - self._fleet_at >= FLEET_REFRESH_S or now < self._fleet_at:
+                self.fleet.refresh(views, now)
+                self._fleet_at = now
+            self.fleet.snap.now_s = now
+            why = ""
+            try:
+                decision, home = self.fleet.select(info, tenant)
+            except NoCandidateError as exc:
+                why = str(exc)
+                permitted = self.fleet.permitted_anywhere(info, tenant)
+        if why:
+            if not permitted:
+                raise ApiError(403, f"tenant '{info.tenant}' may not use any datacenter that "
+                               f"serves `{info.model}` (its allowed regions or sites exclude "
+                               "them); ask the operator to widen the tenant's allowed regions",
+                               param="model", code="region_not_allowed",
+                               type_="invalid_request_error")
+            raise ApiError(503, f"no datacenter can serve this request now ({why})",
+                           code="no_capacity", retry_after_s=2)
+        if self.metrics is not None:
+            self.metrics.dc_decision(decision.dc, decision.reason)
+        chosen = [v for v in views if v.dc == decision.dc]
+        return chosen, (decision, home)
+
+    def _compliant_views(self, info: RequestInfo, views: list[Any]) -> list[Any]:
+        """Re-sends may leave the chosen DC, but never the tenant's allowed sites."""
+        if self.fleet is None:
+            return views
+        tenant = self._tenant(info.tenant)
+        with self.router_lock:
+            ok = self.fleet.compliant_dcs(info, tenant)
+        return [v for v in views if v.dc in ok]
 
     def _route(self, prep: Prepared, views: list[Any], now: float) -> RouteDecision:
         try:
@@ -487,6 +588,8 @@ class Gateway:
                 d.attempt = max(d.attempt, ev.attempt)
             elif ev.kind == "end":
                 self._on_complete(d, ev)
+            elif ev.kind == "err":
+                self._fleet_done(d, "failed")
             yield ev
 
     def _watch(self, d: Dispatched, now: float) -> RelayEvent | None:
@@ -535,6 +638,7 @@ class Gateway:
         views = [v for v in self.state.instance_views(now, self.live.stale_after_s,
                                                       self.instances(max_age_s=0.0))
                  if v.instance_id not in exclude]
+        views = self._compliant_views(info, views)
         for i, v in enumerate(views):
             v.index = i
         try:
@@ -583,6 +687,7 @@ class Gateway:
                       "attempts": d.attempt, "error": message[:500]})
         if self.metrics is not None:
             self.metrics.finished(info.tier, status)
+        self._fleet_done(d, status)
         return RelayEvent("err", message=message, code=code,
                           error_type="timeout" if code == 504 else "server_error")
 
@@ -602,8 +707,15 @@ class Gateway:
                           "prompt_tokens": info.input_tokens, "completion_tokens": d.tokens})
             if self.metrics is not None:
                 self.metrics.finished(info.tier, "cancelled")
+        self._fleet_done(d, "cancelled")
 
     # -- policy feedback ----------------------------------------------------------------
+    def _fleet_done(self, d: Dispatched, status: str) -> None:
+        if d.fleet is None or self.fleet is None:
+            return
+        with self.router_lock:
+            self.fleet.finished(d.fleet, d.prep.info, status, d.tokens)
+
     def _rebind(self, d: Dispatched, actual: str) -> None:
         """Late binding put the request elsewhere than the router chose: correct
         what the router believes about both caches (a cache-aware router records
@@ -630,6 +742,8 @@ class Gateway:
             self.router.on_first_token(ev)
             if self.admission is not None:
                 self.admission.on_first_token(ev)
+            if d.fleet is not None and self.fleet is not None:
+                self.fleet.first_token(d.fleet, d.prep.info, ev.ttft_s)
         if self.metrics is not None:
             self.metrics.first_token(d.prep.info.tier, d.first_token_s - d.prep.info.arrival_s)
 
@@ -647,6 +761,8 @@ class Gateway:
             self.router.on_complete(done)
             if self.admission is not None:
                 self.admission.on_complete(done)
+            if d.fleet is not None and self.fleet is not None:
+                self.fleet.finished(d.fleet, d.prep.info, "completed", done.output_tokens)
         if self.metrics is not None:
             self.metrics.finished(d.prep.info.tier, "completed",
                                   int(usage.get("completion_tokens", 0)))

@@ -28,7 +28,14 @@ class ApiMetrics:
                                      ["tier"], registry=self.registry)
         self.ttft = Histogram("tokenfleet_ttft_seconds", "Time to first token seen by the API.",
                               ["tier"], buckets=TTFT_BUCKETS, registry=self.registry)
+        self.dc_decisions = Counter(
+            "tokenfleet_dc_decisions", "FleetMind datacenter choices of this API process, "
+            "by DC and reason (home, spill, failover, ...).", ["dc", "reason"],
+            registry=self.registry)
         self.registry.register(_FleetCollector(gateway))
+
+    def dc_decision(self, dc: str, reason: str) -> None:
+        self.dc_decisions.labels(dc, reason.split(":")[0] or "none").inc()
 
     def finished(self, tier: str, status: str, tokens: int = 0) -> None:
         self.requests.labels(tier, status).inc()

@@ -168,13 +168,13 @@ def fleet_cycle() -> dict[str, Any]:
         total = int(row.get("total", 0))
         att = row.get("attainment")
         met = int(round((att or 0.0) * total)) if att is not None else 0
-        dcs[dc] = DCStats(dc=dc, served=total, slo_met=met, spilled_in=0, target=0.95,
-                          free_gpus=0)
+        dcs[dc] = DCStats(dc=dc, served=total, slo_met=met, spilled_in=0,
+                          target=_target_of(ctx.live, dc), free_gpus=0)
     if ctx.planner is None:
         initial = Plan(plan_id=0, at_s=now, replicas={(p.dc, p.model, p.version): p.replicas
                                                       for p in pool_stats},
                        spill_share={dc: 1.0 for dc in dcs})
-        ctx.planner = Planner(initial=initial, rtt_s=lambda a, b: 0.0 if a == b else 0.05)
+        ctx.planner = Planner(initial=initial, rtt_s=_rtt_of(ctx.live))
     plan, rollbacks = ctx.planner.step(PlannerInput(now_s=now, pools=pool_stats, dcs=dcs,
                                                     gpu_budget=None,
                                                     gpus_used=len(infos)))
@@ -197,6 +197,39 @@ def fleet_cycle() -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001
             log.warning("fleet event not recorded: %s", exc.__class__.__name__)
     return {"plan_id": plan.plan_id, "rollbacks": len(rollbacks), "actions": actions}
+
+
+def _topology(live: LiveConfig) -> Any:
+    if not live.topology:
+        return None
+    from tokenfleet.live.fleet import load_topology
+
+    return load_topology(live.topology)
+
+
+def _rtt_of(live: LiveConfig) -> Any:
+    """The topology's RTTs for the planner (50 ms between DCs it does not know)."""
+    topo = _topology(live)
+
+    def rtt(a: str, b: str) -> float:
+        if a == b:
+            return 0.0
+        if topo is not None and (a, b) in topo.rtt_s:
+            return float(topo.rtt_s[(a, b)])
+        return 0.05
+
+    return rtt
+
+
+def _target_of(live: LiveConfig, dc: str) -> float:
+    """The DC's attainment target from the topology, else the fleet default."""
+    topo = _topology(live)
+    if topo is None:
+        return 0.95
+    site = topo.datacenters.get(dc)
+    if site is not None and site.attainment_target is not None:
+        return site.attainment_target
+    return topo.settings.attainment_target
 
 
 def beat_schedule(live: LiveConfig) -> dict[str, Any]:

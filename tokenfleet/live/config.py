@@ -25,6 +25,14 @@ class LiveConfig:
     #: router name in tokenfleet.core.routing.ROUTERS
     router: str = "tokenpilot"
     router_seed: int = 0
+    #: datacenter selector in tokenfleet.core.fleet.FLEET, run before the router
+    #: ("fleetmind"; "none" keeps every request at its home DC)
+    fleet_policy: str = "fleetmind"
+    #: topology YAML (the simulator's format): regions, RTTs, load ceilings,
+    #: tenants' homes and residency. Empty: each DC is its own region, RTTs zero
+    topology: str = ""
+    #: the datacenter this API replica runs in (requests enter here); "" = none
+    entry_dc: str = ""
     #: key prefix in Redis, so several fleets can share one server
     redis_prefix: str = "tf"
     #: how often a worker scrapes its engine's /metrics and /health

@@ -43,6 +43,13 @@ def init_app(app: Flask, **overrides: Any) -> None:
                                 data_dir=cfg.get("DATA_DIR") or ".tokenfleet", prefix=prefix)
     svc.seed_auth = app.extensions.get("tokenfleet.auth")
     app.extensions["tokenfleet.tenancy"] = svc
+    if gw is not None:
+        # FleetMind honours the regions a tenant's record allows (cached <= 0.5 s)
+        def _regions(tenant_id: str) -> tuple[str, ...]:
+            ctx = svc.directory.tenant(tenant_id)
+            return ctx.allowed_regions if ctx is not None else ()
+
+        gw.tenant_regions = _regions
     app.register_blueprint(batch_bp)
     if cfg.get("CHAT_QUOTAS", True) and "openai.chat_completions" in app.view_functions:
         install_chat_quota(app)

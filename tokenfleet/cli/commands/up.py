@@ -43,6 +43,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--slots", type=int, default=64, help="requests per worker at once")
     p.add_argument("--router", default=None, help="router policy (default: tokenpilot)")
     p.add_argument("--admission", default="slomax", help="admission policy (default slomax)")
+    p.add_argument("--topology", default=None,
+                   help="topology YAML: regions, RTTs, ceilings, tenants (default: "
+                        "tokenfleet/live/local_topology.yaml, dc-east in us-east and "
+                        "dc-west in us-west)")
     p.add_argument("--loglevel", default="INFO")
     p.set_defaults(func=run)
 
@@ -92,7 +96,12 @@ def run(args: argparse.Namespace) -> int:
     port = args.port if args.port is not None else cfg.api_port
     api_key = cfg.api_key or os.environ.get("TOKENFLEET_API_KEY") or \
         "tf-demo-" + secrets.token_urlsafe(18)
-    live = LiveConfig.load(router=args.router)
+    topology = args.topology or os.environ.get("TOKENFLEET_TOPOLOGY") or str(
+        Path(__file__).resolve().parents[2] / "live" / "local_topology.yaml")
+    live = LiveConfig.load(router=args.router, topology=str(Path(topology).resolve()))
+    from tokenfleet.live.fleet import load_topology
+
+    load_topology(live.topology)  # a bad file fails here, with the field named
     stopping = {"flag": False}
 
     def _signal(signum: int, _frame: object) -> None:

@@ -220,13 +220,14 @@ class FleetMind(BaseSelector):
     def __init__(self, *, slo: SLOConfig | None = None, pressure: float = 0.5,
                  slo_margin: float = 0.9, spill_margin_s: float = 0.05,
                  batch_ttft_s: float = 30.0, correction_rate: float = 0.1,
-                 **_shared: object) -> None:
+                 tie_s: float = 0.002, **_shared: object) -> None:
         self.slo = slo if slo is not None else SLOConfig()
         self.pressure = pressure
         self.slo_margin = slo_margin
         self.spill_margin_s = spill_margin_s
         self.batch_ttft_s = batch_ttft_s
         self.correction_rate = correction_rate
+        self.tie_s = tie_s
         self._kappa: dict[tuple[str, str, str], LogRatioCorrector] = {}
 
     def kappa(self, dc: str, pool: PoolView) -> LogRatioCorrector:
@@ -289,7 +290,7 @@ class FleetMind(BaseSelector):
                     continue
                 if _unit_hash(request.request_id, name) >= p.dc.spill_share:
                     continue
-            if best is None or p.ttft_s < best.ttft_s:
+            if best is None or _better(p, best, self.tie_s):
                 best = p
         if best is not None:
             return DCDecision(best.dc.name, best.ttft_s, best.raw_s, True,
@@ -298,6 +299,9 @@ class FleetMind(BaseSelector):
             return DCDecision(hp.dc.name, hp.ttft_s, hp.raw_s, False, "home:no-better")
         # home cannot serve at all: the best-predicted candidate (failover)
         p = min(preds.values(), key=lambda x: (x.ttft_s, x.dc.name))
+        for q in preds.values():
+            if _better(q, p, self.tie_s):
+                p = q
         return DCDecision(p.dc.name, p.ttft_s, p.raw_s, True, "failover:over-slo")
 
     def on_first_token(self, event: FleetFirstToken) -> None:
@@ -307,6 +311,18 @@ class FleetMind(BaseSelector):
         k = self._kappa.get((event.dc, event.model, event.version))
         if k is not None:
             k.update(event.dc_ttft_s / pred)
+
+
+def _better(p: _Prediction, best: _Prediction, tie_s: float) -> bool:
+    """Lower predicted TTFT wins; within ``tie_s`` the pool this gateway sent
+    fewer requests to wins, so equal DCs share the work instead of the first
+    one taking all of it (a fleet with no home DC, or a fresh start)."""
+    if p.ttft_s < best.ttft_s - tie_s:
+        return True
+    if p.ttft_s > best.ttft_s + tie_s:
+        return False
+    a, b = p.pool.accounting.dispatched_total, best.pool.accounting.dispatched_total
+    return a < b or (a == b and p.dc.name < best.dc.name)
 
 
 class _Prediction:
