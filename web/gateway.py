@@ -59,6 +59,8 @@ PASSTHROUGH = ("temperature", "top_p", "stop", "seed", "presence_penalty",
 TIER_HEADER = "X-TokenFleet-Tier"
 #: the fleet view is re-aggregated from the instance snapshots at most this often
 FLEET_REFRESH_S = 0.1
+#: admission reads the broker queue depths from Redis at most this often
+QUEUE_DEPTHS_MAX_AGE_S = 0.05
 
 
 @dataclass(slots=True)
@@ -112,6 +114,9 @@ class Gateway:
                                    entry_dc=live.entry_dc)
         self._fleet_at = -1.0
         self._plan_at = 0.0
+        self._depths: dict[str, int] = {}
+        self._depths_at = -1.0
+        self._mean_tokens: dict[str, tuple[float, float]] = {}
         #: tenant id -> regions its record allows (set by the tenancy layer; () = any)
         self.tenant_regions: Callable[[str], Sequence[str]] | None = None
         self.index = PrefixIndex(stride_blocks=1)
@@ -303,7 +308,12 @@ class Gateway:
         """Admission policy at arrival: None = anywhere, else allowed instance ids."""
         if self.admission is None:
             return None
-        from tokenfleet.core.admission import ADMIT, REJECT, AdmissionSnapshot, InstanceLoad
+        from tokenfleet.core.admission import (
+            ADMIT,
+            REJECT,
+            AdmissionSnapshot,
+            InstanceLoad,
+        )
 
         self._refresh_admission_knobs()
         loads = []
@@ -317,7 +327,8 @@ class Gateway:
                 load.tier(tier).inflight = n
                 load.tier(tier).reserved_kv_tokens = 0
             loads.append(load)
-        snap = AdmissionSnapshot(now_s=now, instances=loads, queues={})
+        snap = AdmissionSnapshot(now_s=now, instances=loads,
+                                 queues=self._broker_queues({v.dc for v in views}, prep.info))
         with self.router_lock:
             decision = self.admission.on_arrival(prep.info, snap)
         if decision.action == REJECT:
@@ -325,6 +336,43 @@ class Gateway:
         if decision.action == ADMIT and decision.instance_ids:
             return tuple(decision.instance_ids)
         return None
+
+    def _broker_queues(self, dcs: set[str], info: RequestInfo) -> dict[str, Any]:
+        """What waits in the chosen DC's broker queues, per tier, as admission totals.
+
+        Counts come from the per-queue depth counters in Redis (the API adds
+        at publish, the worker that takes a task subtracts); prompt tokens are
+        the count times the mean prompt this API published to that tier (this
+        request's own size until it has published any).
+        """
+        from tokenfleet.core.admission import QueueTotals
+
+        now = time.monotonic()
+        if now - self._depths_at > QUEUE_DEPTHS_MAX_AGE_S:
+            try:
+                self._depths = self.state.queued()
+            except redis.RedisError:
+                self._depths = {}
+            self._depths_at = now
+        n_by_tier: dict[str, int] = {}
+        for queue, n in self._depths.items():
+            parts = queue.split(".")
+            if n > 0 and len(parts) in (2, 3) and parts[0] in dcs:
+                n_by_tier[parts[-1]] = n_by_tier.get(parts[-1], 0) + n
+        out = {}
+        for tier, n in n_by_tier.items():
+            mean_in, mean_out = self._mean_tokens.get(
+                tier, (float(info.input_tokens), float(info.max_tokens)))
+            out[tier] = QueueTotals(tier, n, int(n * mean_in), int(n * (mean_in + mean_out)))
+        return out
+
+    def _published(self, info: RequestInfo) -> None:
+        """Running mean prompt and budget of what this API published, per tier."""
+        mean_in, mean_out = self._mean_tokens.get(info.tier, (float(info.input_tokens),
+                                                              float(info.max_tokens)))
+        a = 0.05
+        self._mean_tokens[info.tier] = (mean_in + a * (info.input_tokens - mean_in),
+                                        mean_out + a * (info.max_tokens - mean_out))
 
     def _reject(self, prep: Prepared, reason: str, retry_after_s: float | None) -> None:
         info = prep.info
@@ -400,6 +448,7 @@ class Gateway:
             raise ApiError(503, f"the live state store is unavailable ({exc.__class__.__name__})"
                            "; retry shortly", code="service_unavailable",
                            retry_after_s=2) from None
+        self._published(info)
         ticket = None
         if dc_choice is not None and self.fleet is not None:
             with self.router_lock:

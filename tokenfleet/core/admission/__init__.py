@@ -20,6 +20,7 @@ from tokenfleet.core.admission.base import (
     BaseAdmission,
     InstanceLoad,
     QueuedRequest,
+    QueueTotals,
     TierLoad,
     TierQueue,
     TierWindow,
@@ -30,7 +31,7 @@ from tokenfleet.core.admission.base import (
 __all__ = [
     "ADMISSION", "ADMIT", "DISPATCH", "DROP", "QUEUE", "REJECT", "Action", "Admission",
     "AdmissionDecision", "AdmissionSnapshot", "BaseAdmission", "InstanceLoad", "QueuedRequest",
-    "TierLoad", "TierQueue", "TierWindow", "WindowStats", "kv_reservation_tokens",
+    "QueueTotals", "TierLoad", "TierQueue", "TierWindow", "WindowStats", "kv_reservation_tokens",
     "create_admission",
 ]
 

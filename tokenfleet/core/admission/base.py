@@ -154,13 +154,42 @@ class TierQueue:
         return item
 
 
+class QueueTotals:
+    """A tier queue known only by its totals: the live service's broker queues.
+
+    The live gateway publishes queued work to Celery and cannot enumerate it,
+    but it counts what waits there (per queue, in Redis) and knows the mean
+    prompt of what it published, so arrival decisions (``on_arrival``) see
+    the same queue length and token totals as in the simulator. It has no
+    head: a driver with QueueTotals never calls ``next_action``.
+    """
+
+    __slots__ = ("tier", "n", "input_tokens", "reserved_tokens")
+
+    def __init__(self, tier: str, n: int, input_tokens: int = 0,
+                 reserved_tokens: int = 0) -> None:
+        self.tier = tier
+        self.n = max(0, n)
+        self.input_tokens = input_tokens
+        self.reserved_tokens = reserved_tokens
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[QueuedRequest]:
+        return iter(())
+
+    def head(self) -> QueuedRequest | None:
+        return None
+
+
 @dataclass(slots=True)
 class AdmissionSnapshot:
     """What admission may know at decision time. Policies must only read it."""
 
     now_s: float
     instances: Sequence[InstanceLoad]
-    queues: Mapping[str, TierQueue]
+    queues: Mapping[str, TierQueue | QueueTotals]
 
     def queued(self, tier: str) -> int:
         q = self.queues.get(tier)

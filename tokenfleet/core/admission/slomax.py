@@ -61,6 +61,7 @@ from tokenfleet.core.admission.base import (
     AdmissionSnapshot,
     BaseAdmission,
     InstanceLoad,
+    QueueTotals,
     TierQueue,
     WindowStats,
     kv_reservation_tokens,
@@ -307,7 +308,8 @@ class SLOMaxAdmission(BaseAdmission):
                 out.append(inst)
         return out
 
-    def _long_wait_s(self, snap: AdmissionSnapshot, queue: TierQueue | None) -> float:
+    def _long_wait_s(self, snap: AdmissionSnapshot,
+                     queue: TierQueue | QueueTotals | None) -> float:
         """Predicted gateway wait for a long request joining the back of the queue."""
         ready = [i for i in snap.instances if i.view.ready]
         if not ready:

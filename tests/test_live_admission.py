@@ -1,0 +1,60 @@
+"""SLOMax admission on the live path sees what waits in the broker queues.
+
+The gateway publishes queued work to Celery, so its own queues are empty;
+the admission snapshot instead gets per-tier totals from the queue-depth
+counters in Redis (web/gateway.py ``_broker_queues``). With a long backlog of
+long-context work, a new long-context request is refused with a 429 whose
+Retry-After comes from the predicted wait, while interactive work is still
+admitted; once the backlog is gone, long-context work is admitted again.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pytest
+import requests
+
+from tokenfleet.live.testing import API_KEY
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Any]:
+    from tokenfleet.live.testing import running_stack
+
+    with running_stack(router="tokenpilot", admission="slomax", time_scale=0.02,
+                       app_config={"CHAT_QUOTAS": False}) as s:
+        yield s
+        s.app.extensions["tokenfleet.tenancy"].close()
+
+
+def post(stack: Any, text: str) -> requests.Response:
+    return requests.post(stack.url + "/v1/chat/completions", timeout=60,
+                         headers={"Authorization": f"Bearer {API_KEY}"},
+                         json={"model": stack.model, "max_tokens": 4,
+                               "messages": [{"role": "user", "content": text}]})
+
+
+def test_a_long_context_backlog_in_the_broker_refuses_new_long_work_only(stack: Any) -> None:
+    long_prompt = "lorem ipsum dolor sit amet " * 1800  # ~12k tokens: long_context
+    st = stack.gateway.state
+    # (no long request first: the emulator runs 50x faster than the model, and
+    # admission would learn that from its first token and shrink every wait)
+    backlog = {f"{dc}.long_context": 300 for dc in ("dc-a", "dc-b")}
+    for q, n in backlog.items():
+        st.queued_incr(q, n)
+    try:
+        r = post(stack, long_prompt + " again")
+        assert r.status_code == 429, r.text
+        err = r.json()["error"]
+        assert err["code"] == "rate_limit_exceeded" and "long_context" in err["message"]
+        assert 1 <= int(r.headers["Retry-After"]) <= 120
+        ok = post(stack, "a short interactive question")
+        assert ok.status_code == 200, ok.text
+    finally:
+        for q, n in backlog.items():
+            st.queued_incr(q, -n)
+    import time
+
+    time.sleep(0.1)  # the gateway re-reads depths every 50 ms
+    assert post(stack, long_prompt + " after").status_code == 200
