@@ -332,7 +332,9 @@ class Gateway:
         with self.router_lock:
             decision = self.admission.on_arrival(prep.info, snap)
         if decision.action == REJECT:
-            self._reject(prep, decision.reason, decision.retry_after_s)
+            dcs = {v.dc for v in views}
+            self._reject(prep, decision.reason, decision.retry_after_s,
+                         dcs.pop() if len(dcs) == 1 else None)
         if decision.action == ADMIT and decision.instance_ids:
             return tuple(decision.instance_ids)
         return None
@@ -374,9 +376,10 @@ class Gateway:
         self._mean_tokens[info.tier] = (mean_in + a * (info.input_tokens - mean_in),
                                         mean_out + a * (info.max_tokens - mean_out))
 
-    def _reject(self, prep: Prepared, reason: str, retry_after_s: float | None) -> None:
+    def _reject(self, prep: Prepared, reason: str, retry_after_s: float | None,
+                dc: str | None = None) -> None:
         info = prep.info
-        self._ledger({"request_id": info.request_id, "tenant_id": info.tenant,
+        self._ledger({"request_id": info.request_id, "tenant_id": info.tenant, "dc": dc,
                       "tier": info.tier, "model": info.model, "status": "rejected",
                       "arrival_ts": info.arrival_s, "finished_ts": time.time(),
                       "prompt_tokens": info.input_tokens, "error": reason[:500]})
@@ -456,6 +459,12 @@ class Gateway:
                     ticket = self.fleet.dispatched(info, *dc_choice)
                 except NoCandidateError:  # the pool vanished between choice and send
                     ticket = None
+            if ticket is not None and ticket.spilled:
+                # beat's planner needs each DC's spilled-in share (rollback rule)
+                try:
+                    self.state.count(**{f"spilled_in:{ticket.dc}": 1})
+                except redis.RedisError:
+                    pass
         return Dispatched(prep=prep, queue=queue, instance=target.instance_id,
                           decision=decision, dispatch_s=admitted, affinity=affinity,
                           fleet=ticket)

@@ -13,9 +13,10 @@
   the shares to the ``tier_shares`` history.
 * ``fleet_cycle`` (every ``fleet_period_s``): the FleetMind long cycle
   (``tokenfleet.core.fleet.Planner``) over per-DC ledger outcomes and the
-  live instances; the resulting spill shares are written to Redis and the
-  plan to ``fleet_events``. Replica changes are logged as recommendations:
-  ``tokenfleet up`` runs a fixed topology and has nothing to scale.
+  live instances; the resulting spill shares and replica targets are written
+  to Redis (gateways apply the shares; ``tokenfleet up``'s actuator,
+  ``tokenfleet.live.replicas``, prewarms and retires replicas to meet the
+  targets) and the plan to ``fleet_events``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class ControlContext:
     state: LiveState
     db_engine: Any = None  # SQLAlchemy engine of the ledger, if any
     planner: Any = None
+    last_plan_id: int = 0
 
 
 CONTEXT: ControlContext | None = None
@@ -144,48 +146,77 @@ def _record_shares(ctx: ControlContext, shares: dict[str, float], knobs: dict[st
 
 
 def fleet_cycle() -> dict[str, Any]:
-    from tokenfleet.core.fleet import DCStats, Plan, Planner, PlannerInput, PoolStats
+    """The FleetMind long cycle over the last ``fleet_period_s``.
+
+    Inputs: live instances (ready) and the replicas a local actuator is
+    prewarming (Redis), per-pool served and refused work from the ledger,
+    spilled-in counts from the gateways' counters, the topology. Outputs, in
+    Redis ``fleet``: the plan's spill shares (the gateways read them every
+    second) and replica targets ``target:<dc>|<model>|<version>`` (enacted
+    by ``tokenfleet up``'s actuator; a cluster manager can read the same
+    keys). Plans and rollbacks also go to the ``fleet_events`` table.
+    """
+    from tokenfleet.core.fleet import Plan, Planner
+    from tokenfleet.live.fleet import LivePool, planner_input
 
     ctx = _ctx()
     st = ctx.state
     now = time.time()
-    infos = [i for i in st.instances() if i.is_live(now, ctx.live.stale_after_s)]
     period = ctx.live.fleet_period_s
-    by_dc = _ledger_goodput(ctx, now - period, now, "dc")
-    pools: dict[tuple[str, str, str], list[Any]] = {}
+    topo = _topology(ctx.live)
+    infos = [i for i in st.instances() if i.is_live(now, ctx.live.stale_after_s)]
+    fleet = {k.decode(): v.decode() for k, v in st.r.hgetall(st.k("fleet")).items()}
+    groups: dict[tuple[str, str, str], list[Any]] = {}
     for i in infos:
-        pools.setdefault((i.dc, i.model, i.model_version or ""), []).append(i)
-    pool_stats = []
-    for (dc, model, version), members in sorted(pools.items()):
-        load = sum(min(1.0, i.metrics.num_running / max(1, i.slots)) for i in members)
-        pool_stats.append(PoolStats(dc=dc, model=model, version=version, tp=1,
-                                    replicas=len(members), ready=len(members),
-                                    demand_work_s=load, served_work_s=load,
-                                    load=load / len(members)))
-    dcs = {}
-    for dc in sorted({i.dc for i in infos}):
-        row = by_dc.get(dc, {})
-        total = int(row.get("total", 0))
-        att = row.get("attainment")
-        met = int(round((att or 0.0) * total)) if att is not None else 0
-        dcs[dc] = DCStats(dc=dc, served=total, slo_met=met, spilled_in=0,
-                          target=_target_of(ctx.live, dc), free_gpus=0)
+        groups.setdefault((i.dc, i.model, i.model_version or ""), []).append(i)
+    for key, v in fleet.items():  # pools with replicas still prewarming, none ready yet
+        if key.startswith("warming:") and int(v or 0) > 0:
+            dc, model, version = key.removeprefix("warming:").split("|")
+            groups.setdefault((dc, model, version), [])
+    pools = []
+    for (dc, model, version), members in sorted(groups.items()):
+        prof_name = members[0].profile if members else fleet.get(
+            f"profile:{dc}|{model}|{version}", "")
+        if not prof_name:
+            continue
+        pools.append(LivePool(dc, model, version, st.profile(prof_name),
+                              ready=sum(1 for m in members if m.is_healthy(
+                                  now, ctx.live.stale_after_s)),
+                              warming=int(fleet.get(f"warming:{dc}|{model}|{version}", 0))))
+    work = _ledger_work(ctx, now - period, now)
+    counters = st.counters()
+    prev_raw = st.r.get(st.k("fleet", "prev"))
+    prev = json.loads(prev_raw) if prev_raw else {}
+    spilled = {}
+    for name, v in counters.items():
+        if name.startswith("spilled_in:"):
+            dc = name.partition(":")[2]
+            spilled[dc] = max(0, v - int(prev.get(name, 0)))
+    st.r.set(st.k("fleet", "prev"), json.dumps({k: v for k, v in counters.items()
+                                                if k.startswith("spilled_in:")}))
+    inp = planner_input(now, period, pools, work, spilled, topo)
     if ctx.planner is None:
         initial = Plan(plan_id=0, at_s=now, replicas={(p.dc, p.model, p.version): p.replicas
-                                                      for p in pool_stats},
-                       spill_share={dc: 1.0 for dc in dcs})
+                                                      for p in inp.pools},
+                       spill_share={dc: 1.0 for dc in inp.dcs}, reason="as deployed")
         ctx.planner = Planner(initial=initial, rtt_s=_rtt_of(ctx.live))
-    plan, rollbacks = ctx.planner.step(PlannerInput(now_s=now, pools=pool_stats, dcs=dcs,
-                                                    gpu_budget=None,
-                                                    gpus_used=len(infos)))
-    st.r.hset(st.k("fleet"), mapping={f"spill_share:{dc}": v
-                                      for dc, v in plan.spill_share.items()} or {"plan": 0})
-    st.r.hset(st.k("fleet"), mapping={"plan_id": plan.plan_id, "at": now})
+    plan, rollbacks = ctx.planner.step(inp)
+    mapping: dict[str, Any] = {f"spill_share:{dc}": v for dc, v in plan.spill_share.items()}
+    mapping.update({f"target:{dc}|{model}|{version}": n
+                    for (dc, model, version), n in plan.replicas.items()})
+    mapping.update({f"profile:{p.dc}|{p.model}|{p.version}": p.profile.name for p in pools})
+    mapping.update({"plan_id": plan.plan_id, "at": now})
+    st.r.hset(st.k("fleet"), mapping=mapping)
     st.count(fleet_cycles=1, fleet_rollbacks=len(rollbacks))
-    actions = [f"{a.kind} {a.dc} {a.model} x{a.count} ({a.reason})" for a in plan.actions]
-    log.info("FleetMind cycle: plan %d (%s), %d rollbacks, per-DC %s, actions: %s",
-             plan.plan_id, plan.kind, len(rollbacks), by_dc, actions or "none")
-    if ctx.db_engine is not None and (plan.actions or rollbacks):
+    actions = [f"{a.kind} {a.dc} {a.model} x{a.count} ({a.reason})" if a.kind != "spill_share"
+               else f"spill_share {a.dc} -> {a.value:.2f} ({a.reason})" for a in plan.actions]
+    loads = {f"{p.dc}/{p.model}": round(p.demand_work_s, 3) for p in inp.pools}
+    log.info("FleetMind cycle: plan %d (%s%s), %d rollbacks, demand work-s/s %s, actions: %s",
+             plan.plan_id, plan.kind, ", new" if plan.plan_id != ctx.last_plan_id else "",
+             len(rollbacks), loads, actions or "none")
+    new_plan = plan.plan_id != ctx.last_plan_id
+    ctx.last_plan_id = plan.plan_id
+    if ctx.db_engine is not None and new_plan and (plan.actions or rollbacks):
         try:
             from tokenfleet.service.db import session_scope
             from tokenfleet.service.queries import append_fleet_event
@@ -193,10 +224,25 @@ def fleet_cycle() -> dict[str, Any]:
             with session_scope(ctx.db_engine) as session:
                 append_fleet_event(session, "rollback" if rollbacks else "plan",
                                    {"plan_id": plan.plan_id, "actions": actions,
-                                    "spill_share": dict(plan.spill_share)})
+                                    "spill_share": dict(plan.spill_share),
+                                    "replicas": {"|".join(k): v
+                                                 for k, v in plan.replicas.items()}})
         except Exception as exc:  # noqa: BLE001
             log.warning("fleet event not recorded: %s", exc.__class__.__name__)
     return {"plan_id": plan.plan_id, "rollbacks": len(rollbacks), "actions": actions}
+
+
+def _ledger_work(ctx: ControlContext, since: float, until: float) -> list[Any]:
+    if ctx.db_engine is None:
+        return []
+    from tokenfleet.service.queries import pool_work
+
+    try:
+        return pool_work(ctx.db_engine, since=datetime.fromtimestamp(since, timezone.utc),
+                         until=datetime.fromtimestamp(until, timezone.utc))
+    except Exception as exc:  # noqa: BLE001 - the database may blip; plan without it
+        log.warning("ledger unavailable for the fleet cycle: %s", exc.__class__.__name__)
+        return []
 
 
 def _topology(live: LiveConfig) -> Any:
@@ -219,17 +265,6 @@ def _rtt_of(live: LiveConfig) -> Any:
         return 0.05
 
     return rtt
-
-
-def _target_of(live: LiveConfig, dc: str) -> float:
-    """The DC's attainment target from the topology, else the fleet default."""
-    topo = _topology(live)
-    if topo is None:
-        return 0.95
-    site = topo.datacenters.get(dc)
-    if site is not None and site.attainment_target is not None:
-        return site.attainment_target
-    return topo.settings.attainment_target
 
 
 def beat_schedule(live: LiveConfig) -> dict[str, Any]:

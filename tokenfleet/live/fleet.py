@@ -31,12 +31,15 @@ from typing import Any, Mapping, Sequence
 from tokenfleet.core.fleet import (
     FLEET,
     DCDecision,
+    DCStats,
     DCSelector,
     DCView,
     FleetCompletion,
     FleetFirstToken,
     FleetSnapshot,
+    PlannerInput,
     PoolCosts,
+    PoolStats,
     PoolView,
     Tenant,
     Topology,
@@ -248,6 +251,80 @@ class LiveFleet:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class LivePool:
+    """One (DC, model, version) pool as beat sees it at the long cycle."""
+
+    dc: str
+    model: str
+    version: str
+    profile: EngineProfile
+    ready: int
+    warming: int = 0
+
+
+def planner_input(now_s: float, period_s: float, pools: Sequence[LivePool],
+                  work: Sequence[Any], spilled_in: Mapping[str, int],
+                  topology: Topology | None, *, typical_output_tokens: int = 256
+                  ) -> PlannerInput:
+    """The planner's view of the last long cycle, from what beat can read.
+
+    ``work`` rows (``tokenfleet.service.queries.pool_work``) give each pool's
+    served requests, their uncached prompt and completion tokens, and what
+    admission refused while that DC was chosen; a pool's demand is the work
+    it served plus the work it refused (estimated with a typical output), in
+    work-seconds per second (1.0 keeps one replica busy), priced with the
+    pool's engine profile as the simulator's planner input is. Free GPU
+    slots, ceilings and targets come from the topology (no topology: no free
+    slots, so the planner only moves spill shares).
+    """
+    period_s = max(1e-6, period_s)
+    by_pool = {(w.dc, w.model, w.version): w for w in work if w.dc}
+    stats: list[PoolStats] = []
+    per_dc_served: dict[str, int] = {}
+    per_dc_met: dict[str, int] = {}
+    gpus_used: dict[str, int] = {}
+    for p in pools:
+        costs = PoolCosts(p.profile)
+        w = by_pool.get((p.dc, p.model, p.version))
+        served_s = refused_s = 0.0
+        if w is not None and w.served:
+            mean_uncached = w.uncached_prompt_tokens / w.served
+            served_s = (w.served * costs.prefill.seconds(int(mean_uncached))
+                        + w.completion_tokens * costs.decode_token_s)
+        if w is not None and w.rejected:
+            mean_prompt = w.rejected_prompt_tokens / w.rejected
+            refused_s = w.rejected * (costs.prefill.seconds(int(mean_prompt))
+                                      + typical_output_tokens * costs.decode_token_s)
+        replicas = p.ready + p.warming
+        served_rate = served_s / period_s
+        stats.append(PoolStats(dc=p.dc, model=p.model, version=p.version, tp=p.profile.tp,
+                               replicas=replicas, ready=p.ready,
+                               demand_work_s=served_rate + refused_s / period_s,
+                               served_work_s=served_rate,
+                               load=served_rate / p.ready if p.ready else 0.0))
+        if w is not None:
+            per_dc_served[p.dc] = per_dc_served.get(p.dc, 0) + w.served
+            per_dc_met[p.dc] = per_dc_met.get(p.dc, 0) + w.slo_met
+        gpus_used[p.dc] = gpus_used.get(p.dc, 0) + replicas * p.profile.tp
+    dcs: dict[str, DCStats] = {}
+    for dc in sorted({p.dc for p in pools}):
+        site = topology.datacenters.get(dc) if topology is not None else None
+        target = (site.attainment_target if site is not None and site.attainment_target
+                  is not None else (topology.settings.attainment_target
+                                    if topology is not None else 0.95))
+        dcs[dc] = DCStats(
+            dc=dc, served=per_dc_served.get(dc, 0), slo_met=per_dc_met.get(dc, 0),
+            spilled_in=min(spilled_in.get(dc, 0), per_dc_served.get(dc, 0)), target=target,
+            free_gpus=max(0, site.gpus - gpus_used.get(dc, 0)) if site is not None else 0,
+            load_ceiling=site.load_ceiling if site is not None else DEFAULT_LOAD_CEILING,
+            spill_in_ceiling=(site.spill_in_ceiling if site is not None
+                              else DEFAULT_LOAD_CEILING))
+    budget = topology.settings.gpu_budget if topology is not None else None
+    return PlannerInput(now_s=now_s, pools=stats, dcs=dcs, gpu_budget=budget,
+                        gpus_used=sum(gpus_used.values()))
+
+
 def _with_tenant(topo: Topology, tenant: Tenant) -> Topology:
     tenants = dict(topo.tenants)
     tenants[tenant.name] = tenant
@@ -273,4 +350,5 @@ def load_topology(path: str) -> Topology:
     return parse_topology(data, source=path, extra_keys=("workload", "events", "slo"))
 
 
-__all__ = ["LiveFleet", "FleetTicket", "load_topology", "DEFAULT_LOAD_CEILING"]
+__all__ = ["LiveFleet", "FleetTicket", "LivePool", "planner_input", "load_topology",
+           "DEFAULT_LOAD_CEILING"]

@@ -144,6 +144,57 @@ def goodput(
     return rows
 
 
+@dataclass(frozen=True)
+class PoolWorkRow:
+    """What one (DC, model, version) pool did in a window: the planner's input."""
+
+    dc: str | None
+    model: str
+    version: str
+    served: int  # finished there (any status but rejected/duplicate/in flight)
+    slo_met: int  # of those, completed within their SLO
+    uncached_prompt_tokens: int  # of served requests
+    completion_tokens: int
+    rejected: int  # refused at admission while this DC was chosen
+    rejected_prompt_tokens: int
+
+
+def pool_work(bind: Engine | Connection | Session, *, since: datetime,
+              until: datetime) -> list[PoolWorkRow]:
+    """Per-pool served and refused work for arrivals in ``[since, until)``."""
+    since, until = _utc(since), _utc(until)
+    served_statuses = [s.value for s in (RequestStatus.COMPLETED, RequestStatus.SLO_MISSED,
+                                         RequestStatus.FAILED, RequestStatus.TIMED_OUT,
+                                         RequestStatus.CANCELLED)]
+    is_served = RequestRow.status.in_(served_statuses)
+    is_rejected = RequestRow.status == RequestStatus.REJECTED.value
+
+    def total(cond: Any, value: Any) -> Any:
+        return sa.func.coalesce(sa.func.sum(sa.case((cond, value), else_=0)), 0)
+
+    version = sa.func.coalesce(RequestRow.model_version, "")
+    stmt = sa.select(
+        RequestRow.dc, RequestRow.model, version.label("version"),
+        total(is_served, 1).label("served"),
+        total(RequestRow.status == RequestStatus.COMPLETED.value, 1).label("slo_met"),
+        total(is_served, RequestRow.prompt_tokens - RequestRow.cached_tokens).label("uncached"),
+        total(is_served, RequestRow.completion_tokens).label("completion"),
+        total(is_rejected, 1).label("rejected"),
+        total(is_rejected, RequestRow.prompt_tokens).label("rejected_prompt"),
+    ).where(RequestRow.arrival_ts >= since, RequestRow.arrival_ts < until).group_by(
+        RequestRow.dc, RequestRow.model, version).order_by(RequestRow.dc, RequestRow.model)
+    if isinstance(bind, Engine):
+        with bind.connect() as conn:
+            result = conn.execute(stmt).mappings().all()
+    else:
+        result = bind.execute(stmt).mappings().all()
+    return [PoolWorkRow(dc=r["dc"], model=r["model"], version=r["version"],
+                        served=int(r["served"]), slo_met=int(r["slo_met"]),
+                        uncached_prompt_tokens=max(0, int(r["uncached"])),
+                        completion_tokens=int(r["completion"]), rejected=int(r["rejected"]),
+                        rejected_prompt_tokens=int(r["rejected_prompt"])) for r in result]
+
+
 # ---- admin-side helpers (one Session, caller commits) --------------------------
 def create_tenant(
     session: Session,

@@ -41,6 +41,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="emulator wall seconds per model second (default 1.0 = real time)")
     p.add_argument("--slots", type=int, default=64, help="requests per worker at once")
+    p.add_argument("--max-instances-per-dc", type=int, default=3,
+                   help="cap on engines per DC when the FleetMind plan adds replicas "
+                        "(default 3)")
     p.add_argument("--router", default=None, help="router policy (default: tokenpilot)")
     p.add_argument("--admission", default="slomax", help="admission policy (default slomax)")
     p.add_argument("--topology", default=None,
@@ -124,22 +127,32 @@ def run(args: argparse.Namespace) -> int:
         env["PYTHONUNBUFFERED"] = "1"
         py = [sys.executable, "-m", "tokenfleet.cli.main"]
         engines: list[str] = []
-        for d, dc in enumerate(DEFAULT_DCS):
+        kv_of: dict[str, str] = {}
+
+        def start_engine(dc: str, inst: str) -> tuple[str, str]:
+            eport = _free_port()
+            # the engine publishes vLLM KV events; its worker relays them to the
+            # shared prefix index (exact cache knowledge for every API replica)
+            kv_of[inst] = f"tcp://127.0.0.1:{_free_port()}"
+            sup.start(f"engine-{inst}", py + [
+                "engine-sim", "--port", str(eport), "--profile", args.profile,
+                "--time-scale", str(args.time_scale), "--seed", str(len(kv_of)),
+                "--kv-events-endpoint", kv_of[inst]], env)
+            return f"engine-{inst}", f"http://127.0.0.1:{eport}"
+
+        def start_worker(dc: str, inst: str, engine_url: str) -> str:
+            sup.start(f"worker-{inst}", py + [
+                "worker", "--dc", dc, "--instance", inst, "--engine-url", engine_url,
+                "--profile", args.profile, "--slots", str(args.slots),
+                "--kv-events", kv_of[inst], "--loglevel", args.loglevel], env,
+                stop_timeout_s=15.0)
+            return f"worker-{inst}"
+
+        for dc in DEFAULT_DCS:
             for k in range(args.instances_per_dc):
                 inst = f"{dc.split('-')[-1]}-{k}"
-                eport = _free_port()
-                engine_url = f"http://127.0.0.1:{eport}"
-                # the engine publishes vLLM KV events; its worker relays them to the
-                # shared prefix index (exact cache knowledge for every API replica)
-                kv = f"tcp://127.0.0.1:{_free_port()}"
-                sup.start(f"engine-{inst}", py + [
-                    "engine-sim", "--port", str(eport), "--profile", args.profile,
-                    "--time-scale", str(args.time_scale), "--seed", str(100 * d + k),
-                    "--kv-events-endpoint", kv], env)
-                sup.start(f"worker-{inst}", py + [
-                    "worker", "--dc", dc, "--instance", inst, "--engine-url", engine_url,
-                    "--profile", args.profile, "--slots", str(args.slots),
-                    "--kv-events", kv, "--loglevel", args.loglevel], env, stop_timeout_s=15.0)
+                _child, engine_url = start_engine(dc, inst)
+                start_worker(dc, inst, engine_url)
                 engines.append(inst)
         sup.start("beat", py + ["beat", "--loglevel", args.loglevel], env)
         sup.start("api", py + ["api", "--host", host, "--port", str(port),
@@ -148,11 +161,33 @@ def run(args: argparse.Namespace) -> int:
         _wait_ready(sup, url, len(engines), stopping)
         if not stopping["flag"]:
             _banner(url, api_key, data_dir)
+        # the long cycle's replica targets (beat -> Redis): prewarm and retire engines
+        from tokenfleet.live.replicas import LocalReplicas
+        from tokenfleet.live.state import LiveState
+
+        state = LiveState.from_url(endpoints.redis_url, prefix=live.redis_prefix)
+        replicas = LocalReplicas(
+            sup, state, base={dc: args.instances_per_dc for dc in DEFAULT_DCS},
+            start_engine=start_engine, start_worker=start_worker,
+            healthy=_healthy, max_per_dc=args.max_instances_per_dc)
+        next_plan_check = 0.0
         while not stopping["flag"]:
             for name in sup.poll():
                 print(f"tokenfleet up: {name} died and was restarted (see "
                       f"{sup.children[name].log_path})", file=sys.stderr, flush=True)
+            if time.monotonic() >= next_plan_check:
+                next_plan_check = time.monotonic() + 1.0
+                try:
+                    for line in replicas.reconcile():
+                        print(f"tokenfleet up: {line}", file=sys.stderr, flush=True)
+                except Exception as exc:  # noqa: BLE001 - Redis blip: try again next second
+                    print(f"tokenfleet up: replica plan not applied now ({exc})",
+                          file=sys.stderr, flush=True)
             time.sleep(0.2)
+        try:
+            replicas.stop()
+        except Exception:  # noqa: BLE001
+            pass
         print("tokenfleet up: stopping...", file=sys.stderr, flush=True)
         return 0
     except TokenFleetError:
@@ -163,6 +198,13 @@ def run(args: argparse.Namespace) -> int:
         sup.stop_all(order=["api", "beat"] + [n for n in sup.children if n.startswith("worker-")])
         stack.stop()
         print("tokenfleet up: stopped", file=sys.stderr, flush=True)
+
+
+def _healthy(engine_url: str) -> bool:
+    try:
+        return _get(engine_url, "/health", timeout=0.5)[0] == 200
+    except OSError:
+        return False
 
 
 def _wait_ready(sup: Any, url: str, n_instances: int, stopping: dict[str, bool],
