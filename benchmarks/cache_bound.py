@@ -1,0 +1,125 @@
+"""How low can any router push the TTFT tail on a trace? A prefix-cache bound.
+
+With one router and little queueing, TokenPilot's TTFT tail on Mooncake is
+prefill of the prompt part that is not cached. A router decides only where a
+prompt goes; each engine then caches and evicts by LRU. So the best a router
+can do, short of knowing the future, is what one LRU cache holding the whole
+pool's KV would do (no prefix stored twice), with no queueing at all. This
+replays the trace through such caches and prints the p50/p95 of *prefill
+alone* (the engine profile's chunked prefill of the uncached part):
+
+* ``lru_pooled``: one LRU of ``instances x kv_capacity`` (the no-future bound);
+* ``oracle_admission``: the same LRU, but a block is cached only if a later
+  request will use it (future knowledge no router has; how much smarter
+  admission could buy at most, with LRU eviction);
+* ``infinite``: every block stays cached (only first-time content misses).
+
+Block granularity is the engine's (16 tokens); blocks are inserted deepest
+first, so the shallow end of a prompt is the freshest, as in vLLM's free
+queue. With ``--against FILE`` (a ``tokenfleet sim --json`` result) it also
+prints the p95 a policy needs to be 15% below the best cache-aware peer.
+
+    .venv/bin/python benchmarks/cache_bound.py [--trace PATH] [--instances 8] \
+        [--against out/tokenpilot/load0.8.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import OrderedDict
+from pathlib import Path
+from typing import Sequence
+
+from tokenfleet.engine.profiles import EngineProfile, get_profile
+from tokenfleet.workloads.loader import load_workload
+
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / \
+    "mooncake_synthetic.jsonl"
+PEERS = ("llmd_weighted", "sglang_cache_aware", "dynamo_kv")
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def replay(prompts: Sequence[tuple[int, ...]], inputs: Sequence[int], capacity_blocks: int | None,
+           oracle: bool, block_tokens: int) -> tuple[list[int], float]:
+    """Cached tokens per request, and the token hit ratio."""
+    last_use: dict[int, int] = {}
+    if oracle:  # the last request that uses each block
+        for i, hashes in enumerate(prompts):
+            for h in hashes:
+                last_use[h] = i
+    lru: OrderedDict[int, None] = OrderedDict()
+    cached_tokens: list[int] = []
+    hit = total = 0
+    for i, hashes in enumerate(prompts):
+        n = 0
+        for h in hashes:
+            if h not in lru:
+                break
+            n += 1
+        c = min(n * block_tokens, max(0, inputs[i] - 1))
+        cached_tokens.append(c)
+        hit += c
+        total += inputs[i]
+        for h in reversed(hashes):  # deepest first: the prompt's head is freshest
+            if oracle and last_use[h] <= i:  # never used again: do not cache it
+                lru.pop(h, None)
+                continue
+            lru[h] = None
+            lru.move_to_end(h)
+        if capacity_blocks is not None:
+            while len(lru) > capacity_blocks:
+                lru.popitem(last=False)
+    return cached_tokens, hit / max(1, total)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", default=str(DEFAULT_TRACE))
+    ap.add_argument("--instances", type=int, default=8)
+    ap.add_argument("--profile", default="llama3-8b-h200")
+    ap.add_argument("--against", help="a `tokenfleet sim --json` result with the peers")
+    args = ap.parse_args()
+    if not Path(args.trace).exists():
+        print(f"trace {args.trace} not found (it lives in ../shared/traces)", file=sys.stderr)
+        return 2
+    prof: EngineProfile = get_profile(args.profile)
+    reqs = load_workload(args.trace)
+    prompts = [tuple(r.info.block_hashes) for r in reqs]
+    inputs = [r.info.input_tokens for r in reqs]
+    cap = args.instances * prof.kv_capacity_blocks
+    print(f"{len(reqs)} requests, {args.instances} x {prof.kv_capacity_tokens:,} KV tokens "
+          f"({prof.name}), prefill alone, no queueing")
+    print(f"{'cache':<18} {'hit ratio':>9} {'p50 s':>7} {'p95 s':>7}")
+    rows = {}
+    for name, capacity, oracle in (("lru_pooled", cap, False), ("oracle_admission", cap, True),
+                                   ("infinite", None, False)):
+        cached, ratio = replay(prompts, inputs, capacity, oracle, prof.block_size_tokens)
+        ttft = [prof.prefill_time_s(max(1, n - c), c) for n, c in zip(inputs, cached)]
+        rows[name] = _pct(ttft, 0.95)
+        print(f"{name:<18} {ratio:>9.1%} {_pct(ttft, 0.50):>7.3f} {_pct(ttft, 0.95):>7.3f}")
+    if args.against:
+        data = json.loads(Path(args.against).read_text())
+        runs = data.get("runs", data.get("results", []))
+        p95 = {}
+        for run in runs:
+            pol = run.get("policy")
+            ttft = run.get("ttft_s") or {}
+            if pol in PEERS and "p95" in ttft:
+                p95[pol] = float(ttft["p95"])
+        if p95:
+            best = min(p95, key=lambda k: p95[k])
+            need = 0.85 * p95[best]
+            print(f"best peer p95 {p95[best]:.3f} s ({best}); 15% below it is {need:.3f} s; "
+                  f"the no-future bound is {rows['lru_pooled']:.3f} s "
+                  f"({'below' if rows['lru_pooled'] < need else 'ABOVE'} the target)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
