@@ -53,7 +53,8 @@ def view(dc: str, iid: str, *, version: str = "2", ready: bool = True,
 def request(i: int, tenant: str = "acme", tokens: int = 2000, version: str = "") -> RequestInfo:
     return RequestInfo(request_id=f"r{i}", arrival_s=float(i), input_tokens=tokens,
                        max_tokens=128, tenant=tenant, model=MODEL, model_version=version,
-                       tier="interactive", block_hashes=(i * 1000 + 1, i * 1000 + 2))
+                       tier="interactive",
+                       block_hashes=tuple(i * 1000 + k for k in range(1, 41)))  # 640 tokens
 
 
 def fleet(**kw: Any) -> LiveFleet:
@@ -135,19 +136,27 @@ def test_the_tenant_records_regions_narrow_the_topology() -> None:
     assert f.compliant_dcs(request(9, tenant="bank"), f.tenant("bank", ["eu", "us"])) == {"east"}
 
 
-def test_without_a_home_equal_datacenters_share_the_work() -> None:
+def test_without_a_home_prompts_spread_by_prefix_and_a_shared_prefix_sticks() -> None:
     f = LiveFleet("fleetmind")  # no topology: each DC its own region, no homes
     f.refresh(four(), 0.0)
     chosen = []
-    for i in range(8):
+    for i in range(40):  # distinct prompts, one at a time (no queueing anywhere)
         r = request(i, tenant="anyone")
         d, home = f.select(r, f.tenant("anyone"))
         t = f.dispatched(r, d, home)
-        f.first_token(t, r, 0.05)
+        f.first_token(t, r, 0.05 if d.dc == "east" else 0.01)  # east looks slower
         f.finished(t, r, "completed", 10)
         chosen.append(d.dc)
-    assert home is None
-    assert chosen.count("east") == chosen.count("west") == 4, chosen
+    assert d.reason == "home" and home == d.dc  # the prefix's DC is its home
+    assert 12 <= chosen.count("east") <= 28, chosen  # both keep getting traffic
+    # a follow-up sharing a prompt's beginning goes where that prompt went
+    for i in (3, 17, 31):
+        follow = RequestInfo(request_id=f"f{i}", arrival_s=50.0, input_tokens=3000,
+                             max_tokens=64, tenant="anyone", model=MODEL,
+                             tier="interactive",
+                             block_hashes=request(i).block_hashes + (7, 8, 9))
+        d, _ = f.select(follow, f.tenant("anyone"))
+        assert d.dc == chosen[i], (i, d)
 
 
 def test_accounting_is_released_once_whatever_ends_the_request() -> None:
