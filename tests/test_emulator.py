@@ -483,3 +483,24 @@ def test_kv_events_reach_a_subscriber(fmt: str, engine_binds: bool) -> None:
     finally:
         if sub is not None:
             sub.close()
+
+
+def test_request_log_records_engine_side_times_in_order(tmp_path: Path) -> None:
+    """The request log (TOKENFLEET_EMULATOR_REQUEST_LOG) gives, per request,
+    wall-clock times from receipt to the model's first-token step and its
+    delivery; the first-token step ends one prefill after submission."""
+    log = tmp_path / "engine.jsonl"
+    with EmulatorServer(PROFILE, time_scale=0.2, request_log=str(log)) as srv:
+        before = time.time()
+        r = chat(srv.url, "hello " * 400, max_tokens=4, ignore_eos=True, stream=True,
+                 headers={"X-Request-Id": "probe-1"})
+        assert sse_events(r)[-1] == "[DONE]"
+        chat(srv.url, "again", max_tokens=2, ignore_eos=True)
+        assert wait_for(lambda: log.exists() and len(log.read_text().splitlines()) == 2)
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    e = next(x for x in lines if x["id"] == "probe-1")
+    assert before <= e["received"] <= e["submitted"] <= e["first_model"] <= e["first"] <= e["done"]
+    assert e["status"] == "completed" and e["generated"] == 4 and e["cached_tokens"] == 0
+    prefill_s = get_profile(PROFILE).prefill_time_s(e["input_tokens"]) * 0.2
+    assert e["first_model"] - e["submitted"] >= 0.9 * prefill_s
+    assert e["loop_resyncs"] >= 0 and e["loop_lost_s"] >= 0.0

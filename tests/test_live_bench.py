@@ -76,3 +76,34 @@ def test_bench_errors_are_one_line(stack: LiveStack, tmp_path: Path) -> None:
          "--trace", str(tmp_path / "missing.jsonl"), "--api-key", "wrong"],
         capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "401" in proc.stderr
+
+
+def test_path_latency_joins_client_outcomes_with_engine_logs(tmp_path: Path) -> None:
+    """Dispatch = client send -> engine submit, relay = engine first-token step
+    -> client; requests are joined by the API's id (engine id '<id>-<attempt>')."""
+    from tokenfleet.live.bench import Outcome, path_delays, path_latency
+
+    outs, lines = [], []
+    for i in range(200):
+        req = TraceRequest(RequestInfo(f"t{i}", 0.0, 100, 10), 5)
+        sent_wall = 1000.0 + i
+        d, r = 0.004 + 0.0001 * i, 0.001 + 0.00002 * i
+        outs.append(Outcome(req, "interactive", sent_s=float(i), first_token_s=i + d + 0.05 + r,
+                            api_request_id=f"rid{i}", sent_wall=sent_wall))
+        lines.append({"id": f"rid{i}-1", "received": sent_wall + d - 0.001,
+                      "submitted": sent_wall + d, "first_model": sent_wall + d + 0.05,
+                      "first": sent_wall + d + 0.0502})
+    outs.append(Outcome(TraceRequest(RequestInfo("lost", 0.0, 100, 10), 5), "interactive",
+                        sent_s=0.0, api_request_id="nobody", sent_wall=1.0))
+    (tmp_path / "e0.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    rows = path_delays(outs, tmp_path)
+    assert len(rows) == 200
+    dispatch, relay = [d for _, d, _ in rows], [r for _, _, r in rows]
+    assert rows[7][0] == 100
+    assert dispatch[7] == pytest.approx(0.0047) and relay[7] == pytest.approx(0.00114)
+    lat = path_latency(outs, tmp_path)
+    assert lat.dispatch_min_s == pytest.approx(0.0041, abs=2e-4)
+    assert lat.dispatch_min_s + lat.dispatch_tail_s == pytest.approx(sum(dispatch) / 200)
+    assert lat.relay_min_s + lat.relay_tail_s == pytest.approx(sum(relay) / 200)
+    with pytest.raises(ValueError):
+        path_latency(outs, tmp_path / "empty")

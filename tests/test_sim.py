@@ -201,3 +201,44 @@ def test_kv_events_reach_routers_when_enabled() -> None:
         assert _KVSpy.kinds["removed"] > 0  # small caches must evict
     finally:
         ROUTERS.remove("_kvspy")
+
+
+def test_path_latency_delays_engine_arrival_and_client_tokens() -> None:
+    """With a live path latency the engine sees each request ``dispatch`` after
+    it arrives and the client its first token ``relay`` after the engine made
+    it; all zero (the default) is the idealised path, unchanged."""
+    from tokenfleet.sim.cluster import PathLatency
+
+    reqs = burst(40, [random.Random(i).randint(5, 50) for i in range(40)], spacing_s=0.5)
+    ideal, _ = run(reqs, "round_robin")
+    fixed = PathLatency(dispatch_min_s=0.010, relay_min_s=0.003)
+    late, _ = run(reqs, "round_robin", path_latency=fixed)
+    # requests 0.5 s apart never queue: each TTFT grows by exactly the two latencies
+    for a, b in zip(ideal, late):
+        assert a.request_id == b.request_id and a.instance_id == b.instance_id
+        assert b.first_token_s - b.arrival_s == pytest.approx(
+            a.first_token_s - a.arrival_s + 0.013, abs=1e-9)
+        assert b.finish_s - b.first_token_s == pytest.approx(a.finish_s - a.first_token_s)
+    zero, _ = run(reqs, "round_robin", path_latency=PathLatency())
+    assert [(r.first_token_s, r.finish_s) for r in zero] == \
+           [(r.first_token_s, r.finish_s) for r in ideal]
+    # exponential tails: seeded, at least the minimum, different per request
+    jitter = PathLatency(dispatch_min_s=0.004, dispatch_tail_s=0.006, relay_min_s=0.001,
+                         relay_tail_s=0.003)
+    x, _ = run(reqs, "round_robin", path_latency=jitter)
+    y, _ = run(reqs, "round_robin", path_latency=jitter)
+    assert [r.first_token_s for r in x] == [r.first_token_s for r in y]
+    extra = [b.first_token_s - b.arrival_s - (a.first_token_s - a.arrival_s)
+             for a, b in zip(ideal, x)]
+    assert min(extra) >= 0.005 - 1e-9 and len({round(e, 9) for e in extra}) > 30
+
+
+def test_path_latency_request_cancelled_before_reaching_its_engine() -> None:
+    from tokenfleet.sim.cluster import PathLatency
+
+    info = RequestInfo(request_id="c0", arrival_s=0.0, input_tokens=4000, max_tokens=64,
+                       block_hashes=tuple(range(250)))
+    tr = TraceRequest(info, 32, client_timeout_s=0.005)
+    recs, pool = run([tr], "round_robin", path_latency=PathLatency(dispatch_min_s=0.050))
+    assert recs[0].status == "cancelled" and recs[0].first_token_s is None
+    assert all(not e.waiting and not e.running for e in pool.engines)

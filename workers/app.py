@@ -26,7 +26,13 @@ Settings and why (Celery 5.6 docs):
   waiting. RabbitMQ has no cross-queue order; there the worker's tier gate
   stops consuming lower tiers while a higher one has work queued.
   ``polling_interval`` (= the BRPOP timeout) is 0.1 s instead of 1 s so a
-  queue the gate re-enables is polled again at once.
+  queue the gate re-enables is polled again at once. ``priority_steps = [0]``:
+  we never set message priorities (tiers are separate queues), so the
+  transport's default of four sub-lists per queue (``[0, 3, 6, 9]``,
+  "Routing Tasks > Redis Message Priorities") only made every BRPOP name
+  four keys per queue, rebuilt in Python after each message. A message of
+  priority 0 goes to the plain queue key either way, so publishers with the
+  default steps stay compatible.
 * Direct routing by computed name: ``task_create_missing_queues`` makes
   each ``<dc>.<tier>`` / ``<dc>.<instance>.<tier>`` a queue bound to a
   direct exchange of the same name with that routing key, so publishing is
@@ -57,6 +63,7 @@ def celery_settings(broker_url: str, live: LiveConfig) -> dict[str, Any]:
         # BRPOP timeout: a consumer whose queue set changed (tier gate) re-polls
         # with the new set within this long (kombu default: 1 s)
         transport["polling_interval"] = 0.1
+        transport["priority_steps"] = [0]
         transport["socket_connect_timeout"] = 2.0
     return {
         "broker_url": broker_url,

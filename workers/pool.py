@@ -1,5 +1,16 @@
 """Celery's threads pool, plus a wake-up of the event loop when a task ends.
 
+Why threads: a request task spends its time waiting on the engine's stream
+and on Redis, so it is I/O-bound. Celery's concurrency guide ("Concurrency >
+Overview of Concurrency Options", docs.celeryq.dev/en/stable/userguide/
+concurrency/) recommends ``prefork`` for CPU-bound work; it would also hand
+every message to a child process over a pipe (one more hop and a pickling of
+the whole prompt on the time-to-first-token path) and cap the requests a
+worker streams at once to its process count. ``solo`` runs one task at a time
+in the consumer's own thread, which cannot stream ``--slots`` requests at once.
+``threads`` runs each task on a ``concurrent.futures`` thread of the worker
+process: no extra hop, ``concurrency = slots`` streams.
+
 With ``task_acks_late`` the message is acknowledged from the pool thread
 after the task returns. Celery's threads pool never tells the worker's event
 loop about it, so on Redis (where a new ``BRPOP`` is only issued when the

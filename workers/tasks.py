@@ -145,13 +145,15 @@ def run_job(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = 
                 # round trip, the relay entry first
                 first_ts = time.time()
                 flight.first_token = True
-                rt.gate_kick.set()  # its prefill is done: pool work may flow again
                 with state.batch() as b:
                     b.xadd(relay.key, relay.delta_fields(piece.text, piece.tokens),
                            ttl_s=rt.live.stream_ttl_s)
                     b.first_token(rid)
                     b.account(rt.info.instance_id, "on_first_token", info, cached_est)
                 relay.mark_expiry_set()
+                # its prefill is done: pool work may flow again. Woken only now, so
+                # the gate thread does not take the GIL while the token is in transit.
+                rt.gate_kick.set()
                 # after the token is on its way: hashing a long prompt takes a while
                 events = _prefix_events(rt, job)
                 if events:

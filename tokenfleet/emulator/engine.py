@@ -111,7 +111,8 @@ class RequestHandle:
     """
 
     __slots__ = ("request_id", "req", "arrival_s", "generated", "first_token_at_s",
-                 "last_token_at_s", "cached_tokens", "done", "status", "changed")
+                 "first_token_model_s", "last_token_at_s", "cached_tokens", "done", "status",
+                 "changed")
 
     def __init__(self, req: EmulatedRequest, arrival_s: float) -> None:
         self.request_id = req.request_id
@@ -119,6 +120,9 @@ class RequestHandle:
         self.arrival_s = arrival_s
         self.generated = 0
         self.first_token_at_s: float | None = None
+        #: when the engine model's step that made the first token ended (the
+        #: loop's virtual clock); ``first_token_at_s`` is when it was delivered
+        self.first_token_model_s: float | None = None
         self.last_token_at_s = 0.0
         self.cached_tokens = 0
         self.done = False
@@ -160,6 +164,10 @@ class EngineLoop:
         self.steps = 0
         self._stop = False
         self._vclock: float | None = None
+        #: times the loop fell more than MAX_LAG_S behind its virtual clock and
+        #: resynced, and the model time lost that way (a faithful run has ~0)
+        self.resyncs = 0
+        self.lost_s = 0.0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         metrics.attach(self.snapshot)
 
@@ -267,7 +275,13 @@ class EngineLoop:
             # Steps run back to back on a virtual clock, so per-step Python
             # overhead does not stretch the model's timing at small time scales.
             vstart = self._vclock
-            base = vstart if vstart is not None and now - vstart < self.MAX_LAG_S else now
+            if vstart is not None and now - vstart < self.MAX_LAG_S:
+                base = vstart
+            else:
+                base = now
+                if vstart is not None:
+                    self.resyncs += 1
+                    self.lost_s += now - vstart
             if pause:
                 base = max(base, now) + pause
             deadline = base + dur * self.time_scale
@@ -280,10 +294,11 @@ class EngineLoop:
                     return
                 result = engine.finish_step()
                 self.steps += 1
-                self._deliver(engine.last_batch, result, self.clock())
+                self._deliver(engine.last_batch, result, self.clock(), deadline)
                 self._publish()
 
-    def _deliver(self, batch: list[EngineRequest], result: StepResult, now: float) -> None:
+    def _deliver(self, batch: list[EngineRequest], result: StepResult, now: float,
+                 model_now: float | None = None) -> None:
         handles = self.handles
         metrics = self.metrics
         woken: list[RequestHandle] = []
@@ -296,6 +311,7 @@ class EngineLoop:
                 continue
             if h.first_token_at_s is None:
                 h.first_token_at_s = now
+                h.first_token_model_s = model_now
                 h.cached_tokens = req.cached_tokens
                 self.prompt_tokens_total += req.input_tokens
                 metrics.observe_ttft(now - h.arrival_s)

@@ -75,6 +75,9 @@ class EmulatorConfig:
     seed: int = 0
     access_log: bool = False
     instance_id: str = field(default="emulator-0")
+    #: JSONL file with one line per finished completion (engine-side timings,
+    #: wall-clock seconds); default: ``$TOKENFLEET_EMULATOR_REQUEST_LOG``
+    request_log: str | None = None
 
     def resolved_profile(self) -> EngineProfile:
         prof = get_profile(self.profile) if isinstance(self.profile, str) else self.profile
@@ -163,6 +166,11 @@ class EmulatorServer:
         self._httpd: _HTTPServer | None = None
         self._serve_thread: threading.Thread | None = None
         self.failures_injected = 0
+        log_path = cfg.request_log or os.environ.get("TOKENFLEET_EMULATOR_REQUEST_LOG")
+        self._request_log = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115
+        self._request_log_lock = threading.Lock()
+        #: wall clock minus the loop's clock, to write loop times as wall times
+        self._wall_offset = time.time() - self.loop.clock()
 
     # -- lifecycle -----------------------------------------------------------
     @property
@@ -228,6 +236,31 @@ class EmulatorServer:
         if self.publisher is not None:
             self.publisher.close()
             self.publisher = None
+        if self._request_log is not None:
+            with self._request_log_lock:
+                self._request_log.close()
+                self._request_log = None
+
+    def log_request(self, handle: RequestHandle, received_s: float) -> None:
+        """One line of the request log (if enabled): when the HTTP request came
+        in, was submitted to the engine, when the model's step produced its
+        first token and when that token was delivered (all wall clock)."""
+        if self._request_log is None:
+            return
+        off = self._wall_offset
+        loop = self.loop
+        line = json.dumps({
+            "id": handle.request_id, "received": received_s, "submitted": handle.arrival_s + off,
+            "first_model": (handle.first_token_model_s + off
+                            if handle.first_token_model_s is not None else None),
+            "first": handle.first_token_at_s + off if handle.first_token_at_s else None,
+            "done": time.time(), "status": handle.status,
+            "input_tokens": handle.req.input_tokens, "cached_tokens": handle.cached_tokens,
+            "generated": handle.generated, "loop_resyncs": loop.resyncs,
+            "loop_lost_s": round(loop.lost_s, 6)})
+        with self._request_log_lock:
+            if self._request_log is not None:
+                self._request_log.write(line + "\n")
 
     def __enter__(self) -> EmulatorServer:
         self.start()
@@ -449,6 +482,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _completion(self, chat: bool) -> None:
         app = self.app
+        received = time.time()
         body = self._read_json()
         if app.inject_failure():
             raise ApiError(500, "injected failure (--fail-5xx-rate)")
@@ -466,6 +500,8 @@ class _Handler(BaseHTTPRequestHandler):
         except (_ClientGone, BrokenPipeError, ConnectionResetError, TimeoutError):
             app.loop.abort(handle.request_id)
             self.close_connection = True
+        finally:
+            app.log_request(handle, received)
 
     def _respond(self, handle: RequestHandle, parsed: ParsedRequest, rid: str) -> None:
         self._wait(handle, None)

@@ -43,8 +43,10 @@ class _Caller:
         self.key = key
         self._local = threading.local()
 
-    def call(self, body: dict[str, Any]) -> tuple[float, float]:
-        """(seconds to first content, seconds to end) of one streamed completion."""
+    def call(self, body: dict[str, Any], trace: dict[str, Any] | None = None
+             ) -> tuple[float, float]:
+        """(seconds to first content, seconds to end) of one streamed completion;
+        ``trace`` gets the request id and wall-clock send/first-token times."""
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = self._local.conn = http.client.HTTPConnection(self.host, self.port,
@@ -52,11 +54,14 @@ class _Caller:
         headers = {"Content-Type": "application/json"}
         if self.key:
             headers["Authorization"] = f"Bearer {self.key}"
+        wall0 = time.time()
         t0 = time.perf_counter()
         first = None
         try:
             conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=headers)
             resp = conn.getresponse()
+            if trace is not None:
+                trace["rid"] = resp.getheader("X-Request-Id") or ""
             if resp.status != 200:
                 resp.read()
                 raise RuntimeError(f"HTTP {resp.status}")
@@ -73,11 +78,15 @@ class _Caller:
             self._local.conn = None
             raise
         end = time.perf_counter()
+        if trace is not None:
+            trace["sent"] = wall0
+            trace["first"] = wall0 + ((first or end) - t0)
         return (first or end) - t0, end - t0
 
 
 def overhead(stack: LiveStack, rate_rps: float = 50.0, duration_s: float = 20.0,
-             output_tokens: int = 8) -> dict[str, Any]:
+             output_tokens: int = 8, traces: list[dict[str, Any]] | None = None
+             ) -> dict[str, Any]:
     api = _Caller(stack.url, API_KEY)
     direct = _Caller(next(iter(stack.engine_urls.values())), None)
     body = {"model": stack.model, "stream": True, "max_tokens": output_tokens,
@@ -90,8 +99,10 @@ def overhead(stack: LiveStack, rate_rps: float = 50.0, duration_s: float = 20.0,
 
     def one(i: int, which: str) -> None:
         msg = {"role": "user", "content": f"overhead probe {i} {which}"}
+        trace: dict[str, Any] | None = {} if traces is not None and which == "api" else None
         try:
-            ttft, e2e = (api if which == "api" else direct).call(dict(body, messages=[msg]))
+            ttft, e2e = (api if which == "api" else direct).call(dict(body, messages=[msg]),
+                                                                 trace)
         except Exception:  # noqa: BLE001
             with lock:
                 errors[0] += 1
@@ -99,6 +110,8 @@ def overhead(stack: LiveStack, rate_rps: float = 50.0, duration_s: float = 20.0,
         with lock:
             res[f"{which}_ttft"].append(ttft)
             res[f"{which}_e2e"].append(e2e)
+            if trace is not None and traces is not None and i >= 0:
+                traces.append(trace)
 
     n = int(rate_rps * duration_s)
     # warm both paths
@@ -124,6 +137,54 @@ def overhead(stack: LiveStack, rate_rps: float = 50.0, duration_s: float = 20.0,
             out[f"direct_{metric}_p{q}_ms"] = round(d * 1e3, 2)
             out[f"overhead_{metric}_p{q}_ms"] = round((a - d) * 1e3, 2)
     return out
+
+
+#: hops of the request path, in order: (name, from timestamp, to timestamp)
+HOPS = (("client -> API arrival", "sent", "arrival"),
+        ("API: arrival -> admitted", "arrival", "admitted"),
+        ("publish -> worker receives", "admitted", "received"),
+        ("worker: received -> claimed", "received", "claimed"),
+        ("worker: claimed -> engine call", "claimed", "dispatched"),
+        ("worker -> engine receives", "dispatched", "engine_received"),
+        ("engine: received -> first token", "engine_received", "engine_first"),
+        ("engine -> worker first token", "engine_first", "worker_first"),
+        ("worker -> client first token", "worker_first", "first"))
+
+
+def breakdown(stack: LiveStack, traces: list[dict[str, Any]],
+              engine_log_dir: Path) -> dict[str, Any]:
+    """Median and p90 of each hop (ms), joining the client's times with the
+    ledger (API and worker), the request state in Redis (when the worker's
+    consumer received the message and claimed it) and the engines' request
+    logs. All are wall-clock times of processes on this machine."""
+    rows = {r["request_id"]: r for r in stack.ledger_rows(timeout_s=3.0)}
+    engine: dict[str, dict[str, Any]] = {}
+    for f in engine_log_dir.glob("*.jsonl"):
+        for line in f.read_text().splitlines():
+            e = json.loads(line)
+            engine[e["id"].rsplit("-", 1)[0]] = e
+    state = stack.gateway.state
+
+    def ts(x: Any) -> float | None:
+        return x.timestamp() if x is not None else None
+
+    per_hop: dict[str, list[float]] = {name: [] for name, _, _ in HOPS}
+    for t in traces:
+        rid = t.get("rid")
+        row, e = rows.get(rid), engine.get(rid)
+        if not rid or row is None or e is None:
+            continue
+        st = state.request_state(rid)
+        point = dict(t, arrival=ts(row["arrival_ts"]), admitted=ts(row["admitted_ts"]),
+                     received=float(st.get("received_at") or "nan"),
+                     claimed=float(st.get("claimed_at") or "nan"),
+                     dispatched=ts(row["dispatched_ts"]), engine_received=e["received"],
+                     engine_first=e["first"], worker_first=ts(row["first_token_ts"]))
+        for name, a, b in HOPS:
+            if point.get(a) is not None and point.get(b) is not None:
+                per_hop[name].append(point[b] - point[a])
+    return {name: {"p50_ms": round(_pct(xs, 50) * 1e3, 2), "p90_ms": round(_pct(xs, 90) * 1e3, 2),
+                   "n": len(xs)} for name, xs in per_hop.items()}
 
 
 def throughput(stack: LiveStack, clients: int = 32, duration_s: float = 10.0) -> dict[str, Any]:
@@ -167,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--workers", type=int, default=2, help="engine instances (one worker each)")
     p.add_argument("--json", default=None)
+    p.add_argument("--breakdown", action="store_true",
+                   help="also report the median of each hop (ledger, Redis request "
+                        "state and engine request logs joined per request)")
+    p.add_argument("--no-throughput", action="store_true")
     args = p.parse_args(argv)
     from tokenfleet.service.testing import temp_data_dir
 
@@ -174,14 +239,23 @@ def main(argv: list[str] | None = None) -> int:
     with temp_data_dir("tokenfleet-overhead-") as d:
         specs = [InstanceSpec("dc-a", f"a{i}", {"time_scale": 1e-4}, slots=64)
                  for i in range(args.workers)]
+        log_dir = Path(d) / "engine-requests"
+        log_dir.mkdir()
         stack = LiveStack(data_dir=d, instances=specs, with_postgres=True, time_scale=1e-4,
                           router="round_robin", app_config={"CHAT_QUOTAS": False},
                           engines_in_process=False, api_in_process=False,
-                          admission="none")
+                          admission="none",
+                          engine_env={"TOKENFLEET_EMULATOR_REQUEST_LOG":
+                                      str(log_dir / "{instance}.jsonl")}
+                          if args.breakdown else {})
         stack.start()
         try:
-            report["overhead"] = overhead(stack, args.rate, args.duration)
-            report["throughput"] = throughput(stack, args.clients)
+            traces: list[dict[str, Any]] | None = [] if args.breakdown else None
+            report["overhead"] = overhead(stack, args.rate, args.duration, traces=traces)
+            if traces is not None:
+                report["breakdown"] = breakdown(stack, traces, log_dir)
+            if not args.no_throughput:
+                report["throughput"] = throughput(stack, args.clients)
         finally:
             stack.stop()
     text = json.dumps(report, indent=2)

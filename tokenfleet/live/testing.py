@@ -55,6 +55,13 @@ class LiveStack:
     #: False: the API runs as a `tokenfleet api` process (benchmarks)
     api_in_process: bool = True
     engine_urls: dict[str, str] = field(default_factory=dict)
+    #: extra environment of engine processes (e.g. TOKENFLEET_EMULATOR_REQUEST_LOG;
+    #: ``{instance}`` in a value becomes the instance id)
+    engine_env: dict[str, str] = field(default_factory=dict)
+    #: engine processes publish vLLM KV events (ZeroMQ) and their workers relay
+    #: them (``--kv-events``), so routers get exact cache knowledge
+    engine_kv_events: bool = False
+    kv_endpoints: dict[str, str] = field(default_factory=dict)
     _state: Any = None
 
     redis: Any = None
@@ -138,10 +145,20 @@ class LiveStack:
                 port = free_port()
             used.add(port)
             ts = spec.emulator.get("time_scale", self.time_scale)
+            env = dict(self.env, **{k: v.replace("{instance}", spec.instance_id)
+                                    for k, v in self.engine_env.items()})
+            extra: list[str] = []
+            if self.engine_kv_events:
+                kv_port = free_port()
+                while kv_port in used:
+                    kv_port = free_port()
+                used.add(kv_port)
+                self.kv_endpoints[spec.instance_id] = f"tcp://127.0.0.1:{kv_port}"
+                extra = ["--kv-events-endpoint", self.kv_endpoints[spec.instance_id]]
             self.sup.start(f"engine-{spec.instance_id}", [
                 sys.executable, "-m", "tokenfleet.cli.main", "engine-sim", "--port", str(port),
-                "--profile", PROFILE, "--time-scale", str(ts), "--seed", str(k + 1)],
-                self.env, restart=False)
+                "--profile", PROFILE, "--time-scale", str(ts), "--seed", str(k + 1), *extra],
+                env, restart=False)
             self.engine_urls[spec.instance_id] = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
         for url in self.engine_urls.values():
@@ -165,8 +182,9 @@ class LiveStack:
     def start_worker(self, spec: InstanceSpec) -> None:
         assert self.sup is not None
         emu = self.emulators.get(spec.instance_id)
-        extra = ["--kv-events", emu.kv_events_endpoint] if getattr(
-            emu, "kv_events_endpoint", None) else []
+        endpoint = getattr(emu, "kv_events_endpoint", None) or self.kv_endpoints.get(
+            spec.instance_id)
+        extra = ["--kv-events", endpoint] if endpoint else []
         self.sup.start(f"worker-{spec.instance_id}", [
             sys.executable, "-m", "tokenfleet.cli.main", "worker", "--dc", spec.dc,
             "--instance", spec.instance_id, "--engine-url", self.engine_urls[spec.instance_id],

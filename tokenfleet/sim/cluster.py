@@ -39,6 +39,42 @@ from tokenfleet.workloads.trace import TraceRequest
 ProgressFn = Callable[[int, int], None]
 
 
+@dataclass(frozen=True, slots=True)
+class PathLatency:
+    """Latency of the live request path, which the simulator otherwise takes as zero.
+
+    ``dispatch``: from a request's arrival (the client sends it) to its engine
+    receiving it (API, broker, worker, HTTP); ``relay``: from the engine's
+    first token to the client (worker, Redis stream, API, SSE). Each is
+    ``min_s`` plus an exponential tail of mean ``tail_s`` (a fixed cost of
+    the hops plus waiting for CPU and I/O), drawn per request from a seeded
+    generator of its own. Routing still happens at arrival, as the API routes
+    when the request comes in; the engine sees the request ``dispatch`` later
+    and the client its tokens ``relay`` later (records carry client times;
+    policy callbacks keep engine times). Measure it on the live system
+    (:func:`tokenfleet.live.bench.path_latency`); the default (all zero) is
+    the idealised path.
+    """
+
+    dispatch_min_s: float = 0.0
+    dispatch_tail_s: float = 0.0
+    relay_min_s: float = 0.0
+    relay_tail_s: float = 0.0
+
+    @property
+    def is_zero(self) -> bool:
+        return not (self.dispatch_min_s or self.dispatch_tail_s or self.relay_min_s
+                    or self.relay_tail_s)
+
+    def draw(self, rng: random.Random) -> tuple[float, float]:
+        """(dispatch, relay) seconds for one request."""
+        d = self.dispatch_min_s + (rng.expovariate(1.0 / self.dispatch_tail_s)
+                                   if self.dispatch_tail_s > 0 else 0.0)
+        r = self.relay_min_s + (rng.expovariate(1.0 / self.relay_tail_s)
+                                if self.relay_tail_s > 0 else 0.0)
+        return d, r
+
+
 @dataclass(slots=True)
 class _Flight:
     """Driver bookkeeping for one dispatched request."""
@@ -53,6 +89,7 @@ class _Flight:
     engine_req: EngineRequest
     got_first_token: bool = False
     done: bool = False
+    relay_s: float = 0.0  # first token (and end) reach the client this much later
 
 
 @dataclass
@@ -72,6 +109,8 @@ class PoolConfig:
     # to every router replica at the end of each step, as a live KV-event
     # subscriber would; routers with an exact-cache mode then use it.
     kv_events: bool = False
+    # Latency of the live path (API, broker, worker, relay); zero by default.
+    path_latency: PathLatency = field(default_factory=PathLatency)
 
 
 class PoolSim:
@@ -112,6 +151,8 @@ class PoolSim:
                 e.kv_listener = self._kv_sink(e.instance_id)
         self._flights: dict[str, _Flight] = {}
         self._rng = random.Random(config.seed)
+        # a generator of its own, so path latencies leave the replica draws alone
+        self._latency_rng = random.Random(config.seed * 7919 + 17)
         self.inflight = 0
         self._scraping = False
         # Optional hooks for an admission layer in front of the routers
@@ -148,24 +189,42 @@ class PoolSim:
         eng_req = EngineRequest(info.request_id, info.input_tokens,
                                 min(trace.output_tokens, info.max_tokens), info.block_hashes)
         engine = self.engines[idx]
-        try:
-            engine.add(eng_req)
-        except CapacityError:
-            self._finish_unrouted(record, "rejected")
-            return
+        latency = self.cfg.path_latency
+        dispatch_s = relay_s = 0.0
+        if latency.is_zero:
+            try:
+                engine.add(eng_req)
+            except CapacityError:
+                self._finish_unrouted(record, "rejected")
+                return
+        else:
+            if not _fits(engine, eng_req):
+                self._finish_unrouted(record, "rejected")
+                return
+            dispatch_s, relay_s = latency.draw(self._latency_rng)
         record.dispatched_s = env.now
         record.instance_id = engine.instance_id
         record.dc = self.cfg.dc
         record.predicted_ttft_s = decision.predicted_ttft_s
         views[idx].accounting.on_dispatch(info, decision.expected_cached_tokens)
-        self._flights[info.request_id] = _Flight(
-            trace, info, record, replica, idx, decision.expected_cached_tokens,
-            decision.predicted_ttft_s, eng_req)
+        fl = _Flight(trace, info, record, replica, idx, decision.expected_cached_tokens,
+                     decision.predicted_ttft_s, eng_req, relay_s=relay_s)
+        self._flights[info.request_id] = fl
         self.inflight += 1
         if self.on_dispatch is not None:
             self.on_dispatch(info, idx, decision.expected_cached_tokens)
-        if not engine.stepping:
+        if not latency.is_zero:
+            env.schedule(dispatch_s, self._reach_engine, fl)
+        elif not engine.stepping:
             self._start_step(idx)
+
+    def _reach_engine(self, fl: _Flight) -> None:
+        """The request arrives at its engine after the dispatch latency."""
+        if fl.done:  # cancelled on the way
+            return
+        self.engines[fl.instance].add(fl.engine_req)
+        if not self.engines[fl.instance].stepping:
+            self._start_step(fl.instance)
 
     def cancel(self, request_id: str, status: str = "cancelled") -> bool:
         """Client gave up: abort in the engine; spent work becomes waste."""
@@ -212,7 +271,7 @@ class PoolSim:
             if fl is None or fl.done:
                 continue
             fl.got_first_token = True
-            fl.record.first_token_s = now
+            fl.record.first_token_s = now + fl.relay_s
             fl.record.cached_tokens = er.cached_tokens
             self.views[fl.replica][idx].accounting.on_first_token(
                 fl.info, fl.expected_cached_tokens)
@@ -235,7 +294,7 @@ class PoolSim:
         self._flights.pop(fl.info.request_id, None)
         self.inflight -= 1
         rec = fl.record
-        rec.finish_s = now
+        rec.finish_s = now + (fl.relay_s if status == "completed" else 0.0)
         rec.status = status
         self.views[fl.replica][fl.instance].accounting.on_finish(
             fl.info, fl.got_first_token, fl.expected_cached_tokens)
@@ -307,6 +366,13 @@ class PoolSim:
 
     def preemptions(self) -> int:
         return sum(e.counters.preemptions for e in self.engines)
+
+
+def _fits(engine: EngineInstance, req: EngineRequest) -> bool:
+    """Whether ``engine.add(req)`` would accept it (the checks it makes)."""
+    need = -(-(req.input_tokens + req.output_tokens) // engine.block)
+    return (req.input_tokens + 1 <= engine.profile.model.max_model_len_tokens
+            and need <= engine.capacity_blocks)
 
 
 def new_record(info: RequestInfo, dc: str = "") -> RequestRecord:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 from tokenfleet.core.routing import ROUTERS
 from tokenfleet.core.tiers import SLOConfig
 from tokenfleet.engine.profiles import EngineProfile
-from tokenfleet.sim.cluster import PoolConfig, run_pool
+from tokenfleet.sim.cluster import PathLatency, PoolConfig, run_pool
 from tokenfleet.sim.metrics import summarize
 from tokenfleet.sim.records import RequestRecord
 from tokenfleet.workloads.trace import TraceRequest
@@ -29,12 +29,14 @@ class SimSettings:
     admission_kwargs: dict[str, dict[str, object]] = field(default_factory=dict)  # per policy
     control_period_s: float = 5.0
     kv_events: bool = False
+    #: latency of the live request path (zero: the idealised path)
+    path_latency: PathLatency = field(default_factory=PathLatency)
 
     def pool_config(self, router: str) -> PoolConfig:
         return PoolConfig(profile=self.profile, n_instances=self.instances, router=router,
                           router_kwargs=dict(self.router_kwargs), n_routers=self.routers,
                           scrape_interval_s=self.scrape_interval_s, seed=self.seed,
-                          kv_events=self.kv_events)
+                          kv_events=self.kv_events, path_latency=self.path_latency)
 
 
 @dataclass
