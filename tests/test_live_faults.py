@@ -33,8 +33,10 @@ def stack() -> Iterator[LiveStack]:
     # Tenant quotas (web.batch_api) look keys up in PostgreSQL when their cache
     # lapses, which turns a database outage into 503s; the live path itself must
     # keep serving, which is what this file checks, so they are off here.
+    # DC selection off: the router alternates over both instances, so each fault
+    # below meets traffic (FleetMind would learn to avoid a failing DC instead)
     with running_stack(router="round_robin", time_scale=1.0,
-                       live_overrides={"engine_fail_threshold": 2},
+                       live_overrides={"engine_fail_threshold": 2, "fleet_policy": "off"},
                        app_config={"CHAT_QUOTAS": False},
                        instances=[InstanceSpec("dc-a", "a0"), InstanceSpec("dc-b", "b0")]) as s:
         yield s

@@ -237,9 +237,11 @@ def test_instance_views_show_age_health_and_accounting(state: LiveState) -> None
 
 def test_kv_event_stream_round_trip(state: LiveState) -> None:
     last, _ = state.read_kv_events("0-0", block_ms=None)
-    state.publish_kv_events([KVEvent("i1", "stored", (1, 2, 3)), KVEvent("i1", "cleared", ())])
+    sent = [KVEvent("i1", "stored", (1, 2, 3)), KVEvent("i1", "cleared", ()),
+            KVEvent("i2", "stored", (4, 5), exact=False)]
+    state.publish_kv_events(sent)
     last2, evs = state.read_kv_events(last, block_ms=100)
-    assert evs == [KVEvent("i1", "stored", (1, 2, 3)), KVEvent("i1", "cleared", ())]
+    assert evs == sent and [e.exact for e in evs] == [True, True, False]
     assert last2 != last
 
 

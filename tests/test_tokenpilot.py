@@ -315,6 +315,28 @@ def test_exact_kv_events_override_the_approximate_index() -> None:
     assert route().expected_cached_tokens == 0
 
 
+def test_inferred_kv_hints_feed_the_approximate_tier_without_switching_to_exact() -> None:
+    """A worker's guess (a prompt is cached after its first token) and a late-binding
+    correction carry no evictions: they must not turn off the LRU-aged approximate
+    index for that instance, as a real engine event does."""
+    router = TokenPilotRouter()
+    pool = views(3)
+    hashes = prompt(600)
+    router.on_kv_event(KVEvent("i1", "stored", hashes, exact=False))
+    assert not router.knowledge.exact_instances
+    r = req(hashes + prompt(10))
+    d = router.route(r, PoolSnapshot(1.0, pool))
+    assert d.instance_id == "i1" and d.expected_cached_tokens >= 568 * BLOCK_SIZE_TOKENS
+    first_token(router, r, d, now_s=1.0)
+    router.on_kv_event(KVEvent("i1", "removed", hashes, exact=False))
+    assert router.route(req(hashes + prompt(10)), PoolSnapshot(1.1, pool)) \
+        .expected_cached_tokens == 0
+    router.on_kv_event(KVEvent("i1", "stored", hashes))  # the engine itself: exact from now
+    assert router.knowledge.exact_instances == {"i1"}
+    router.on_kv_event(KVEvent("i1", "removed", hashes, exact=False))  # ignored now
+    assert router.route(req(hashes + prompt(10)), PoolSnapshot(1.2, pool)).instance_id == "i1"
+
+
 # -- honesty ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Trap(RequestInfo):

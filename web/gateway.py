@@ -783,9 +783,9 @@ class Gateway:
             return
         with self.index_lock:
             known = self.index.match_instance(d.instance, hashes)
-        events = [KVEvent(actual, "stored", hashes)]
+        events = [KVEvent(actual, "stored", hashes, exact=False)]
         if known < len(hashes):
-            events.append(KVEvent(d.instance, "removed", tuple(hashes[known:])))
+            events.append(KVEvent(d.instance, "removed", tuple(hashes[known:]), exact=False))
         with self.router_lock:
             for ev in events:
                 self.router.on_kv_event(ev)

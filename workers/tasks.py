@@ -217,7 +217,7 @@ def _prefix_events(rt: WorkerRuntime, job: dict[str, Any]) -> list[KVEvent]:
     except Exception:  # noqa: BLE001
         log.debug("approximate KV event not built", exc_info=True)
         return []
-    return [KVEvent(rt.info.instance_id, "stored", hashes)] if hashes else []
+    return [KVEvent(rt.info.instance_id, "stored", hashes, exact=False)] if hashes else []
 
 
 def _on_engine_error(rt: WorkerRuntime, job: dict[str, Any], relay: RelayWriter,

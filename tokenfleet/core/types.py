@@ -184,8 +184,16 @@ class CompletionEvent:
 
 @dataclass(frozen=True, slots=True)
 class KVEvent:
-    """vLLM KV-cache event (``BlockStored`` / ``BlockRemoved``) for exact indexes."""
+    """vLLM KV-cache event (``BlockStored`` / ``BlockRemoved``) for exact indexes.
+
+    ``exact=False`` marks an inferred event, not one the engine reported: the
+    service's guess that a prompt's blocks are cached once its first token
+    came back, or a late-binding correction. Such hints never carry
+    evictions, so a router must not switch to its exact-cache mode on them;
+    it folds them into its own approximate beliefs instead.
+    """
 
     instance_id: str
     kind: str  # "stored" | "removed" | "cleared"
     block_hashes: tuple[int, ...]
+    exact: bool = True

@@ -25,7 +25,6 @@ No I/O and no clock reads here: the gateway passes ``now_s`` and the views.
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
@@ -44,7 +43,6 @@ from tokenfleet.core.fleet import (
     PoolView,
     Tenant,
     Topology,
-    candidates_for,
     compliant,
     select_dc,
 )
@@ -57,10 +55,6 @@ from tokenfleet.errors import NoCandidateError
 
 #: load ceiling of a DC the topology does not describe (as the topology default)
 DEFAULT_LOAD_CEILING = 0.85
-#: a home-less request sticks to the DC holding at least this much of its prompt
-AFFINE_MIN_CACHED_TOKENS = 512
-#: prompts sharing their first this-many blocks (512 tokens) are one family
-FAMILY_BLOCKS = 32
 
 
 class _ZeroRTT(dict[tuple[str, str], float]):
@@ -182,33 +176,6 @@ class LiveFleet:
             return tenant.home
         return self.entry_dc or None
 
-    def _affine_home(self, request: RequestInfo, snap: FleetSnapshot) -> str | None:
-        """A home for a request that has none: the DC believed to hold most of
-        its prefix (at least ``AFFINE_MIN_CACHED_TOKENS``), else one chosen by
-        rendezvous hashing of its prompt family (the block at 512 tokens, or
-        the last block of a shorter prompt).
-
-        Prompts that share a long beginning then share a DC (and its cache),
-        distinct ones spread evenly, and every DC keeps receiving traffic, so
-        the selector's learned corrections stay current; FleetMind still moves
-        a request away from a home under pressure.
-        """
-        cands = candidates_for(request, None, snap, self.selector.exact_version)
-        if not cands:
-            return None
-        best, best_cached = None, AFFINE_MIN_CACHED_TOKENS - 1
-        for c in cands:
-            pool = c.pool_for(request.model, request.model_version,
-                              exact=self.selector.exact_version)
-            cached = snap.cached_tokens(pool, request) if pool is not None else 0
-            if cached > best_cached:
-                best, best_cached = c.name, cached
-        if best is not None:
-            return best
-        hashes = request.block_hashes
-        key = str(hashes[min(len(hashes), FAMILY_BLOCKS) - 1]) if hashes else request.request_id
-        return max(cands, key=lambda c: (zlib.crc32(f"{key}|{c.name}".encode()), c.name)).name
-
     # -- deciding ---------------------------------------------------------------------
     def select(self, request: RequestInfo, tenant: Tenant) -> tuple[DCDecision, str | None]:
         """(decision, home). Raises NoCandidateError with the reason when no DC may
@@ -219,8 +186,6 @@ class LiveFleet:
         if tenant != self.topology.tenant(request.tenant):
             snap = replace(snap, topology=_with_tenant(self.topology, tenant))
         origin = self.entry_dc or home or ""
-        if home is None:
-            home = self._affine_home(request, snap)
         d = select_dc(self.selector, request, origin, home, snap)
         return d, home
 

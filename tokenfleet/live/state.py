@@ -450,8 +450,11 @@ class LiveState:
             return
         with self.r.pipeline(transaction=False) as pipe:
             for ev in events:
-                pipe.xadd(self.k("kv"), {"i": ev.instance_id, "k": ev.kind,
-                                         "h": msgpack.packb(list(ev.block_hashes))},
+                fields = {"i": ev.instance_id, "k": ev.kind,
+                          "h": msgpack.packb(list(ev.block_hashes))}
+                if not ev.exact:
+                    fields["x"] = 0  # inferred, not reported by the engine
+                pipe.xadd(self.k("kv"), fields,  # type: ignore[arg-type]
                           maxlen=maxlen, approximate=True)
             pipe.execute()
 
@@ -463,7 +466,8 @@ class LiveState:
             for eid, fields in entries:
                 last_id = eid.decode()
                 out.append(KVEvent(fields[b"i"].decode(), fields[b"k"].decode(),
-                                   tuple(msgpack.unpackb(fields[b"h"]))))
+                                   tuple(msgpack.unpackb(fields[b"h"])),
+                                   exact=fields.get(b"x", b"1") != b"0"))
         return last_id, out
 
 

@@ -272,6 +272,14 @@ class DynamoKVRouter(BaseRouter):
     def on_kv_event(self, event: KVEvent) -> None:
         if self._use_kv_events is False:
             return
+        if not event.exact:
+            if self._events_seen:
+                return  # engine events are the truth now; ignore inferred hints
+            if event.kind == "stored":  # a hint: correct the routing-time guesses
+                self._index.insert(event.instance_id, event.block_hashes)
+            elif event.kind == "removed":
+                self._index.remove(event.instance_id, event.block_hashes)
+            return
         if not self._events_seen:
             self._events_seen = True
             # Exact mode from here on: drop the routing-time guesses.

@@ -584,6 +584,17 @@ class TokenPilotRouter(BaseRouter):
                 self.hit_realization = 0.3
 
     def on_kv_event(self, event: KVEvent) -> None:
+        k = self.knowledge
+        if not event.exact:  # a hint: the approximate tier, which LRU-ages its entries
+            if event.instance_id in k.exact_instances:
+                return
+            if event.kind == "stored":
+                k.confirm(event.instance_id, k.probes(event.block_hashes))
+            elif event.kind == "removed":
+                k.routed.remove(event.instance_id, k.probes(event.block_hashes))
+            elif event.kind == "cleared":
+                k.routed.clear(event.instance_id)
+            return
         if event.kind == "stored":
             self.knowledge.stored(event.instance_id, event.block_hashes)
         elif event.kind == "removed":
