@@ -337,6 +337,20 @@ def test_inferred_kv_hints_feed_the_approximate_tier_without_switching_to_exact(
     assert router.route(req(hashes + prompt(10)), PoolSnapshot(1.2, pool)).instance_id == "i1"
 
 
+def test_a_prefix_is_believed_cached_where_it_was_prefilled_not_where_it_was_sent() -> None:
+    """Live late binding: the router chose one instance, a pool worker of another
+    took the request; the first token says which. The cache is there."""
+    router = TokenPilotRouter()
+    pool = views(3)
+    hashes = prompt(600)
+    r = req(hashes + prompt(10))
+    d = router.route(r, PoolSnapshot(1.0, pool))
+    actual = next(v.instance_id for v in pool if v.instance_id != d.instance_id)
+    router.on_first_token(FirstTokenEvent(r, actual, 1.5, 0.5, d.predicted_ttft_s))
+    again = router.route(req(hashes + prompt(10)), PoolSnapshot(2.0, pool))
+    assert again.instance_id == actual and again.expected_cached_tokens > 500 * BLOCK_SIZE_TOKENS
+
+
 # -- honesty ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Trap(RequestInfo):
