@@ -203,7 +203,11 @@ def test_up_actuator_prewarms_then_retires_a_replica(stack: Any) -> None:
     assert act.count("dc-a") == 2 and act.count("dc-b") == 1, "capped at max_per_dc"
     assert said[0].startswith("plan: prewarming") and any("is warm" in s for s in said)
     assert int(st.r.hget(st.k("fleet"), f"warming:dc-a|{stack.model}|") or 0) == 0
-    # the new replica serves traffic
+    # the new replica serves traffic (once the API's instance cache has seen it)
+    gw = stack.gateway
+    deadline = time.time() + 5
+    while time.time() < deadline and "a-p1" not in {i.instance_id for i in gw.live_instances()}:
+        time.sleep(0.05)
     c = stack.client()
     for i in range(6):
         c.chat.completions.create(model=stack.model, max_tokens=2,
