@@ -123,8 +123,11 @@ def test_batch_yields_to_interactive(stack: LiveStack) -> None:
     assert {r["tier"] for r in inter} == {"interactive"} and len(batch) == 24
     # Queue order, judged by when each message left its queue (the worker's
     # task_received). A batch request taken after an interactive one was queued
-    # but before it "overtook" it; the only slack allowed is one message per
-    # instance already on its way from Redis into the worker.
+    # but before it "overtook" it. Slack allowed: one message per instance
+    # already on its way from Redis into the worker, plus one for the publish
+    # window (``queued_at`` is written just before the message reaches Redis,
+    # so a batch message taken in that window counts as overtaking). Without
+    # tier priority the whole backlog (>= 4, typically 12+) would overtake.
     states = {rid: state.request_state(rid) for rid in ids}
     received = {rid: float(st["received_at"]) for rid, st in states.items()}
     queued = {rid: float(st["queued_at"]) for rid, st in states.items()}  # published
@@ -134,7 +137,7 @@ def test_batch_yields_to_interactive(stack: LiveStack) -> None:
         backlog = [b for b in batch_ids if queued[b] < adm < received[b]]
         overtook = [b for b in backlog if received[b] < received[rid]]
         assert len(backlog) >= 4, "the batch backlog must still be there"
-        assert len(overtook) <= 2, (len(overtook), len(backlog), adm, received[rid], [
+        assert len(overtook) <= 3, (len(overtook), len(backlog), adm, received[rid], [
             (rows[b]["admitted_ts"].timestamp(), received[b]) for b in overtook])
     last_batch_start = max(b["dispatched_ts"] for b in batch)
     assert all(i["dispatched_ts"] < last_batch_start for i in inter)
