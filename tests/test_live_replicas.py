@@ -203,18 +203,26 @@ def test_up_actuator_prewarms_then_retires_a_replica(stack: Any) -> None:
     assert act.count("dc-a") == 2 and act.count("dc-b") == 1, "capped at max_per_dc"
     assert said[0].startswith("plan: prewarming") and any("is warm" in s for s in said)
     assert int(st.r.hget(st.k("fleet"), f"warming:dc-a|{stack.model}|") or 0) == 0
-    # the new replica serves traffic (once the API's instance cache has seen it)
+    # the new replica serves traffic once the API sees it healthy (its first scrape)
     gw = stack.gateway
     deadline = time.time() + 5
-    while time.time() < deadline and "a-p1" not in {i.instance_id for i in gw.live_instances()}:
+    while time.time() < deadline and not any(
+            i.instance_id == "a-p1" and i.is_healthy(time.time(), stack.live.stale_after_s)
+            for i in gw.instances(max_age_s=0.0)):
         time.sleep(0.05)
     c = stack.client()
-    for i in range(6):
+
+    def served() -> float:
+        return sum(v._value.get()  # type: ignore[attr-defined]
+                   for v in stack.emulators["a-p1"].metrics.success.values())
+
+    for i in range(30):  # round robin over three instances: a-p1's turn comes quickly
         c.chat.completions.create(model=stack.model, max_tokens=2,
                                   messages=[{"role": "user", "content": f"scale {i}"}])
-    served = sum(v._value.get()  # type: ignore[attr-defined]
-                 for v in stack.emulators["a-p1"].metrics.success.values())
-    assert served >= 1, "the prewarmed replica serves requests"
+        if served() >= 1:
+            break
+        time.sleep(0.05)
+    assert served() >= 1, "the prewarmed replica serves requests"
     # a rollback lowers the target: the added replica goes, the base one stays
     st.r.hset(st.k("fleet"), key, 1)
     said = act.reconcile()
