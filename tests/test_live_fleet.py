@@ -71,7 +71,7 @@ def test_home_serves_while_it_is_not_under_pressure() -> None:
     for i in range(5):
         d, home = f.select(request(i), f.tenant("acme"))
         assert (d.dc, home, d.spilled) == ("east", "east", False)
-        f.dispatched(request(i), d, home)
+        f.dispatched(request(i), d)
 
 
 def test_a_hotspot_at_home_spills_new_requests_and_pinned_tenants_stay() -> None:
@@ -83,7 +83,7 @@ def test_a_hotspot_at_home_spills_new_requests_and_pinned_tenants_stay() -> None
         r = request(i, tokens=4000)
         f.snap.now_s = i / 60
         d, home = f.select(r, f.tenant("acme"))
-        f.dispatched(r, d, home)
+        f.dispatched(r, d)
         reasons.append((d.dc, d.reason))
     assert reasons[0] == ("east", "home")
     spilled = [dc for dc, why in reasons if why.startswith("spill")]
@@ -101,7 +101,7 @@ def test_the_plans_spill_share_closes_a_dc_to_spilled_work() -> None:
         r = request(i, tokens=4000)
         f.snap.now_s = i / 60
         d, home = f.select(r, f.tenant("acme"))
-        f.dispatched(r, d, home)
+        f.dispatched(r, d)
         assert d.dc == "east", (i, d)
 
 
@@ -143,7 +143,7 @@ def test_without_a_home_the_best_predicted_dc_wins_and_ties_alternate() -> None:
     for i in range(8):  # one at a time: nothing queued, equal predictions
         r = request(i, tenant="anyone")
         d, home = f.select(r, f.tenant("anyone"))
-        t = f.dispatched(r, d, home)
+        t = f.dispatched(r, d)
         f.first_token(t, r, t.predicted_dc_ttft_s or 0.0)  # as predicted: kappa stays 1
         f.finished(t, r, "completed", 10)
         chosen.append(d.dc)
@@ -153,7 +153,7 @@ def test_without_a_home_the_best_predicted_dc_wins_and_ties_alternate() -> None:
     burst = [request(100 + i, tokens=8000, tenant="anyone") for i in range(3)]
     for r in burst:
         d, home = f.select(r, f.tenant("anyone"))
-        f.dispatched(r, d, home)
+        f.dispatched(r, d)
     east = f.views["east"].pools[(MODEL, "2")].queue_s(10.0)
     west = f.views["west"].pools[(MODEL, "2")].queue_s(10.0)
     nxt = f.select(request(200, tokens=8000, tenant="anyone"), f.tenant("anyone"))[0].dc
@@ -165,7 +165,7 @@ def test_accounting_is_released_once_whatever_ends_the_request() -> None:
     f.refresh(four(), 0.0)
     r = request(1, tokens=8000)
     d, home = f.select(r, f.tenant("acme"))
-    t = f.dispatched(r, d, home)
+    t = f.dispatched(r, d)
     acct = t.pool.accounting
     assert acct.pending_requests == 1 and acct.pending_prefill_s > 0
     f.finished(t, r, "cancelled", 0)  # no first token ever came

@@ -45,13 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 _db_names = itertools.count()
 
 
-# ---- fixtures ---------------------------------------------------------------
-@pytest.fixture(scope="module")
-def data_dir() -> Iterator[Path]:
-    with temp_data_dir() as path:
-        yield path
-
-
+# ---- fixtures (data_dir comes from conftest; these two also check the stop) --------
 @pytest.fixture(scope="module")
 def redis_server(data_dir: Path) -> Iterator[EmbeddedRedis]:
     server = EmbeddedRedis(data_dir)

@@ -327,12 +327,12 @@ class Gateway:
                 load.tier(tier).inflight = n
                 load.tier(tier).reserved_kv_tokens = 0
             loads.append(load)
+        dcs = {v.dc for v in views}
         snap = AdmissionSnapshot(now_s=now, instances=loads,
-                                 queues=self._broker_queues({v.dc for v in views}, prep.info))
+                                 queues=self._broker_queues(dcs, prep.info))
         with self.router_lock:
             decision = self.admission.on_arrival(prep.info, snap)
         if decision.action == REJECT:
-            dcs = {v.dc for v in views}
             self._reject(prep, decision.reason, decision.retry_after_s,
                          dcs.pop() if len(dcs) == 1 else None)
         if decision.action == ADMIT and decision.instance_ids:
@@ -431,11 +431,11 @@ class Gateway:
                     b.account(target.instance_id, "on_dispatch", info, cached)
                 b.count(**{f"arrived_{info.tier}": 1,
                            f"dispatched_{'affinity' if affinity else 'pool'}": 1})
-            # argsrepr/kwargsrepr: skip Celery's safe-repr of the job for its headers
+                if dc_choice is not None and dc_choice[1] not in (None, target.dc):
+                    # beat's planner needs each DC's spilled-in share (rollback rule)
+                    b.count(**{f"spilled_in:{target.dc}": 1})
             try:
-                self.celery.send_task(TASK_CHAT, args=[job], task_id=f"{info.request_id}.1",
-                                      queue=queue, routing_key=queue, argsrepr="",
-                                      kwargsrepr="", headers=prefill_header(job))
+                self._send(job, queue)
             except KombuError as exc:
                 self.state.finish(info.request_id, "failed")
                 self.state.queued_incr(queue, -1)
@@ -456,15 +456,9 @@ class Gateway:
         if dc_choice is not None and self.fleet is not None:
             with self.router_lock:
                 try:
-                    ticket = self.fleet.dispatched(info, *dc_choice)
+                    ticket = self.fleet.dispatched(info, dc_choice[0])
                 except NoCandidateError:  # the pool vanished between choice and send
                     ticket = None
-            if ticket is not None and ticket.spilled:
-                # beat's planner needs each DC's spilled-in share (rollback rule)
-                try:
-                    self.state.count(**{f"spilled_in:{ticket.dc}": 1})
-                except redis.RedisError:
-                    pass
         return Dispatched(prep=prep, queue=queue, instance=target.instance_id,
                           decision=decision, dispatch_s=admitted, affinity=affinity,
                           fleet=ticket)
@@ -592,6 +586,10 @@ class Gateway:
 
     def _publish(self, job: dict[str, Any], queue: str) -> None:
         self.state.queued_incr(queue)
+        self._send(job, queue)
+
+    def _send(self, job: dict[str, Any], queue: str) -> None:
+        # argsrepr/kwargsrepr: skip Celery's safe-repr of the job for its headers
         self.celery.send_task(TASK_CHAT, args=[job], task_id=f"{job['rid']}.{job['attempt']}",
                               queue=queue, routing_key=queue, argsrepr="", kwargsrepr="",
                               headers=prefill_header(job))

@@ -42,6 +42,16 @@ class ControlContext:
     db_engine: Any = None  # SQLAlchemy engine of the ledger, if any
     planner: Any = None
     last_plan_id: int = 0
+    _topology: Any = None  # parsed once, on the first fleet cycle
+
+    @property
+    def topology(self) -> Any:
+        """The topology file's Topology (None without one); read once per beat."""
+        if self._topology is None and self.live.topology:
+            from tokenfleet.live.fleet import load_topology
+
+            self._topology = load_topology(self.live.topology)
+        return self._topology
 
 
 CONTEXT: ControlContext | None = None
@@ -163,7 +173,7 @@ def fleet_cycle() -> dict[str, Any]:
     st = ctx.state
     now = time.time()
     period = ctx.live.fleet_period_s
-    topo = _topology(ctx.live)
+    topo = ctx.topology
     infos = [i for i in st.instances() if i.is_live(now, ctx.live.stale_after_s)]
     fleet = {k.decode(): v.decode() for k, v in st.r.hgetall(st.k("fleet")).items()}
     groups: dict[tuple[str, str, str], list[Any]] = {}
@@ -199,7 +209,7 @@ def fleet_cycle() -> dict[str, Any]:
         initial = Plan(plan_id=0, at_s=now, replicas={(p.dc, p.model, p.version): p.replicas
                                                       for p in inp.pools},
                        spill_share={dc: 1.0 for dc in inp.dcs}, reason="as deployed")
-        ctx.planner = Planner(initial=initial, rtt_s=_rtt_of(ctx.live))
+        ctx.planner = Planner(initial=initial, rtt_s=_rtt_of(topo))
     plan, rollbacks = ctx.planner.step(inp)
     mapping: dict[str, Any] = {f"spill_share:{dc}": v for dc, v in plan.spill_share.items()}
     mapping.update({f"target:{dc}|{model}|{version}": n
@@ -245,17 +255,8 @@ def _ledger_work(ctx: ControlContext, since: float, until: float) -> list[Any]:
         return []
 
 
-def _topology(live: LiveConfig) -> Any:
-    if not live.topology:
-        return None
-    from tokenfleet.live.fleet import load_topology
-
-    return load_topology(live.topology)
-
-
-def _rtt_of(live: LiveConfig) -> Any:
+def _rtt_of(topo: Any) -> Any:
     """The topology's RTTs for the planner (50 ms between DCs it does not know)."""
-    topo = _topology(live)
 
     def rtt(a: str, b: str) -> float:
         if a == b:

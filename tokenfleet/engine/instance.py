@@ -101,6 +101,12 @@ class EngineInstance:
 
     # -- public API -----------------------------------------------------------
     def add(self, req: EngineRequest) -> None:
+        self.check(req)
+        self.waiting.append(req)
+        self.by_id[req.request_id] = req
+
+    def check(self, req: EngineRequest) -> None:
+        """Raise CapacityError if this instance could never run ``req``."""
         if req.input_tokens + 1 > self.profile.model.max_model_len_tokens:
             raise CapacityError(
                 f"prompt of {req.input_tokens} tokens exceeds the model context "
@@ -112,8 +118,6 @@ class EngineInstance:
                 f"request needs {need} KV blocks but the instance has "
                 f"{self.capacity_blocks}; use a larger profile"
             )
-        self.waiting.append(req)
-        self.by_id[req.request_id] = req
 
     def abort(self, request_id: str) -> EngineRequest | None:
         """Cancel a request wherever it is; frees its blocks. Idempotent."""

@@ -24,7 +24,6 @@ No I/O and no clock reads here: the gateway passes ``now_s`` and the views.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
@@ -34,6 +33,7 @@ from tokenfleet.core.fleet import (
     DCStats,
     DCSelector,
     DCView,
+    Datacenter,
     FleetCompletion,
     FleetFirstToken,
     FleetSnapshot,
@@ -53,10 +53,6 @@ from tokenfleet.core.types import InstanceView, RequestInfo
 from tokenfleet.engine.profiles import EngineProfile
 from tokenfleet.errors import NoCandidateError
 
-#: load ceiling of a DC the topology does not describe (as the topology default)
-DEFAULT_LOAD_CEILING = 0.85
-
-
 class _ZeroRTT(dict[tuple[str, str], float]):
     """RTTs of the topology; pairs it does not know (no topology, or an API
     replica outside every DC) count as zero rather than failing a request."""
@@ -72,17 +68,8 @@ class FleetTicket:
     pool: PoolView
     prefill_s: float
     predicted_dc_ttft_s: float | None
-    home: str | None
     first_token_seen: bool = False
     done: bool = False
-
-    @property
-    def dc(self) -> str:
-        return self.pool.dc
-
-    @property
-    def spilled(self) -> bool:
-        return self.home is not None and self.pool.dc != self.home
 
 
 class LiveFleet:
@@ -93,7 +80,6 @@ class LiveFleet:
                  policy_kwargs: Mapping[str, Any] | None = None) -> None:
         kwargs: dict[str, Any] = {"slo": slo or SLOConfig()}
         kwargs.update(policy_kwargs or {})
-        self.policy = policy
         self.selector: DCSelector = FLEET.create(policy, **kwargs)
         self.topology = topology or Topology(name="live", datacenters={}, rtt_s={},
                                              tenants={})
@@ -111,11 +97,8 @@ class LiveFleet:
     def _dc_view(self, name: str) -> DCView:
         v = self.views.get(name)
         if v is None:
-            site = self.topology.datacenters.get(name)
-            if site is not None:
-                v = DCView(name, site.region, site.entry, site.load_ceiling, site.reserve_local)
-            else:  # a DC only the workers know: its own region, default ceiling
-                v = DCView(name, name, False, DEFAULT_LOAD_CEILING, 0.0)
+            site = _site(self.topology, name)
+            v = DCView(name, site.region, site.entry, site.load_ceiling, site.reserve_local)
             self.views[name] = v
         return v
 
@@ -203,8 +186,7 @@ class LiveFleet:
         return {name for name, dv in self.views.items()
                 if compliant(request, tenant, dv, home_region)}
 
-    def dispatched(self, request: RequestInfo, decision: DCDecision,
-                   home: str | None) -> FleetTicket:
+    def dispatched(self, request: RequestInfo, decision: DCDecision) -> FleetTicket:
         """Account a request sent to ``decision.dc`` (before it leaves)."""
         dv = self.views[decision.dc]
         pool = dv.pool_for(request.model, request.model_version,
@@ -215,7 +197,7 @@ class LiveFleet:
         _, prefill_s, work_s = self.snap.estimate(pool, request)
         pool.accounting.on_dispatch(self.snap.now_s, prefill_s, work_s, pool.ready_instances)
         self.prefix.insert(pool.prefix_id, request.block_hashes)
-        return FleetTicket(pool, prefill_s, decision.predicted_dc_ttft_s, home)
+        return FleetTicket(pool, prefill_s, decision.predicted_dc_ttft_s)
 
     def first_token(self, ticket: FleetTicket, request: RequestInfo, dc_ttft_s: float) -> None:
         if ticket.first_token_seen or ticket.done:
@@ -236,19 +218,10 @@ class LiveFleet:
             ticket.pool.accounting.on_first_token(ticket.prefill_s)  # no longer pending
             ticket.first_token_seen = True
         ticket.done = True
-        self.selector.on_complete(FleetCompletion(request, ticket.dc, status, output_tokens))
+        self.selector.on_complete(FleetCompletion(request, ticket.pool.dc, status,
+                                                  output_tokens))
         if status == "completed":
             self.outputs.observe(request.tenant, request.task_type, output_tokens)
-
-    # -- reporting --------------------------------------------------------------------
-    def pool_loads(self) -> dict[tuple[str, str, str], float]:
-        now = self.snap.now_s
-        out = {}
-        for dv in self.views.values():
-            for p in dv.pools.values():
-                load = p.load(now)
-                out[(p.dc, p.model, p.version)] = load if math.isfinite(load) else -1.0
-        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,20 +282,25 @@ def planner_input(now_s: float, period_s: float, pools: Sequence[LivePool],
         gpus_used[p.dc] = gpus_used.get(p.dc, 0) + replicas * p.profile.tp
     dcs: dict[str, DCStats] = {}
     for dc in sorted({p.dc for p in pools}):
-        site = topology.datacenters.get(dc) if topology is not None else None
-        target = (site.attainment_target if site is not None and site.attainment_target
-                  is not None else (topology.settings.attainment_target
-                                    if topology is not None else 0.95))
+        site = _site(topology, dc)
+        target = site.attainment_target
+        if target is None:
+            target = topology.settings.attainment_target if topology is not None else 0.95
         dcs[dc] = DCStats(
             dc=dc, served=per_dc_served.get(dc, 0), slo_met=per_dc_met.get(dc, 0),
             spilled_in=min(spilled_in.get(dc, 0), per_dc_served.get(dc, 0)), target=target,
-            free_gpus=max(0, site.gpus - gpus_used.get(dc, 0)) if site is not None else 0,
-            load_ceiling=site.load_ceiling if site is not None else DEFAULT_LOAD_CEILING,
-            spill_in_ceiling=(site.spill_in_ceiling if site is not None
-                              else DEFAULT_LOAD_CEILING))
+            free_gpus=max(0, site.gpus - gpus_used.get(dc, 0)),
+            load_ceiling=site.load_ceiling, spill_in_ceiling=site.spill_in_ceiling)
     budget = topology.settings.gpu_budget if topology is not None else None
     return PlannerInput(now_s=now_s, pools=stats, dcs=dcs, gpu_budget=budget,
                         gpus_used=sum(gpus_used.values()))
+
+
+def _site(topology: Topology | None, name: str) -> Datacenter:
+    """The topology's site, or one it does not describe (only the workers know it):
+    its own region, no GPUs to plan with, the topology's default ceilings."""
+    site = topology.datacenters.get(name) if topology is not None else None
+    return site if site is not None else Datacenter(name=name, region=name)
 
 
 def _with_tenant(topo: Topology, tenant: Tenant) -> Topology:
@@ -350,5 +328,4 @@ def load_topology(path: str) -> Topology:
     return parse_topology(data, source=path, extra_keys=("workload", "events", "slo"))
 
 
-__all__ = ["LiveFleet", "FleetTicket", "LivePool", "planner_input", "load_topology",
-           "DEFAULT_LOAD_CEILING"]
+__all__ = ["LiveFleet", "FleetTicket", "LivePool", "planner_input", "load_topology"]

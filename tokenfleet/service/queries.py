@@ -62,6 +62,14 @@ class GoodputRow:
     attainment: float | None  # None when no eligible request
 
 
+def _mappings(bind: Engine | Connection | Session, stmt: Any) -> Sequence[Any]:
+    """Run a SELECT on an engine (own connection), connection or session."""
+    if isinstance(bind, Engine):
+        with bind.connect() as conn:
+            return conn.execute(stmt).mappings().all()
+    return bind.execute(stmt).mappings().all()
+
+
 def _utc(value: datetime) -> datetime:
     return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
 
@@ -113,11 +121,7 @@ def goodput(
     if key_col is not None:
         stmt = stmt.group_by(key_col).order_by(key_col)
 
-    if isinstance(bind, Engine):
-        with bind.connect() as conn:
-            result = conn.execute(stmt).mappings().all()
-    else:
-        result = bind.execute(stmt).mappings().all()
+    result = _mappings(bind, stmt)
 
     rows = []
     for r in result:
@@ -183,11 +187,7 @@ def pool_work(bind: Engine | Connection | Session, *, since: datetime,
         total(is_rejected, RequestRow.prompt_tokens).label("rejected_prompt"),
     ).where(RequestRow.arrival_ts >= since, RequestRow.arrival_ts < until).group_by(
         RequestRow.dc, RequestRow.model, version).order_by(RequestRow.dc, RequestRow.model)
-    if isinstance(bind, Engine):
-        with bind.connect() as conn:
-            result = conn.execute(stmt).mappings().all()
-    else:
-        result = bind.execute(stmt).mappings().all()
+    result = _mappings(bind, stmt)
     return [PoolWorkRow(dc=r["dc"], model=r["model"], version=r["version"],
                         served=int(r["served"]), slo_met=int(r["slo_met"]),
                         uncached_prompt_tokens=max(0, int(r["uncached"])),

@@ -191,17 +191,15 @@ class PoolSim:
         engine = self.engines[idx]
         latency = self.cfg.path_latency
         dispatch_s = relay_s = 0.0
-        if latency.is_zero:
-            try:
+        try:
+            if latency.is_zero:
                 engine.add(eng_req)
-            except CapacityError:
-                self._finish_unrouted(record, "rejected")
-                return
-        else:
-            if not _fits(engine, eng_req):
-                self._finish_unrouted(record, "rejected")
-                return
-            dispatch_s, relay_s = latency.draw(self._latency_rng)
+            else:  # it reaches the engine later (_reach_engine); refuse it now if it never fits
+                engine.check(eng_req)
+                dispatch_s, relay_s = latency.draw(self._latency_rng)
+        except CapacityError:
+            self._finish_unrouted(record, "rejected")
+            return
         record.dispatched_s = env.now
         record.instance_id = engine.instance_id
         record.dc = self.cfg.dc
@@ -366,13 +364,6 @@ class PoolSim:
 
     def preemptions(self) -> int:
         return sum(e.counters.preemptions for e in self.engines)
-
-
-def _fits(engine: EngineInstance, req: EngineRequest) -> bool:
-    """Whether ``engine.add(req)`` would accept it (the checks it makes)."""
-    need = -(-(req.input_tokens + req.output_tokens) // engine.block)
-    return (req.input_tokens + 1 <= engine.profile.model.max_model_len_tokens
-            and need <= engine.capacity_blocks)
 
 
 def new_record(info: RequestInfo, dc: str = "") -> RequestRecord:
