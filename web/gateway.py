@@ -44,6 +44,7 @@ from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.fleet import FleetTicket, LiveFleet, load_topology
 from tokenfleet.live.queues import affinity_queue, pool_queue, prefill_header
 from tokenfleet.live.relay import RelayEvent, RelayReader
+from tokenfleet.live.redis_transport import publishes_into
 from tokenfleet.live.state import InstanceInfo, LiveState
 from web.errors import ApiError, bad_request
 
@@ -97,9 +98,12 @@ class Dispatched:
 class Gateway:
     def __init__(self, *, state: LiveState, celery: Any, live: LiveConfig,
                  slo: SLOConfig | None = None, ledger: Any = None,
-                 admission: Any = None) -> None:
+                 admission: Any = None, publish_with_state: bool = False) -> None:
         self.state = state
         self.celery = celery
+        #: the broker is this Redis (same server and database) and its transport is
+        #: tokenfleet.live.redis_transport: publish in the request-state pipeline
+        self.publish_with_state = publish_with_state
         self.live = live
         self.slo = slo or SLOConfig()
         self.ledger = ledger
@@ -421,24 +425,13 @@ class Gateway:
                       decision.instance_id, queue, cached, decision.reason)
             job = self._job(prep, queue, target.instance_id if affinity else "",
                             target.dc, cached, admitted, attempt=1)
-            # request state, queue depth, accounting and counters: one round trip
-            # (the id is a fresh uuid, so no existence check is needed)
-            with self.state.batch() as b:
-                b.create_request(info.request_id, queue, self.live.request_state_ttl_s,
-                                 tier=info.tier, instance=target.instance_id)
-                b.queued(queue, 1)
-                if affinity:
-                    b.account(target.instance_id, "on_dispatch", info, cached)
-                b.count(**{f"arrived_{info.tier}": 1,
-                           f"dispatched_{'affinity' if affinity else 'pool'}": 1})
-                if dc_choice is not None and dc_choice[1] not in (None, target.dc):
-                    # beat's planner needs each DC's spilled-in share (rollback rule)
-                    b.count(**{f"spilled_in:{target.dc}": 1})
+            # request state, queue depth, accounting, counters and (when the broker
+            # is this Redis) the task itself: one round trip, the state first, so a
+            # worker never takes a task whose state is missing (the id is a fresh
+            # uuid, so no existence check is needed)
             try:
-                self._send(job, queue)
+                self._dispatch_writes(prep, job, queue, target, affinity, cached, dc_choice)
             except KombuError as exc:
-                self.state.finish(info.request_id, "failed")
-                self.state.queued_incr(queue, -1)
                 raise ApiError(503, f"the message broker is unavailable ({exc.__class__.__name__})"
                                "; retry shortly", code="service_unavailable",
                                retry_after_s=2) from None
@@ -583,6 +576,34 @@ class Gateway:
                 "admitted_ts": admitted, "queue": queue, "accounted": accounted,
                 "dc": dc, "expected_cached": cached, "tried": [],
                 "deadline_ts": prep.deadline_s}
+
+    def _dispatch_writes(self, prep: Prepared, job: dict[str, Any], queue: str, target: Any,
+                         affinity: bool, cached: int,
+                         dc_choice: tuple[Any, str | None] | None) -> None:
+        info = prep.info
+        with self.state.batch() as b:
+            b.create_request(info.request_id, queue, self.live.request_state_ttl_s,
+                             tier=info.tier, instance=target.instance_id)
+            b.queued(queue, 1)
+            if affinity:
+                b.account(target.instance_id, "on_dispatch", info, cached)
+            b.count(**{f"arrived_{info.tier}": 1,
+                       f"dispatched_{'affinity' if affinity else 'pool'}": 1})
+            if dc_choice is not None and dc_choice[1] not in (None, target.dc):
+                # beat's planner needs each DC's spilled-in share (rollback rule)
+                b.count(**{f"spilled_in:{target.dc}": 1})
+            if self.publish_with_state:
+                # a KombuError here leaves the batch unsent: nothing to undo
+                with publishes_into(b.pipe):
+                    self._send(job, queue)
+        if self.publish_with_state:
+            return
+        try:
+            self._send(job, queue)
+        except KombuError:
+            self.state.finish(info.request_id, "failed")
+            self.state.queued_incr(queue, -1)
+            raise
 
     def _publish(self, job: dict[str, Any], queue: str) -> None:
         self.state.queued_incr(queue)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from typing import Any, Iterator
@@ -88,13 +89,14 @@ def _sse(gw: Gateway, d: Dispatched, first: Any, events: Iterator[Any]) -> Itera
     p = d.prep
     finished = False
     try:
-        yield _chunk(d, {"role": "assistant", "content": ""})
-
-        def all_events() -> Iterator[Any]:
-            yield first
-            yield from events
-
-        for ev in all_events():
+        head = _chunk(d, {"role": "assistant", "content": ""})
+        if first.kind == "d" and first.text:
+            # the role chunk and the first token leave in one write
+            yield head + _chunk(d, {"content": first.text})
+        else:
+            yield head
+            events = itertools.chain([first], events)
+        for ev in events:
             if ev.kind == "d":
                 if ev.text:
                     yield _chunk(d, {"content": ev.text})

@@ -38,6 +38,9 @@ Settings and why (Celery 5.6 docs):
   direct exchange of the same name with that routing key, so publishing is
   an exact-match lookup, never a topic pattern ("Routing Tasks > Automatic
   routing").
+* ``broker_transport``: kombu's Redis transport, subclassed only to reuse
+  one redis-py client per channel (:mod:`tokenfleet.live.redis_transport`;
+  measured in docs/benchmarks.md).
 * No result backend: tokens go through Redis Streams (tokenfleet.live.relay);
   nothing ever waits on ``AsyncResult.get()``.
 """
@@ -50,6 +53,7 @@ from typing import Any
 from celery import Celery
 
 from tokenfleet.live.config import LiveConfig
+from tokenfleet.live.redis_transport import TRANSPORT_PATH
 
 TASK_CHAT = "tokenfleet.chat"
 TASK_CONTROL = "tokenfleet.control_tick"
@@ -65,7 +69,11 @@ def celery_settings(broker_url: str, live: LiveConfig) -> dict[str, Any]:
         transport["polling_interval"] = 0.1
         transport["priority_steps"] = [0]
         transport["socket_connect_timeout"] = 2.0
+    extra: dict[str, Any] = {}
+    if broker_url.startswith(("redis://", "rediss://")) and not os.environ.get("XT0"):
+        extra["broker_transport"] = TRANSPORT_PATH  # kombu's, one client per channel
     return {
+        **extra,
         "broker_url": broker_url,
         "result_backend": None,
         "task_ignore_result": True,

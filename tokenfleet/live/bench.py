@@ -23,10 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
-from urllib.parse import urlsplit
 
 from tokenfleet.core.tiers import SLOConfig, classify
 from tokenfleet.core.types import BLOCK_SIZE_TOKENS
+from tokenfleet.live.httpclient import KeepAliveClient
 from tokenfleet.sim.records import RequestRecord
 from tokenfleet.workloads.trace import TraceRequest
 
@@ -79,32 +79,14 @@ class Outcome:
     sent_wall: float = 0.0
 
 
-class _Client:
-    """One keep-alive connection per sender thread."""
+class _Client(KeepAliveClient):
+    """One keep-alive connection per sender thread, to ``<url>/v1``."""
 
     def __init__(self, url: str, api_key: str, timeout_s: float) -> None:
-        u = urlsplit(url)
-        self.host = u.hostname or "127.0.0.1"
-        self.port = u.port or 80
-        self.base = u.path.rstrip("/")
-        if not self.base.endswith("/v1"):
-            self.base += "/v1"
+        super().__init__(url, timeout_s)
+        if not self.path.endswith("/v1"):
+            self.path += "/v1"
         self.api_key = api_key
-        self.timeout_s = timeout_s
-        self._local = threading.local()
-
-    def conn(self) -> http.client.HTTPConnection:
-        c = getattr(self._local, "conn", None)
-        if c is None:
-            c = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
-            self._local.conn = c
-        return c
-
-    def drop(self) -> None:
-        c = getattr(self._local, "conn", None)
-        if c is not None:
-            c.close()
-        self._local.conn = None
 
 
 def _one(client: _Client, out: Outcome, model: str, clock: Callable[[], float]) -> None:
@@ -116,12 +98,10 @@ def _one(client: _Client, out: Outcome, model: str, clock: Callable[[], float]) 
     payload = json.dumps(body).encode()
     headers = {"Authorization": f"Bearer {client.api_key}", "Content-Type": "application/json",
                "X-TokenFleet-Tier": out.tier}
-    conn = client.conn()
     try:
         out.sent_s = clock()
         out.sent_wall = time.time()
-        conn.request("POST", client.base + "/chat/completions", body=payload, headers=headers)
-        resp = conn.getresponse()
+        resp = client.request("POST", "/chat/completions", body=payload, headers=headers)
         out.http_status = resp.status
         out.api_request_id = resp.getheader("X-Request-Id") or ""
         if resp.status != 200:

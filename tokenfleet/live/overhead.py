@@ -16,15 +16,14 @@ are pessimistic.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
+from tokenfleet.live.httpclient import KeepAliveClient
 from tokenfleet.live.testing import API_KEY, InstanceSpec, LiveStack
 
 
@@ -36,21 +35,15 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[k]
 
 
-class _Caller:
+class _Caller(KeepAliveClient):
     def __init__(self, base_url: str, key: str | None) -> None:
-        u = urlsplit(base_url)
-        self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
+        super().__init__(base_url, timeout_s=30)
         self.key = key
-        self._local = threading.local()
 
     def call(self, body: dict[str, Any], trace: dict[str, Any] | None = None
              ) -> tuple[float, float]:
         """(seconds to first content, seconds to end) of one streamed completion;
         ``trace`` gets the request id and wall-clock send/first-token times."""
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._local.conn = http.client.HTTPConnection(self.host, self.port,
-                                                                 timeout=30)
         headers = {"Content-Type": "application/json"}
         if self.key:
             headers["Authorization"] = f"Bearer {self.key}"
@@ -58,8 +51,8 @@ class _Caller:
         t0 = time.perf_counter()
         first = None
         try:
-            conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=headers)
-            resp = conn.getresponse()
+            resp = self.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(),
+                                headers=headers)
             if trace is not None:
                 trace["rid"] = resp.getheader("X-Request-Id") or ""
             if resp.status != 200:
@@ -74,8 +67,7 @@ class _Caller:
                 elif first is None and data.count(b'"content"') > 1:
                     first = time.perf_counter()
         except Exception:
-            conn.close()
-            self._local.conn = None
+            self.drop()
             raise
         end = time.perf_counter()
         if trace is not None:
@@ -94,7 +86,7 @@ def overhead(stack: LiveStack, rate_rps: float = 50.0, duration_s: float = 20.0,
             "stream_options": {"include_usage": True}}
     res: dict[str, list[float]] = {"api_ttft": [], "api_e2e": [], "direct_ttft": [],
                                    "direct_e2e": []}
-    errors = [0]
+    errors: dict[str, int] = {}
     lock = threading.Lock()
 
     def one(i: int, which: str) -> None:
@@ -103,9 +95,10 @@ def overhead(stack: LiveStack, rate_rps: float = 50.0, duration_s: float = 20.0,
         try:
             ttft, e2e = (api if which == "api" else direct).call(dict(body, messages=[msg]),
                                                                  trace)
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
+            what = f"{which}: {exc.__class__.__name__}: {str(exc)[:80]}"
             with lock:
-                errors[0] += 1
+                errors[what] = errors.get(what, 0) + 1
             return
         with lock:
             res[f"{which}_ttft"].append(ttft)
@@ -129,7 +122,8 @@ def overhead(stack: LiveStack, rate_rps: float = 50.0, duration_s: float = 20.0,
                 time.sleep(delay)
             pool.submit(one, i, "api")
             pool.submit(one, i, "direct")
-    out: dict[str, Any] = {"rate_rps": rate_rps, "requests": n, "errors": errors[0]}
+    out: dict[str, Any] = {"rate_rps": rate_rps, "requests": n,
+                           "errors": sum(errors.values()), "error_kinds": errors}
     for q in (50, 90, 99):
         for metric in ("ttft", "e2e"):
             a, d = _pct(res[f"api_{metric}"], q), _pct(res[f"direct_{metric}"], q)
@@ -232,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also report the median of each hop (ledger, Redis request "
                         "state and engine request logs joined per request)")
     p.add_argument("--no-throughput", action="store_true")
+    p.add_argument("--broker-url", default=None,
+                   help="Celery broker (default: the embedded Redis), e.g. "
+                        "amqp://guest:guest@127.0.0.1:5672//")
     args = p.parse_args(argv)
     from tokenfleet.service.testing import temp_data_dir
 
@@ -244,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         stack = LiveStack(data_dir=d, instances=specs, with_postgres=True, time_scale=1e-4,
                           router="round_robin", app_config={"CHAT_QUOTAS": False},
                           engines_in_process=False, api_in_process=False,
-                          admission="none",
+                          admission="none", broker_url=args.broker_url,
                           engine_env={"TOKENFLEET_EMULATOR_REQUEST_LOG":
                                       str(log_dir / "{instance}.jsonl")}
                           if args.breakdown else {})

@@ -13,7 +13,6 @@ import contextlib
 import os
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,9 +192,8 @@ class LiveStack:
             restart=False, stop_timeout_s=10.0)
 
     def _start_api(self) -> None:
-        from werkzeug.serving import make_server
-
         from web import create_app
+        from web.server import ApiServer
 
         cfg: dict[str, Any] = {"REDIS_URL": self.redis.url,
                                "BROKER_URL": self.broker_url or self.redis.url,
@@ -207,11 +205,9 @@ class LiveStack:
             cfg["DATABASE_URL"] = self.database_url
         cfg.update(self.app_config)
         self.app = create_app(cfg)
-        self.server = make_server("127.0.0.1", 0, self.app, threaded=True)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1},
-                         name="api", daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        self.server = ApiServer(self.app)
+        self.server.start_background()
+        self.url = self.server.url
 
     def _start_api_process(self) -> None:
         from tokenfleet.service.embedded import free_port
@@ -282,7 +278,6 @@ class LiveStack:
         if self.server is not None:
             with contextlib.suppress(Exception):
                 self.server.shutdown()
-                self.server.server_close()
         if self.app is not None:
             from web import close_app
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -528,8 +529,13 @@ class LedgerWriter:
             conn.execute(upsert_statement(conn.dialect.name), values)
 
 
+@functools.lru_cache(maxsize=None)
 def upsert_statement(dialect: str) -> Any:
-    """``INSERT .. ON CONFLICT (request_id) DO UPDATE`` implementing :func:`merge_rows`."""
+    """``INSERT .. ON CONFLICT (request_id) DO UPDATE`` implementing :func:`merge_rows`.
+
+    Built once per dialect: SQLAlchemy caches the compiled form by the
+    statement's structure, but a new statement object has to be walked to
+    find that cache key, which cost more than the flush itself."""
     table: sa.Table = RequestRow.__table__  # type: ignore[assignment]
     insert: Any
     if dialect == "postgresql":

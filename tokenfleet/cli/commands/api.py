@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import signal
 import sys
 import threading
@@ -23,22 +22,23 @@ def register(subparsers: Any) -> None:
     p.add_argument("--port", type=int, default=None, help="port (default: api_port, 8000)")
     p.add_argument("--admission", default="slomax",
                    help="admission policy (default slomax; 'none' admits everything)")
+    p.add_argument("--threads", type=int, default=128,
+                   help="server threads = requests in flight at once, streams included; "
+                        "more wait in the accept queue (default 128)")
     p.add_argument("--loglevel", default="INFO")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from werkzeug.serving import make_server
-
     from tokenfleet.errors import ConfigError
     from tokenfleet.live.endpoints import resolve_endpoints
     from tokenfleet.service.config import config_from_args
     from web import close_app, create_app
+    from web.server import ApiServer
 
     from tokenfleet.cli.logs import setup_logging
 
     setup_logging(args.loglevel)
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
     cfg = config_from_args(args)
     ep = resolve_endpoints(cfg)
     keys = {cfg.api_key: "demo"} if cfg.api_key else {}
@@ -48,24 +48,19 @@ def run(args: argparse.Namespace) -> int:
     host = args.host or cfg.api_host
     port = args.port if args.port is not None else cfg.api_port
     try:
-        server = make_server(host, port, app, threaded=True)
+        server = ApiServer(app, host, port, threads=args.threads)
     except OSError as exc:
         close_app(app)
         raise ConfigError(f"cannot listen on {host}:{port}: {exc}; pick another --port") from None
-    server.daemon_threads = True
-    stop = threading.Event()
 
     def _stop(signum: int, _frame: object) -> None:
-        stop.set()
         threading.Thread(target=server.shutdown, daemon=True).start()
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    print(f"tokenfleet api: listening on http://{host}:{server.server_port}", file=sys.stderr,
-          flush=True)
+    print(f"tokenfleet api: listening on {server.url}", file=sys.stderr, flush=True)
     try:
-        server.serve_forever(poll_interval=0.2)
+        server.serve_forever()
     finally:
-        server.server_close()
         close_app(app)
     return 0

@@ -1,0 +1,211 @@
+"""The live path's plumbing: our kombu Redis channel, the API server, the bench client.
+
+All against real servers: the embedded Redis, a real Celery producer and
+kombu consumer, cheroot serving a Flask app, a TCP server that drops idle
+connections.
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import threading
+import time
+from typing import Any, Iterator
+
+import pytest
+import redis
+from flask import Flask, Response
+
+from tokenfleet.live.config import LiveConfig
+from tokenfleet.live.httpclient import KeepAliveClient
+from tokenfleet.live.redis_transport import Channel, publishes_into, same_database
+from web.server import ApiServer
+from workers.app import TASK_CHAT, create_celery
+
+
+def test_same_database_normalises_urls() -> None:
+    assert same_database("redis://127.0.0.1:6379", "redis://127.0.0.1:6379/0")
+    assert not same_database("redis://127.0.0.1:6379/1", "redis://127.0.0.1:6379/0")
+    assert not same_database("redis://127.0.0.1:6379", "redis://127.0.0.1:6380")
+    assert not same_database("rediss://h:1", "redis://h:1")
+    assert not same_database("redis://:a@h:1", "redis://:b@h:1")
+
+
+@pytest.fixture()
+def celery_app(redis_server: Any) -> Iterator[Any]:
+    app = create_celery(redis_server.url, LiveConfig())
+    yield app
+    app.close()
+
+
+def test_channel_reuses_one_client_per_pool(celery_app: Any) -> None:
+    with celery_app.connection_for_write() as conn:
+        ch = conn.default_channel
+        assert isinstance(ch, Channel)
+        with ch.conn_or_acquire() as a, ch.conn_or_acquire() as b:
+            assert a is b
+        ch._disconnect_pools()  # what kombu does on reconnect and after fork
+        with ch.conn_or_acquire() as c:
+            assert c is not a
+            assert c.connection_pool is ch.pool
+            assert c.ping()
+
+
+def _queued(r: redis.Redis, queue: str) -> int:
+    return int(r.llen(queue))
+
+
+def test_publish_joins_the_pipeline_and_is_consumable(celery_app: Any,
+                                                      redis_server: Any) -> None:
+    """The LPUSH waits for the caller's pipeline, lands after the writes queued
+    before it, and is a normal Celery message a kombu consumer can take."""
+    r = redis.Redis.from_url(redis_server.url)
+    queue = "test-dc.interactive"
+    r.delete(queue, "marker")
+    pipe = r.pipeline(transaction=False)
+    pipe.set("marker", "state-first")
+    with publishes_into(pipe):
+        celery_app.send_task(TASK_CHAT, args=[{"rid": "r1", "attempt": 1}], task_id="r1.1",
+                             queue=queue)
+    assert _queued(r, queue) == 0  # nothing sent yet
+    assert r.get("marker") is None
+    pipe.execute()
+    assert r.get("marker") == b"state-first"
+    assert _queued(r, queue) == 1
+
+    # outside the block publishing is immediate again
+    celery_app.send_task(TASK_CHAT, args=[{"rid": "r2", "attempt": 1}], task_id="r2.1",
+                         queue=queue)
+    assert _queued(r, queue) == 2
+
+    got: list[Any] = []
+    from kombu import Queue
+
+    with celery_app.connection_for_read() as conn:
+        with conn.Consumer(Queue(queue, routing_key=queue), accept=["json"],
+                           callbacks=[lambda body, msg: (got.append((msg.headers, body)),
+                                                         msg.ack())]):
+            deadline = time.monotonic() + 5
+            while len(got) < 2 and time.monotonic() < deadline:
+                try:
+                    conn.drain_events(timeout=0.5)
+                except socket.timeout:
+                    pass
+    ids = sorted(h["id"] for h, _ in got)
+    assert ids == ["r1.1", "r2.1"]
+    assert all(h["task"] == TASK_CHAT for h, _ in got)
+    assert sorted(body[0][0]["rid"] for _, body in got) == ["r1", "r2"]
+
+
+def test_a_failed_pipeline_publishes_nothing(celery_app: Any, redis_server: Any) -> None:
+    r = redis.Redis.from_url(redis_server.url)
+    queue = "test-dc.batch"
+    r.delete(queue)
+    with pytest.raises(RuntimeError):
+        with r.pipeline(transaction=False) as pipe:
+            with publishes_into(pipe):
+                celery_app.send_task(TASK_CHAT, args=[{}], task_id="x.1", queue=queue)
+            raise RuntimeError("routing failed after the publish was built")
+    assert _queued(r, queue) == 0
+
+
+# -- the API server ---------------------------------------------------------------------
+@pytest.fixture()
+def server() -> Iterator[tuple[ApiServer, threading.Event]]:
+    app = Flask("t")
+    release = threading.Event()
+
+    @app.get("/ping")
+    def ping() -> Any:
+        return {"ok": True}
+
+    @app.get("/stream")
+    def stream() -> Response:
+        def gen() -> Iterator[bytes]:
+            yield b"data: first\n\n"
+            release.wait(5)  # the client must see the first chunk before this returns
+            yield b"data: [DONE]\n\n"
+        return Response(gen(), mimetype="text/event-stream")
+
+    srv = ApiServer(app, threads=8)
+    srv.start_background()
+    yield srv, release
+    release.set()
+    srv.shutdown()
+
+
+def test_server_keeps_connections_alive(server: tuple[ApiServer, threading.Event]) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", server[0].port, timeout=5)
+    conn.request("GET", "/ping")
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.read() == b'{"ok":true}\n'
+    assert not resp.will_close
+    sock = conn.sock
+    conn.request("GET", "/ping")
+    assert conn.getresponse().read() == b'{"ok":true}\n'
+    assert conn.sock is sock  # the same TCP connection served both
+
+
+def test_server_streams_chunks_as_they_are_yielded(
+        server: tuple[ApiServer, threading.Event]) -> None:
+    srv, release = server
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=5)
+    conn.request("GET", "/stream")
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.read1(65536) == b"data: first\n\n"  # before the generator may finish
+    release.set()
+    assert resp.read() == b"data: [DONE]\n\n"
+
+
+# -- the load generators' client ---------------------------------------------------------
+class _DropIdle:
+    """A one-response-per-connection HTTP/1.1 server that claims keep-alive but
+    closes each connection once the response is out: every reuse finds a dead socket."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.requests = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = c.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+            if data:
+                self.requests += 1
+                c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            time.sleep(0.05)
+            c.close()
+
+
+def test_keepalive_client_retries_a_stale_connection_once() -> None:
+    srv = _DropIdle()
+    client = KeepAliveClient(f"http://127.0.0.1:{srv.port}", timeout_s=5)
+    for _ in range(3):
+        resp = client.request("GET", "/")
+        assert resp.status == 200 and resp.read() == b"ok"
+        time.sleep(0.1)  # the server has closed the connection by now
+    assert srv.requests == 3  # each request reached the server exactly once
+
+
+def test_keepalive_client_does_not_retry_a_fresh_connection() -> None:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there
+    client = KeepAliveClient(f"http://127.0.0.1:{port}", timeout_s=2)
+    with pytest.raises(ConnectionRefusedError):
+        client.request("GET", "/")

@@ -1,0 +1,92 @@
+"""Kombu's Redis transport, with one redis-py client per channel instead of one per call.
+
+Kombu's Redis channel builds a new ``redis.Redis`` object for every publish
+and every acknowledgement bookkeeping step (``Channel.conn_or_acquire``); the
+connections come from the channel's pool either way, but redis-py 8 builds a
+table of about 170 response callbacks in each client's constructor. Profiled
+on the live path (``python -m tokenfleet.live.overhead``), that was about a
+fifth of the API's ``send_task`` and sat on the worker's receive path too
+(``QoS.append`` runs before a message is handed to the pool).
+
+A ``redis.Redis`` object is safe to share between threads (each command takes
+a connection from the pool), so the channel keeps one per pool and builds a
+new one only when kombu replaced the pool (reconnect, fork). Selected through
+Celery's ``broker_transport`` setting (``workers.app.celery_settings``) for
+``redis://`` and ``rediss://`` brokers; wire format and behaviour are kombu's.
+
+:func:`publishes_into` lets the API put a task's ``LPUSH`` into the pipeline
+that also writes the request's state, when the broker is the live-state
+Redis: one round trip instead of two per request, and the state is always
+written before the message can be taken (a pipeline runs in order).
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from kombu.transport import redis as kombu_redis
+from kombu.utils.json import dumps
+
+_into = threading.local()
+
+
+@contextmanager
+def publishes_into(pipeline: Any) -> Iterator[None]:
+    """Publishes this thread makes inside the block are appended to ``pipeline``
+    (a redis-py pipeline on the broker's own server and database) instead of
+    being sent; they reach the broker when the caller executes it."""
+    prev = getattr(_into, "pipe", None)
+    _into.pipe = pipeline
+    try:
+        yield
+    finally:
+        _into.pipe = prev
+
+
+class Channel(kombu_redis.Channel):
+    _shared: tuple[Any, Any] | None = None  # (pool, client built on it)
+
+    @contextmanager
+    def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
+        if client:
+            yield client
+            return
+        pool = self.pool
+        shared = self._shared
+        if shared is None or shared[0] is not pool:
+            shared = self._shared = (pool, self._create_client())
+        yield shared[1]
+
+    def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
+        pipe = getattr(_into, "pipe", None)
+        if (pipe is None or kwargs.get("_publish_batch") is not None or self.global_keyprefix
+                or (self._expires and queue in self._expires)):
+            super()._put(queue, message, **kwargs)
+            return
+        key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
+        pipe.lpush(key, dumps(message))
+
+
+class Transport(kombu_redis.Transport):
+    Channel = Channel
+
+
+#: the value of Celery's ``broker_transport`` that selects this transport
+TRANSPORT_PATH = f"{__name__}:Transport"
+
+
+def same_database(url_a: str, url_b: str) -> bool:
+    """Whether two Redis URLs name the same server and logical database."""
+    from redis.connection import parse_url
+
+    def key(url: str) -> tuple[Any, ...]:
+        try:
+            kw = parse_url(url)
+        except ValueError:
+            return (url,)
+        return (url.split(":", 1)[0], kw.get("host", "localhost"), kw.get("port", 6379),
+                kw.get("path"), kw.get("db", 0), kw.get("username"), kw.get("password"))
+
+    return key(url_a) == key(url_b)
