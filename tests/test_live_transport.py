@@ -209,3 +209,81 @@ def test_keepalive_client_does_not_retry_a_fresh_connection() -> None:
     client = KeepAliveClient(f"http://127.0.0.1:{port}", timeout_s=2)
     with pytest.raises(ConnectionRefusedError):
         client.request("GET", "/")
+
+
+# -- late-ack bookkeeping on receive ---------------------------------------------------
+def _consume(app: Any, queue: str, on_message: Any, want: int) -> None:
+    from kombu import Queue
+
+    seen = [0]
+
+    def cb(body: Any, msg: Any) -> None:
+        seen[0] += 1
+        on_message(body, msg)
+
+    with app.connection_for_read() as conn:
+        with conn.Consumer(Queue(queue, routing_key=queue), accept=["json"], callbacks=[cb]):
+            deadline = time.monotonic() + 5
+            while seen[0] < want and time.monotonic() < deadline:
+                try:
+                    conn.drain_events(timeout=0.2)
+                except socket.timeout:
+                    pass
+    assert seen[0] >= want
+
+
+def _unacked(r: redis.Redis) -> int:
+    return int(r.hlen("unacked"))
+
+
+def test_unacked_copy_is_kept_until_the_ack(celery_app: Any, redis_server: Any) -> None:
+    """A message handed off but not acknowledged keeps its Redis copy (the
+    visibility-timeout restore needs it); acknowledging from another thread,
+    as Celery's pool does, removes it."""
+    r = redis.Redis.from_url(redis_server.url)
+    queue = "test-qos.interactive"
+    r.delete(queue, "unacked", "unacked_index")
+    celery_app.send_task(TASK_CHAT, args=[{}], task_id="k1.1", queue=queue)
+    held: list[Any] = []
+    from kombu import Queue
+
+    with celery_app.connection_for_read() as conn:
+        with conn.Consumer(Queue(queue, routing_key=queue), accept=["json"],
+                           callbacks=[lambda body, msg: held.append(msg)]):
+            deadline = time.monotonic() + 5
+            while not held and time.monotonic() < deadline:
+                try:
+                    conn.drain_events(timeout=0.2)
+                except socket.timeout:
+                    pass
+            assert held and _unacked(r) == 1
+            t0 = time.monotonic()
+            acker = threading.Thread(target=held[0].ack)
+            acker.start()
+            acker.join(5)
+            assert time.monotonic() - t0 < 2.0
+            assert _unacked(r) == 0
+            assert int(r.zcard("unacked_index")) == 0
+
+
+def test_ack_inside_the_callback_leaves_no_copy(celery_app: Any, redis_server: Any) -> None:
+    r = redis.Redis.from_url(redis_server.url)
+    queue = "test-qos.batch"
+    r.delete(queue, "unacked", "unacked_index")
+    for i in range(3):
+        celery_app.send_task(TASK_CHAT, args=[{}], task_id=f"a{i}.1", queue=queue)
+    t0 = time.monotonic()
+    _consume(celery_app, queue, lambda body, msg: msg.ack(), want=3)
+    assert time.monotonic() - t0 < 3.0  # no ack waited on its own hand-off
+    assert _unacked(r) == 0 and int(r.zcard("unacked_index")) == 0
+
+
+def test_requeue_inside_the_callback_puts_the_message_back(celery_app: Any,
+                                                          redis_server: Any) -> None:
+    r = redis.Redis.from_url(redis_server.url)
+    queue = "test-qos.long_context"
+    r.delete(queue, "unacked", "unacked_index")
+    celery_app.send_task(TASK_CHAT, args=[{"rid": "q"}], task_id="q.1", queue=queue)
+    _consume(celery_app, queue, lambda body, msg: msg.requeue(), want=1)
+    assert _queued(r, queue) == 1  # back in its queue, not lost
+    assert _unacked(r) == 0

@@ -58,10 +58,14 @@ PASSTHROUGH = ("temperature", "top_p", "stop", "seed", "presence_penalty",
                "frequency_penalty", "logit_bias", "ignore_eos", "min_tokens", "vllm_xargs",
                "top_k", "repetition_penalty")
 TIER_HEADER = "X-TokenFleet-Tier"
+#: how often the registered instances are re-read from Redis (a background thread)
+INSTANCES_REFRESH_S = 0.1
 #: the fleet view is re-aggregated from the instance snapshots at most this often
 FLEET_REFRESH_S = 0.1
 #: admission reads the broker queue depths from Redis at most this often
 QUEUE_DEPTHS_MAX_AGE_S = 0.05
+#: beat's admission knobs and FleetMind spill shares are re-read this often
+KNOBS_REFRESH_S = 1.0
 
 
 @dataclass(slots=True)
@@ -132,11 +136,15 @@ class Gateway:
         self._stop = threading.Event()
         self._kv_thread = threading.Thread(target=self._kv_loop, name="kv-index", daemon=True)
         self._kv_thread.start()
+        self._refresh_thread = threading.Thread(target=self._refresh_loop, name="refresh",
+                                                daemon=True)
+        self._refresh_thread.start()
         self.metrics: Any = None  # set by create_app
 
     def close(self) -> None:
         self._stop.set()
         self._kv_thread.join(timeout=2.0)
+        self._refresh_thread.join(timeout=2.0)
 
     # -- shared prefix index ----------------------------------------------------------
     def _kv_loop(self) -> None:
@@ -170,15 +178,46 @@ class Gateway:
                 self.router.on_kv_event(ev)
 
     # -- live topology ----------------------------------------------------------------
-    def instances(self, max_age_s: float = 0.1) -> list[InstanceInfo]:
+    def instances(self, max_age_s: float = 2 * INSTANCES_REFRESH_S) -> list[InstanceInfo]:
+        """Registered instances, as of at most ``max_age_s`` ago (the refresh
+        thread keeps them fresh; reading here is the fallback when it lags)."""
         now = time.monotonic()
         with self._infos_lock:
             if now - self._infos_at <= max_age_s:
                 return self._infos
+        return self._refresh_instances()
+
+    def _refresh_instances(self) -> list[InstanceInfo]:
+        now = time.monotonic()
         infos = self.state.instances()
         with self._infos_lock:
-            self._infos, self._infos_at = infos, now
+            if now >= self._infos_at:
+                self._infos, self._infos_at = infos, now
         return infos
+
+    def _refresh_loop(self) -> None:
+        """Keep what routing and admission read from Redis fresh, off the request
+        path: each of these reads is a round trip a request would otherwise pay
+        whenever its copy aged out. The request path still reads inline, at
+        twice the age, if this thread falls behind or Redis was down."""
+        due = {"instances": 0.0, "depths": 0.0, "knobs": 0.0, "plan": 0.0}
+        while not self._stop.wait(QUEUE_DEPTHS_MAX_AGE_S / 2):
+            now = time.monotonic()
+            try:
+                if now >= due["instances"]:
+                    due["instances"] = now + INSTANCES_REFRESH_S
+                    self._refresh_instances()
+                if self.admission is not None and now >= due["depths"]:
+                    due["depths"] = now + QUEUE_DEPTHS_MAX_AGE_S / 2
+                    self._refresh_depths()
+                if now >= due["knobs"]:
+                    due["knobs"] = now + KNOBS_REFRESH_S / 2
+                    self._refresh_admission_knobs(max_age_s=0.0)
+                    self._refresh_fleet_plan(max_age_s=0.0)
+            except redis.RedisError:
+                continue  # requests see the outage themselves
+            except Exception:  # noqa: BLE001
+                log.exception("live-state refresh failed")
 
     def live_instances(self) -> list[InstanceInfo]:
         now = time.time()
@@ -292,11 +331,11 @@ class Gateway:
                         deadline_s=deadline)
 
     # -- admission + routing + publish -------------------------------------------------
-    def _refresh_admission_knobs(self) -> None:
+    def _refresh_admission_knobs(self, max_age_s: float = KNOBS_REFRESH_S) -> None:
         if self.admission is None:
             return
         now = time.monotonic()
-        if now - self._knobs_at < 1.0:
+        if now - self._knobs_at < max_age_s:
             return
         self._knobs_at = now
         try:
@@ -353,13 +392,11 @@ class Gateway:
         """
         from tokenfleet.core.admission import QueueTotals
 
-        now = time.monotonic()
-        if now - self._depths_at > QUEUE_DEPTHS_MAX_AGE_S:
+        if time.monotonic() - self._depths_at > QUEUE_DEPTHS_MAX_AGE_S:
             try:
-                self._depths = self.state.queued()
+                self._refresh_depths()
             except redis.RedisError:
-                self._depths = {}
-            self._depths_at = now
+                self._depths, self._depths_at = {}, time.monotonic()
         n_by_tier: dict[str, int] = {}
         for queue, n in self._depths.items():
             parts = queue.split(".")
@@ -371,6 +408,11 @@ class Gateway:
                 tier, (float(info.input_tokens), float(info.max_tokens)))
             out[tier] = QueueTotals(tier, n, int(n * mean_in), int(n * (mean_in + mean_out)))
         return out
+
+    def _refresh_depths(self) -> None:
+        now = time.monotonic()
+        depths = self.state.queued()
+        self._depths, self._depths_at = depths, now
 
     def _published(self, info: RequestInfo) -> None:
         """Running mean prompt and budget of what this API published, per tier."""
@@ -457,10 +499,10 @@ class Gateway:
                           fleet=ticket)
 
     # -- datacenter choice (FleetMind) ----------------------------------------------------
-    def _refresh_fleet_plan(self) -> None:
-        """The long cycle's spill shares (beat writes them to Redis), once a second."""
+    def _refresh_fleet_plan(self, max_age_s: float = KNOBS_REFRESH_S) -> None:
+        """The long cycle's spill shares (beat writes them to Redis)."""
         now = time.monotonic()
-        if self.fleet is None or now - self._plan_at < 1.0:
+        if self.fleet is None or now - self._plan_at < max_age_s:
             return
         self._plan_at = now
         try:

@@ -20,12 +20,38 @@ the accept queue rather than fail.
 
 from __future__ import annotations
 
+import io
 import threading
 from typing import Any
+
+from cheroot.wsgi import Gateway_10
 
 #: seconds an idle keep-alive connection is kept; above the usual 60 s idle
 #: timeout of load balancers, so the balancer, not us, closes idle connections
 KEEPALIVE_S = 65
+
+
+class _OneWriteGateway(Gateway_10):
+    """Sends the response headers and the first body chunk in one write.
+
+    Cheroot writes them separately; the first write wakes the client, which
+    then waits for the second: for a stream, the first token. One write means
+    one wake-up and one system call fewer on the time-to-first-token path."""
+
+    def write(self, chunk: bytes) -> None:
+        req = self.req
+        if req.sent_headers or not chunk:
+            super().write(chunk)
+            return
+        conn = req.conn
+        real = conn.wfile
+        held = io.BytesIO()
+        conn.wfile = held
+        try:
+            super().write(chunk)  # status line, headers and the framed chunk
+        finally:
+            conn.wfile = real
+        real.write(held.getvalue())
 
 
 class ApiServer:
@@ -38,6 +64,7 @@ class ApiServer:
         self._server = Server((host, port), app, numthreads=max(1, threads),
                               request_queue_size=256, timeout=KEEPALIVE_S,
                               shutdown_timeout=2)
+        self._server.gateway = _OneWriteGateway
         # bind now, so a taken port fails here and port 0 resolves at once
         self._server.prepare()
         self.host = host

@@ -70,7 +70,7 @@ def celery_settings(broker_url: str, live: LiveConfig) -> dict[str, Any]:
         transport["priority_steps"] = [0]
         transport["socket_connect_timeout"] = 2.0
     extra: dict[str, Any] = {}
-    if broker_url.startswith(("redis://", "rediss://")) and not os.environ.get("XT0"):
+    if broker_url.startswith(("redis://", "rediss://")):
         extra["broker_transport"] = TRANSPORT_PATH  # kombu's, one client per channel
     return {
         **extra,

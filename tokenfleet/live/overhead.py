@@ -226,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also report the median of each hop (ledger, Redis request "
                         "state and engine request logs joined per request)")
     p.add_argument("--no-throughput", action="store_true")
+    p.add_argument("--admission", default="slomax",
+                   help="the API's admission policy (default slomax, as `tokenfleet api`; "
+                        "'none' admits everything)")
     p.add_argument("--broker-url", default=None,
                    help="Celery broker (default: the embedded Redis), e.g. "
                         "amqp://guest:guest@127.0.0.1:5672//")
@@ -239,9 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         log_dir = Path(d) / "engine-requests"
         log_dir.mkdir()
         stack = LiveStack(data_dir=d, instances=specs, with_postgres=True, time_scale=1e-4,
-                          router="round_robin", app_config={"CHAT_QUOTAS": False},
+                          router="round_robin",
                           engines_in_process=False, api_in_process=False,
-                          admission="none", broker_url=args.broker_url,
+                          admission=args.admission, broker_url=args.broker_url,
                           engine_env={"TOKENFLEET_EMULATOR_REQUEST_LOG":
                                       str(log_dir / "{instance}.jsonl")}
                           if args.breakdown else {})

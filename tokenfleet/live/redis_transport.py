@@ -18,6 +18,15 @@ Celery's ``broker_transport`` setting (``workers.app.celery_settings``) for
 that also writes the request's state, when the broker is the live-state
 Redis: one round trip instead of two per request, and the state is always
 written before the message can be taken (a pipeline runs in order).
+
+On the worker, the late-ack bookkeeping of a received message (kombu keeps a
+copy in the ``unacked`` hash so an unacknowledged message comes back after
+the visibility timeout) is written *after* the message is handed to Celery
+instead of before: the pool thread starts the task while that round trip is
+in flight, which took it off the time to first token. The in-memory record
+comes first as before, and an ack or reject of the message waits until its
+copy is written, so it can never leave an orphan copy behind (which would
+come back as a duplicate after the visibility timeout).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
 from kombu.utils.json import dumps
 
 _into = threading.local()
@@ -45,8 +55,76 @@ def publishes_into(pipeline: Any) -> Iterator[None]:
         _into.pipe = prev
 
 
+class _Copy:
+    """A received message whose Redis copy is not written yet."""
+
+    __slots__ = ("thread", "written", "settled")
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+        self.written = threading.Event()
+        self.settled = False  # acked or rejected by its own consumer callback
+
+
+class QoS(kombu_redis.QoS):
+    """kombu's Redis ack emulation, with the Redis copy written after the hand-off."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._copying: dict[Any, _Copy] = {}
+
+    def hand_off(self, message: Any, handle: Any) -> Any:
+        tag = message.delivery_tag
+        copy = self._copying[tag] = _Copy()
+        virtual.QoS.append(self, message, tag)  # the in-memory record
+        try:
+            return handle(message)
+        finally:
+            try:
+                if not copy.settled:
+                    self.append(message, tag)  # kombu's: the Redis copy (+ the record again)
+            finally:
+                self._copying.pop(tag, None)
+                copy.written.set()
+
+    def _settle(self, tag: Any, keep_copy: bool) -> None:
+        """Before an ack or reject: wait for the copy, or, when the consumer
+        callback settles its own message, write it now (``keep_copy``: a
+        requeue restores from it) or never."""
+        copy = self._copying.get(tag)
+        if copy is None or copy.written.is_set():
+            return
+        if copy.thread != threading.get_ident():
+            copy.written.wait(10.0)
+            return
+        if keep_copy and not copy.settled:
+            message = self._delivered.get(tag)
+            if message is not None:
+                self.append(message, tag)
+        copy.settled = True
+
+    def ack(self, delivery_tag: Any) -> None:
+        self._settle(delivery_tag, keep_copy=False)
+        super().ack(delivery_tag)
+
+    def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
+        self._settle(delivery_tag, keep_copy=requeue)
+        super().reject(delivery_tag, requeue=requeue)
+
+
 class Channel(kombu_redis.Channel):
+    QoS = QoS
     _shared: tuple[Any, Any] | None = None  # (pool, client built on it)
+
+    def basic_consume(self, queue: str, no_ack: bool, callback: Any, consumer_tag: str,
+                      **kwargs: Any) -> Any:
+        ret = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        if not no_ack:
+            def _callback(raw_message: Any) -> Any:
+                return self.qos.hand_off(self.Message(raw_message, channel=self), callback)
+
+            self.connection._callbacks[queue] = _callback
+        return ret
 
     @contextmanager
     def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
