@@ -200,7 +200,7 @@ class Gateway:
         path: each of these reads is a round trip a request would otherwise pay
         whenever its copy aged out. The request path still reads inline, at
         twice the age, if this thread falls behind or Redis was down."""
-        due = {"instances": 0.0, "depths": 0.0, "knobs": 0.0, "plan": 0.0}
+        due = {"instances": 0.0, "depths": 0.0, "knobs": 0.0}
         while not self._stop.wait(QUEUE_DEPTHS_MAX_AGE_S / 2):
             now = time.monotonic()
             try:
@@ -623,6 +623,7 @@ class Gateway:
                          affinity: bool, cached: int,
                          dc_choice: tuple[Any, str | None] | None) -> None:
         info = prep.info
+        joined = self.publish_with_state
         with self.state.batch() as b:
             b.create_request(info.request_id, queue, self.live.request_state_ttl_s,
                              tier=info.tier, instance=target.instance_id)
@@ -634,11 +635,11 @@ class Gateway:
             if dc_choice is not None and dc_choice[1] not in (None, target.dc):
                 # beat's planner needs each DC's spilled-in share (rollback rule)
                 b.count(**{f"spilled_in:{target.dc}": 1})
-            if self.publish_with_state:
+            if joined:
                 # a KombuError here leaves the batch unsent: nothing to undo
                 with publishes_into(b.pipe):
                     self._send(job, queue)
-        if self.publish_with_state:
+        if joined:
             return
         try:
             self._send(job, queue)

@@ -69,17 +69,13 @@ class ApiServer:
         self._server.prepare()
         self.host = host
         self.port = int(self._server.bind_addr[1])
-        self._stopped = threading.Event()
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def serve_forever(self) -> None:
-        try:
-            self._server.serve()
-        finally:
-            self._stopped.set()
+        self._server.serve()
 
     def shutdown(self) -> None:
         self._server.stop()

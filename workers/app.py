@@ -38,9 +38,11 @@ Settings and why (Celery 5.6 docs):
   direct exchange of the same name with that routing key, so publishing is
   an exact-match lookup, never a topic pattern ("Routing Tasks > Automatic
   routing").
-* ``broker_transport``: kombu's Redis transport, subclassed only to reuse
-  one redis-py client per channel (:mod:`tokenfleet.live.redis_transport`;
-  measured in docs/benchmarks.md).
+* ``broker_transport``: kombu's Redis transport, subclassed to cut round
+  trips off the request path (one redis-py client per channel, a publish
+  that can join the API's state pipeline, the late-ack copy written after
+  the hand-off); wire format unchanged (:mod:`tokenfleet.live.redis_transport`;
+  measured in docs/live.md).
 * No result backend: tokens go through Redis Streams (tokenfleet.live.relay);
   nothing ever waits on ``AsyncResult.get()``.
 """
@@ -71,7 +73,7 @@ def celery_settings(broker_url: str, live: LiveConfig) -> dict[str, Any]:
         transport["socket_connect_timeout"] = 2.0
     extra: dict[str, Any] = {}
     if broker_url.startswith(("redis://", "rediss://")):
-        extra["broker_transport"] = TRANSPORT_PATH  # kombu's, one client per channel
+        extra["broker_transport"] = TRANSPORT_PATH  # kombu's, subclassed
     return {
         **extra,
         "broker_url": broker_url,

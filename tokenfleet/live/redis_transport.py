@@ -1,4 +1,4 @@
-"""Kombu's Redis transport, with one redis-py client per channel instead of one per call.
+"""Kombu's Redis transport with fewer round trips on the request path; same wire format.
 
 Kombu's Redis channel builds a new ``redis.Redis`` object for every publish
 and every acknowledgement bookkeeping step (``Channel.conn_or_acquire``); the
