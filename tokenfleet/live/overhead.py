@@ -11,12 +11,19 @@
 Everything runs on this machine (embedded Redis, real worker processes), so
 the numbers include the emulator's own CPU time; on a loaded 2-core box they
 are pessimistic.
+
+Latency on a shared 2-core machine moves with whatever else runs on the
+host; CPU time spent per request does much less. So the overhead run also
+reports, per process of the stack, the CPU milliseconds (user + system,
+from ``/proc``) it used per API request while the load ran. Compare code
+changes by those when the latency figures are too noisy to.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -76,6 +83,89 @@ class _Caller(KeepAliveClient):
         return (first or end) - t0, end - t0
 
 
+def _cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a process so far (Linux ``/proc``), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stack_pids(stack: LiveStack) -> dict[str, int]:
+    """The stack's processes by role (api, worker-*, engine-*, beat, redis), plus
+    this benchmark process (``client``: both load generators)."""
+    pids = {"client": os.getpid()}
+    if stack.sup is not None:
+        for name, child in stack.sup.children.items():
+            if child.pid is not None:
+                pids[name] = child.pid
+    proc = getattr(stack.redis, "_proc", None)
+    if proc is not None:
+        pids["redis"] = proc.pid
+    return pids
+
+
+_ECHO = ("import os\n"
+         "while True:\n"
+         "    b = os.read(0, 1)\n"
+         "    if not b:\n"
+         "        break\n"
+         "    os.write(1, b)\n")
+
+
+def wakeup_rtt_us(rounds: int = 2000) -> float:
+    """Median round trip of one byte to another process and back (µs).
+
+    Every hop of the live path wakes a process; on a virtual machine whose
+    host is busy that wake-up, not our code, sets the pace. Printed next to
+    the overhead so runs on a slow day can be told apart."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", _ECHO], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, bufsize=0)
+    assert child.stdin is not None and child.stdout is not None
+    w, r = child.stdin.fileno(), child.stdout.fileno()
+    rtts = []
+    try:
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            os.write(w, b"x")
+            os.read(r, 1)
+            rtts.append(time.perf_counter() - t0)
+    finally:
+        child.stdin.close()
+        child.wait(timeout=5)
+    return round(_pct(rtts, 50) * 1e6, 1)
+
+
+class CpuMeter:
+    """CPU seconds each process used between ``start()`` and ``stop()``."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self._t0: dict[str, float] = {}
+        self.used_s: dict[str, float] = {}
+
+    def start(self) -> None:
+        self._t0 = {n: t for n, p in self.pids.items() if (t := _cpu_s(p)) is not None}
+
+    def stop(self) -> None:
+        for name, t0 in self._t0.items():
+            t1 = _cpu_s(self.pids[name])
+            if t1 is not None:
+                self.used_s[name] = t1 - t0
+
+    def per_request_ms(self, requests: int) -> dict[str, float]:
+        out = {name: round(s * 1e3 / max(1, requests), 2)
+               for name, s in sorted(self.used_s.items())}
+        out["stack (all but client)"] = round(
+            sum(s for n, s in self.used_s.items() if n != "client") * 1e3 / max(1, requests), 2)
+        return out
+
+
 def overhead(stack: LiveStack, rate_rps: float = 50.0, duration_s: float = 20.0,
              output_tokens: int = 8, traces: list[dict[str, Any]] | None = None
              ) -> dict[str, Any]:
@@ -113,6 +203,9 @@ def overhead(stack: LiveStack, rate_rps: float = 50.0, duration_s: float = 20.0,
         one(-i, "direct")
     for v in res.values():
         v.clear()
+    wakeup_us = wakeup_rtt_us()
+    meter = CpuMeter(stack_pids(stack))
+    meter.start()
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=64) as pool:
         for i in range(n):
@@ -122,6 +215,7 @@ def overhead(stack: LiveStack, rate_rps: float = 50.0, duration_s: float = 20.0,
                 time.sleep(delay)
             pool.submit(one, i, "api")
             pool.submit(one, i, "direct")
+    meter.stop()
     out: dict[str, Any] = {"rate_rps": rate_rps, "requests": n,
                            "errors": sum(errors.values()), "error_kinds": errors}
     for q in (50, 90, 99):
@@ -130,6 +224,10 @@ def overhead(stack: LiveStack, rate_rps: float = 50.0, duration_s: float = 20.0,
             out[f"api_{metric}_p{q}_ms"] = round(a * 1e3, 2)
             out[f"direct_{metric}_p{q}_ms"] = round(d * 1e3, 2)
             out[f"overhead_{metric}_p{q}_ms"] = round((a - d) * 1e3, 2)
+    # the engine the direct requests go to also served them: its figure is
+    # for two requests; "client" is both load generators
+    out["cpu_ms_per_request"] = meter.per_request_ms(n)
+    out["machine_wakeup_rtt_us"] = wakeup_us
     return out
 
 
