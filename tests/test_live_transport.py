@@ -8,6 +8,7 @@ connections.
 from __future__ import annotations
 
 import http.client
+import json
 import socket
 import threading
 import time
@@ -19,7 +20,8 @@ from flask import Flask, Response
 
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.httpclient import KeepAliveClient
-from tokenfleet.live.redis_transport import Channel, publishes_into, same_database
+from tokenfleet.live.redis_transport import (Channel, PipelinePublisher, publishes_into,
+                                             same_database)
 from web.server import ApiServer
 from workers.app import TASK_CHAT, create_celery
 
@@ -56,6 +58,24 @@ def _queued(r: redis.Redis, queue: str) -> int:
     return int(r.llen(queue))
 
 
+def _take(celery_app: Any, queue: str, n: int) -> list[tuple[Any, Any]]:
+    """(headers, body) of up to ``n`` messages a kombu consumer takes from ``queue``."""
+    from kombu import Queue
+
+    got: list[tuple[Any, Any]] = []
+    with celery_app.connection_for_read() as conn:
+        with conn.Consumer(Queue(queue, routing_key=queue), accept=["json"],
+                           callbacks=[lambda body, msg: (got.append((msg.headers, body)),
+                                                         msg.ack())]):
+            deadline = time.monotonic() + 5
+            while len(got) < n and time.monotonic() < deadline:
+                try:
+                    conn.drain_events(timeout=0.5)
+                except socket.timeout:
+                    pass
+    return got
+
+
 def test_publish_joins_the_pipeline_and_is_consumable(celery_app: Any,
                                                       redis_server: Any) -> None:
     """The LPUSH waits for the caller's pipeline, lands after the writes queued
@@ -79,19 +99,7 @@ def test_publish_joins_the_pipeline_and_is_consumable(celery_app: Any,
                          queue=queue)
     assert _queued(r, queue) == 2
 
-    got: list[Any] = []
-    from kombu import Queue
-
-    with celery_app.connection_for_read() as conn:
-        with conn.Consumer(Queue(queue, routing_key=queue), accept=["json"],
-                           callbacks=[lambda body, msg: (got.append((msg.headers, body)),
-                                                         msg.ack())]):
-            deadline = time.monotonic() + 5
-            while len(got) < 2 and time.monotonic() < deadline:
-                try:
-                    conn.drain_events(timeout=0.5)
-                except socket.timeout:
-                    pass
+    got = _take(celery_app, queue, 2)
     ids = sorted(h["id"] for h, _ in got)
     assert ids == ["r1.1", "r2.1"]
     assert all(h["task"] == TASK_CHAT for h, _ in got)
@@ -108,6 +116,69 @@ def test_a_failed_pipeline_publishes_nothing(celery_app: Any, redis_server: Any)
                 celery_app.send_task(TASK_CHAT, args=[{}], task_id="x.1", queue=queue)
             raise RuntimeError("routing failed after the publish was built")
     assert _queued(r, queue) == 0
+
+
+def _wire(pipe: Any) -> list[dict[str, Any]]:
+    """The messages a pipeline would LPUSH, without what differs per publish."""
+    out = []
+    for args, _options in pipe.command_stack:
+        assert args[0] == "LPUSH"
+        msg = json.loads(args[2])
+        msg["properties"].pop("delivery_tag")
+        out.append(msg)
+    return out
+
+
+def test_pipeline_publisher_writes_what_send_task_writes(celery_app: Any,
+                                                         redis_server: Any) -> None:
+    r = redis.Redis.from_url(redis_server.url)
+    queue = "test-dc.long_context"
+    job = {"rid": "r9", "attempt": 2, "body": {"messages": [{"role": "user", "content": "hé"}]}}
+    slow, fast = r.pipeline(transaction=False), r.pipeline(transaction=False)
+    with publishes_into(slow):
+        # the call the gateway made before it had the publisher
+        celery_app.send_task(TASK_CHAT, args=[job], task_id="r9.2", queue=queue,
+                             routing_key=queue, argsrepr="", kwargsrepr="",
+                             headers={"prefill": 12})
+    publisher = PipelinePublisher(celery_app)
+    for _ in range(2):  # the first publish declares the queue, the second does not
+        publisher.publish(fast, TASK_CHAT, [job], "r9.2", queue, {"prefill": 12})
+    want = _wire(slow)[0]
+    # send_task also copies its argsrepr/kwargsrepr options into the message
+    # properties, where nothing reads them (the headers carry them)
+    for name in ("argsrepr", "kwargsrepr"):
+        assert want["properties"].pop(name) == ""
+    assert _wire(fast) == [want, want]
+    assert want["headers"]["id"] == "r9.2" and want["headers"]["prefill"] == 12
+
+    # nothing is sent before the caller's pipeline runs; then a worker can take both
+    r.delete(queue)
+    assert _queued(r, queue) == 0
+    fast.execute()
+    assert _queued(r, queue) == 2
+    assert [body[0][0] for _, body in _take(celery_app, queue, 2)] == [job, job]
+
+
+def test_pipeline_publisher_is_safe_across_threads(celery_app: Any, redis_server: Any) -> None:
+    r = redis.Redis.from_url(redis_server.url)
+    publisher = PipelinePublisher(celery_app)
+    pipes = [r.pipeline(transaction=False) for _ in range(8)]
+
+    def run(k: int) -> None:
+        for i in range(25):
+            publisher.publish(pipes[k], TASK_CHAT, [{"rid": f"{k}-{i}"}], f"{k}-{i}.1",
+                              f"q{k % 2}")
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k, pipe in enumerate(pipes):
+        msgs = _wire(pipe)
+        assert [m["headers"]["id"] for m in msgs] == [f"{k}-{i}.1" for i in range(25)]
+        assert {m["properties"]["delivery_info"]["routing_key"] for m in msgs} == {f"q{k % 2}"}
+        pipe.reset()
 
 
 # -- the API server ---------------------------------------------------------------------

@@ -44,7 +44,7 @@ from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.fleet import FleetTicket, LiveFleet, load_topology
 from tokenfleet.live.queues import affinity_queue, pool_queue, prefill_header
 from tokenfleet.live.relay import RelayEvent, RelayReader
-from tokenfleet.live.redis_transport import publishes_into
+from tokenfleet.live.redis_transport import PipelinePublisher
 from tokenfleet.live.state import InstanceInfo, LiveState
 from web.errors import ApiError, bad_request
 
@@ -99,6 +99,10 @@ class Dispatched:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _task_id(job: Mapping[str, Any]) -> str:
+    return f"{job['rid']}.{job['attempt']}"
+
+
 class Gateway:
     def __init__(self, *, state: LiveState, celery: Any, live: LiveConfig,
                  slo: SLOConfig | None = None, ledger: Any = None,
@@ -108,6 +112,7 @@ class Gateway:
         #: the broker is this Redis (same server and database) and its transport is
         #: tokenfleet.live.redis_transport: publish in the request-state pipeline
         self.publish_with_state = publish_with_state
+        self._publisher = PipelinePublisher(celery) if publish_with_state else None
         self.live = live
         self.slo = slo or SLOConfig()
         self.ledger = ledger
@@ -623,7 +628,7 @@ class Gateway:
                          affinity: bool, cached: int,
                          dc_choice: tuple[Any, str | None] | None) -> None:
         info = prep.info
-        joined = self.publish_with_state
+        joined = self._publisher
         with self.state.batch() as b:
             b.create_request(info.request_id, queue, self.live.request_state_ttl_s,
                              tier=info.tier, instance=target.instance_id)
@@ -635,11 +640,11 @@ class Gateway:
             if dc_choice is not None and dc_choice[1] not in (None, target.dc):
                 # beat's planner needs each DC's spilled-in share (rollback rule)
                 b.count(**{f"spilled_in:{target.dc}": 1})
-            if joined:
+            if joined is not None:
                 # a KombuError here leaves the batch unsent: nothing to undo
-                with publishes_into(b.pipe):
-                    self._send(job, queue)
-        if joined:
+                joined.publish(b.pipe, TASK_CHAT, [job], _task_id(job), queue,
+                               prefill_header(job))
+        if joined is not None:
             return
         try:
             self._send(job, queue)
@@ -654,7 +659,7 @@ class Gateway:
 
     def _send(self, job: dict[str, Any], queue: str) -> None:
         # argsrepr/kwargsrepr: skip Celery's safe-repr of the job for its headers
-        self.celery.send_task(TASK_CHAT, args=[job], task_id=f"{job['rid']}.{job['attempt']}",
+        self.celery.send_task(TASK_CHAT, args=[job], task_id=_task_id(job),
                               queue=queue, routing_key=queue, argsrepr="", kwargsrepr="",
                               headers=prefill_header(job))
 
