@@ -147,6 +147,24 @@ def test_requests_that_can_never_pass_get_no_retry_after(quotas: QuotaEnforcer) 
     assert "lower max_tokens" in d.message()
 
 
+def test_an_unlimited_admission_costs_no_redis_round_trip(quotas: QuotaEnforcer,
+                                                         rc: Any) -> None:
+    def evals() -> int:
+        stats = rc.info("commandstats")
+        return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0))
+                   for c in ("evalsha", "eval"))
+
+    before = evals()
+    d = quotas.admit("u", "interactive", QuotaLimits(), prompt_tokens=10, max_tokens=20)
+    assert d.allowed and d.ticket is not None and not d.ticket.charged
+    # the tenant got limits while its request ran: still nothing to give back
+    assert quotas.release(d.ticket, QuotaLimits(tokens_per_minute=100),
+                          actual_tokens=15) == 0
+    assert evals() == before
+    state = quotas.state("u", "interactive", QuotaLimits(tokens_per_minute=100))
+    assert state.running == 0 and state.daily_tokens_used == 0
+
+
 def test_reservation_is_reconciled_once_and_frees_the_slot(quotas: QuotaEnforcer) -> None:
     limits = QuotaLimits(tokens_per_minute=1000, max_concurrent_requests=1, daily_token_budget=5000)
     a = quotas.admit("c", "interactive", limits, prompt_tokens=100, max_tokens=500)

@@ -122,6 +122,9 @@ class Ticket:
     budget: str
     ticket_id: str
     reserved_tokens: int
+    #: False when admitted without limits: nothing was written, so release has
+    #: nothing to undo (and skips its round trip)
+    charged: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,7 +341,7 @@ class QuotaEnforcer:
         cost = max(0, int(prompt_tokens)) + max(0, int(max_tokens))
         tid = ticket_id or uuid.uuid4().hex
         if limits.unlimited:
-            return QuotaDecision(True, Ticket(tenant_id, budget, tid, cost))
+            return QuotaDecision(True, Ticket(tenant_id, budget, tid, cost, charged=False))
         rpm, tpm, running, daily = self._keys(tenant_id, budget)
         res = self._admit(
             keys=[rpm, tpm, running, daily, self._ticket_key(tenant_id, budget, tid)],
@@ -368,7 +371,7 @@ class QuotaEnforcer:
         Returns the tokens refunded (negative if the request used more than it
         reserved), or None if this ticket was already released: safe to retry.
         """
-        if limits.unlimited and ticket.reserved_tokens == 0:
+        if not ticket.charged or (limits.unlimited and ticket.reserved_tokens == 0):
             return 0
         _, tpm, running, daily = self._keys(ticket.tenant_id, ticket.budget)
         res = self._release(
