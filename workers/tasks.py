@@ -138,6 +138,7 @@ def run_job(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = 
                       stall_timeout_s=rt.live.engine_stall_timeout_s,
                       headers=job.get("engine_headers") or None)
     flight.call = call
+    streamed = False
     try:
         for piece in call.stream():
             if piece.tokens and first_ts is None:
@@ -167,37 +168,49 @@ def run_job(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = 
             if piece.usage is not None:
                 usage = piece.usage
         rt.note_engine_success()
+        streamed = True
     except EngineError as exc:
         return _on_engine_error(rt, job, relay, exc, first_ts, tokens, dispatched)
     finally:
         rt.remove_flight(rid)
-        state.account_finish(rt.info.instance_id, info, first_ts is not None, cached_est)
+        if not streamed:
+            state.account_finish(rt.info.instance_id, info, first_ts is not None, cached_est)
 
-    finished = time.time()
-    completion = int((usage or {}).get("completion_tokens", tokens))
-    cached = int(((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0))
-    prompt = int((usage or {}).get("prompt_tokens", job["input_tokens"]))
-    if first_ts is None:  # zero-token answer: first token = end
-        first_ts = finished
-    ttft = first_ts - float(job["arrival_ts"])
-    tpot = (finished - first_ts) / (completion - 1) if completion > 1 else None
-    slo = rt.slo.slo_for(job["tier"])
-    deadline_in = None
-    if job.get("deadline_ts"):
-        deadline_in = float(job["deadline_ts"]) - float(job["arrival_ts"])
-    ok = meets_slo(slo, status="completed", input_tokens=prompt, ttft_s=ttft, tpot_s=tpot,
-                   e2e_s=finished - float(job["arrival_ts"]), deadline_in_s=deadline_in)
-    status = "completed" if ok else "slo_missed"
-    end = relay.end_fields(finish_reason, usage or {
-        "prompt_tokens": prompt, "completion_tokens": completion,
-        "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}})
-    # settle and append the end entry atomically: only the winner ends the stream
-    won, final = state.finish(rid, status, rt.worker_id, end_event=end,
-                              stream_ttl_s=rt.live.stream_ttl_s)
-    if won:
-        state.count(**{f"finished_{job['tier']}": 1, f"slo_met_{job['tier']}": int(ok),
-                       "completion_tokens": completion})
-    else:
+    got_first_token = first_ts is not None
+    won, final = False, ""
+    try:
+        finished = time.time()
+        completion = int((usage or {}).get("completion_tokens", tokens))
+        cached = int(((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        prompt = int((usage or {}).get("prompt_tokens", job["input_tokens"]))
+        if first_ts is None:  # zero-token answer: first token = end
+            first_ts = finished
+        ttft = first_ts - float(job["arrival_ts"])
+        tpot = (finished - first_ts) / (completion - 1) if completion > 1 else None
+        slo = rt.slo.slo_for(job["tier"])
+        deadline_in = None
+        if job.get("deadline_ts"):
+            deadline_in = float(job["deadline_ts"]) - float(job["arrival_ts"])
+        ok = meets_slo(slo, status="completed", input_tokens=prompt, ttft_s=ttft, tpot_s=tpot,
+                       e2e_s=finished - float(job["arrival_ts"]), deadline_in_s=deadline_in)
+        status = "completed" if ok else "slo_missed"
+        end = relay.end_fields(finish_reason, usage or {
+            "prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}})
+        # settle and append the end entry atomically: only the winner ends the stream
+        won, final = state.finish(rid, status, rt.worker_id, end_event=end,
+                                  stream_ttl_s=rt.live.stream_ttl_s)
+    finally:
+        # the instance's accounting and the winner's counters: one round trip,
+        # after the end entry (the client's answer does not wait for them)
+        with state.batch() as b:
+            b.account(rt.info.instance_id, "on_finish", info, cached_est,
+                      got_first_token=got_first_token)
+            if won:
+                b.count(**{f"finished_{job['tier']}": 1, f"slo_met_{job['tier']}": int(ok),
+                           "completion_tokens": completion})
+    if not won:
         status = final or status
     _record(rt, _row(job, rt, status, dispatched_ts=dispatched, first_token_ts=first_ts,
                      finished_ts=finished, prompt_tokens=prompt, cached_tokens=cached,
