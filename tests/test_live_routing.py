@@ -155,7 +155,7 @@ def test_batch_yields_to_interactive(stack: LiveStack) -> None:
 def test_batch_share_caps_batch_slots(stack: LiveStack) -> None:
     state = stack.gateway.state
     state.set_shares({"interactive": 1.0, "long_context": 1.0, "batch": 0.25})
-    time.sleep(1.2)
+    time.sleep(2.5)  # two of the workers' once-a-second share refreshes: one may lag
     results: list[dict[str, Any]] = []
     threads = _flood(stack, 8, "batch", 200, results, "capped batch")
     peak = 0
