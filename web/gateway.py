@@ -109,9 +109,9 @@ class Gateway:
                  admission: Any = None, publish_with_state: bool = False) -> None:
         self.state = state
         self.celery = celery
-        #: the broker is this Redis (same server and database) and its transport is
-        #: tokenfleet.live.redis_transport: publish in the request-state pipeline
-        self.publish_with_state = publish_with_state
+        #: publish_with_state: the broker is this Redis (same server and database) and
+        #: its transport is tokenfleet.live.redis_transport, so a task's LPUSH goes
+        #: into the request-state pipeline
         self._publisher = PipelinePublisher(celery) if publish_with_state else None
         self.live = live
         self.slo = slo or SLOConfig()

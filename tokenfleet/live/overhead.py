@@ -101,9 +101,8 @@ def stack_pids(stack: LiveStack) -> dict[str, int]:
         for name, child in stack.sup.children.items():
             if child.pid is not None:
                 pids[name] = child.pid
-    proc = getattr(stack.redis, "_proc", None)
-    if proc is not None:
-        pids["redis"] = proc.pid
+    if stack.redis is not None and stack.redis.pid:
+        pids["redis"] = stack.redis.pid
     return pids
 
 
