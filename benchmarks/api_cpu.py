@@ -9,6 +9,10 @@
   signed-cookie sessions and a secret key, and with
   :class:`web.admin.CookieFirstSessionInterface`, for a request without a
   cookie (every API request).
+* **Redis replies**: one command each of the kinds the live path sends
+  (a ``GET``, an ``XREAD`` of a few token entries, a six-command pipeline),
+  parsed by redis-py's pure-Python parser and by ``hiredis`` (a dependency;
+  redis-py uses it whenever it is installed).
 * **wake-up**: the round trip of one byte to another process and back, the
   gauge the overhead benchmark prints as ``machine_wakeup_rtt_us``.
 
@@ -90,6 +94,41 @@ def publish(n: int) -> dict[str, float]:
     return out
 
 
+def redis_parsers(n: int) -> dict[str, float]:
+    import redis
+    from redis._parsers import _HiredisParser, _RESP2Parser
+    from redis.utils import HIREDIS_AVAILABLE
+
+    out: dict[str, float] = {}
+    parsers: list[tuple[str, Any]] = [("python", _RESP2Parser)]
+    if HIREDIS_AVAILABLE:
+        parsers.append(("hiredis", _HiredisParser))
+    with _redis_url() as url:
+        for label, parser in parsers:
+            r = redis.Redis.from_url(url, parser_class=parser)
+            r.delete("bench:s")
+            for i in range(4):
+                r.xadd("bench:s", {"text": "hello world " * 3, "tokens": 1})
+
+            def get(_: int, r: Any = r) -> None:
+                r.get("bench:k")
+
+            def xread(_: int, r: Any = r) -> None:
+                r.xread({"bench:s": "0"}, count=4)
+
+            def pipeline(_: int, r: Any = r) -> None:
+                with r.pipeline(transaction=False) as pipe:
+                    for _k in range(6):
+                        pipe.hget("bench:h", "f")
+                    pipe.execute()
+
+            for name, fn in (("get", get), ("xread", xread), ("pipeline6", pipeline)):
+                fn(0)
+                out[f"{name}_{label}_us"] = best_us(fn, n)
+            r.close()
+    return out
+
+
 def request_context(n: int) -> dict[str, float]:
     from flask import Flask
 
@@ -124,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=1000, help="calls per round")
     args = p.parse_args(argv)
     for name, fn in (("publish into a pipeline", publish),
-                     ("request context push + pop", request_context)):
+                     ("request context push + pop", request_context),
+                     ("Redis command, by reply parser", redis_parsers)):
         print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in fn(args.n).items()), flush=True)
     print(f"process wake-up round trip: {wakeup_rtt_us()} us")
     return 0

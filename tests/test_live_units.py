@@ -322,6 +322,35 @@ def test_tier_gate_applies_shares_health_and_yielding(state: LiveState) -> None:
     assert rt.desired_queues() == []
 
 
+def test_a_started_task_holds_its_tier_slot_until_its_flight_does(state: LiveState) -> None:
+    """Between the pool thread starting a task and the task's flight (after the
+    claim round trip) the slot must stay counted, or the gate opens the tier
+    for one message more than its share."""
+    from workers.runtime import Flight
+
+    info = InstanceInfo("h1", "dch", "m", "http://127.0.0.1:1", "llama3-8b-h200", 4096, 1, 4)
+    rt = WorkerRuntime(LiveConfig.load(env={}), state, info)
+    rt._shares, rt._shares_at = {"interactive": 1.0, "long_context": 1.0,
+                                 "batch": 0.25}, time.monotonic() + 1e6
+    batch_qs = [q for q in worker_queues("dch", "h1") if q.endswith(".batch")]
+    rt.on_received("r1.1", "dch.batch", 100)
+    assert rt.started("r1.1") is not None
+    assert rt.running_by_tier(include_reserved=True)["batch"] == 1
+    assert not set(batch_qs) & set(rt.desired_queues()), "claim in flight: still full"
+    rt.add_flight(Flight("r1", "batch", 1, prefill_tokens=100), "r1.1")
+    assert rt.running_by_tier(include_reserved=True)["batch"] == 1  # moved, not doubled
+    rt.task_done("r1.1")
+    assert rt.running_by_tier(include_reserved=True)["batch"] == 1  # the flight holds it
+    rt.remove_flight("r1")
+    assert set(batch_qs) <= set(rt.desired_queues())
+    # a delivery that never becomes a flight (a duplicate) frees its slot when it ends
+    rt.on_received("r2.1", "dch.batch", None)
+    rt.started("r2.1")
+    assert rt.running_by_tier(include_reserved=True)["batch"] == 1
+    rt.task_done("r2.1")
+    assert rt.running_by_tier(include_reserved=True)["batch"] == 0 and rt.gate_kick.is_set()
+
+
 def test_pool_queues_pause_while_the_engine_has_prefill_queued(state: LiveState) -> None:
     from workers.runtime import Flight
 

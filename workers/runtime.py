@@ -127,8 +127,13 @@ class WorkerRuntime:
         self._consumer = consumer
 
     # -- flights --------------------------------------------------------------------
-    def add_flight(self, flight: Flight) -> None:
+    def add_flight(self, flight: Flight, task_id: str | None = None) -> None:
+        """``task_id``'s reservation becomes this flight in one step: between the
+        two the tier gate would see a free slot and let one more message in."""
         with self._lock:
+            if task_id is not None:
+                self.reserved.pop(task_id, None)
+                self.reserved_prefill.pop(task_id, None)
             self._flights[flight.request_id] = flight
 
     def remove_flight(self, rid: str) -> None:
@@ -198,11 +203,19 @@ class WorkerRuntime:
             log.debug("could not pause queues (%s)", why, exc_info=True)
 
     def started(self, task_id: str) -> float | None:
-        """The task left the pool's queue; returns when its message was received."""
+        """The task left the pool's queue; returns when its message was received.
+        Its reservation stays until it becomes a flight or the task ends."""
         with self._lock:
-            self.reserved.pop(task_id, None)
-            self.reserved_prefill.pop(task_id, None)
             return self.received.pop(task_id, None)
+
+    def task_done(self, task_id: str) -> None:
+        """The task returned: drop its reservation if no flight took it (a
+        duplicate, a cancel, a retry) and let the gate reopen its tier."""
+        with self._lock:
+            held = self.reserved.pop(task_id, None)
+            self.reserved_prefill.pop(task_id, None)
+        if held is not None:
+            self.gate_kick.set()
 
     # -- engine health ----------------------------------------------------------------
     def is_engine_healthy(self) -> bool:
@@ -331,31 +344,34 @@ class WorkerRuntime:
                               else self.state.queued())
                 except Exception:  # noqa: BLE001
                     queued = {}
-            want = self.desired_queues(queued)
             try:
-                have = [q.name for q in c.task_consumer.queues]
+                if self.desired_queues(queued) == [q.name for q in c.task_consumer.queues]:
+                    continue
             except Exception:  # noqa: BLE001
                 continue
-            if want == have:
-                continue
-            # keep the common prefix; re-add the rest in priority order
-            n = 0
+            hub = getattr(c, "hub", None)
+            if hub is not None:
+                hub.call_soon(self._apply_gate, c, queued)
+            else:  # pragma: no cover - event loop disabled
+                self._apply_gate(c, queued)
+            time.sleep(0.05)
+
+    def _apply_gate(self, c: Any, queued: dict[str, int]) -> None:
+        """Consume the desired queues (consumer thread only). Decided here, not
+        in the gate thread: ``on_received`` runs on this thread too, so a
+        message that filled its tier since the gate looked is counted."""
+        try:
+            want = self.desired_queues(queued)
+            have = [q.name for q in c.task_consumer.queues]
+            n = 0  # keep the common prefix; re-add the rest in priority order
             while n < min(len(want), len(have)) and want[n] == have[n]:
                 n += 1
-            drop, add = have[n:], want[n:]
-            hub = getattr(c, "hub", None)
-
-            def apply(drop: list[str] = drop, add: list[str] = add) -> None:
-                for q in drop:
-                    c.cancel_task_queue(q)
-                for q in add:
-                    c.add_task_queue(q)
-
-            if hub is not None:
-                hub.call_soon(apply)
-            else:  # pragma: no cover - event loop disabled
-                apply()
-            time.sleep(0.05)
+            for q in have[n:]:
+                c.cancel_task_queue(q)
+            for q in want[n:]:
+                c.add_task_queue(q)
+        except Exception:  # noqa: BLE001 - a broker blip: the next gate round retries
+            log.debug("tier gate not applied", exc_info=True)
 
     def _kv_loop(self) -> None:
         """Relay the engine's vLLM KV events to the shared prefix index stream."""

@@ -35,7 +35,10 @@ log = logging.getLogger("tokenfleet.worker")
 def chat(self: Any, job: dict[str, Any]) -> str:
     rt = runtime()
     received = rt.started(self.request.id)
-    return run_job(rt, job, received_ts=received)
+    try:
+        return run_job(rt, job, received_ts=received, task_id=self.request.id)
+    finally:
+        rt.task_done(self.request.id)
 
 
 @task_received.connect
@@ -87,7 +90,8 @@ def _record_duplicate(rt: WorkerRuntime, job: dict[str, Any], why: str) -> str:
     return "duplicate"
 
 
-def run_job(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = None) -> str:
+def run_job(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = None,
+            task_id: str | None = None) -> str:
     state = rt.state
     rid = job["rid"]
     attempt = int(job["attempt"])
@@ -126,7 +130,7 @@ def run_job(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = 
 
     flight = Flight(rid, job["tier"], attempt,
                     prefill_tokens=max(0, int(job["input_tokens"]) - cached_est))
-    rt.add_flight(flight)
+    rt.add_flight(flight, task_id)
     dispatched = time.time()
     first_ts: float | None = None
     tokens = 0
