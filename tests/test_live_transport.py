@@ -230,6 +230,69 @@ def test_server_streams_chunks_as_they_are_yielded(
     assert resp.read() == b"data: [DONE]\n\n"
 
 
+def test_a_server_thread_keeps_serving_a_busy_connection() -> None:
+    app = Flask("t")
+
+    @app.get("/who")
+    def who() -> Any:
+        return {"thread": threading.get_ident()}
+
+    srv = ApiServer(app, threads=4, linger_s=30.0)
+    srv.start_background()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=5)
+        seen = set()
+        for _ in range(4):
+            conn.request("GET", "/who")
+            seen.add(json.loads(conn.getresponse().read())["thread"])
+        assert len(seen) == 1, "the thread that served the request waits for the next one"
+    finally:
+        srv.shutdown()
+
+
+def test_a_lingering_thread_yields_to_waiting_connections() -> None:
+    """Two threads: one lingers on an idle connection, the other streams. A
+    third connection must still be served (the lingering thread hands its
+    connection back when it sees one waiting), before the stream ends and
+    long before the 30 s linger or the client's 10 s timeout."""
+    app = Flask("t")
+    release = threading.Event()
+
+    @app.get("/ping")
+    def ping() -> Any:
+        return {"ok": True}
+
+    @app.get("/stream")
+    def stream() -> Response:
+        def gen() -> Iterator[bytes]:
+            yield b"data: first\n\n"
+            release.wait(20)
+            yield b"data: [DONE]\n\n"
+        return Response(gen(), mimetype="text/event-stream")
+
+    srv = ApiServer(app, threads=2, linger_s=30.0)
+    srv.start_background()
+    try:
+        idle = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+        idle.request("GET", "/ping")
+        assert idle.getresponse().read() == b'{"ok":true}\n'  # its thread now lingers
+        streaming = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+        streaming.request("GET", "/stream")
+        resp = streaming.getresponse()
+        assert resp.read1(65536) == b"data: first\n\n"  # the other thread is busy
+        late = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+        late.request("GET", "/ping")
+        assert late.getresponse().read() == b'{"ok":true}\n'
+        assert not release.is_set()
+        release.set()
+        assert resp.read() == b"data: [DONE]\n\n"
+        idle.request("GET", "/ping")  # the handed-back connection still works
+        assert idle.getresponse().status == 200
+    finally:
+        release.set()
+        srv.shutdown()
+
+
 # -- the load generators' client ---------------------------------------------------------
 class _DropIdle:
     """A one-response-per-connection HTTP/1.1 server that claims keep-alive but

@@ -74,6 +74,9 @@ class LiveConfig:
     seed_api_keys: str = ""
     #: Celery broker visibility timeout (Redis/SQS): above the longest queued+running time
     visibility_timeout_s: float = 7200.0
+    #: an API server thread waits this long on the keep-alive connection it just
+    #: served for the next request (0: hand it straight back to cheroot's selector)
+    api_linger_s: float = 1.0
 
     @classmethod
     def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> LiveConfig:

@@ -329,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--broker-url", default=None,
                    help="Celery broker (default: the embedded Redis), e.g. "
                         "amqp://guest:guest@127.0.0.1:5672//")
+    p.add_argument("--api-linger-s", type=float, default=None,
+                   help="the API server's linger on a keep-alive connection "
+                        "(LiveConfig.api_linger_s; 0 hands connections straight back)")
     args = p.parse_args(argv)
     from tokenfleet.service.testing import temp_data_dir
 
@@ -342,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
                           router="round_robin",
                           engines_in_process=False, api_in_process=False,
                           admission=args.admission, broker_url=args.broker_url,
+                          live_overrides={} if args.api_linger_s is None
+                          else {"api_linger_s": args.api_linger_s},
                           engine_env={"TOKENFLEET_EMULATOR_REQUEST_LOG":
                                       str(log_dir / "{instance}.jsonl")}
                           if args.breakdown else {})

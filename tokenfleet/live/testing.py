@@ -205,7 +205,7 @@ class LiveStack:
             cfg["DATABASE_URL"] = self.database_url
         cfg.update(self.app_config)
         self.app = create_app(cfg)
-        self.server = ApiServer(self.app)
+        self.server = ApiServer(self.app, linger_s=self.live.api_linger_s)
         self.server.start_background()
         self.url = self.server.url
 

@@ -31,6 +31,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tokenfleet.errors import ConfigError
+    from tokenfleet.live.config import LiveConfig
     from tokenfleet.live.endpoints import resolve_endpoints
     from tokenfleet.service.config import config_from_args
     from web import close_app, create_app
@@ -48,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     host = args.host or cfg.api_host
     port = args.port if args.port is not None else cfg.api_port
     try:
-        server = ApiServer(app, host, port, threads=args.threads)
+        server = ApiServer(app, host, port, threads=args.threads,
+                           linger_s=LiveConfig.load().api_linger_s)
     except OSError as exc:
         close_app(app)
         raise ConfigError(f"cannot listen on {host}:{port}: {exc}; pick another --port") from None
