@@ -351,6 +351,25 @@ def test_a_started_task_holds_its_tier_slot_until_its_flight_does(state: LiveSta
     assert rt.running_by_tier(include_reserved=True)["batch"] == 0 and rt.gate_kick.is_set()
 
 
+def test_a_worker_bug_ends_the_request_with_an_error_event(state: LiveState) -> None:
+    """A job the worker cannot handle (here: no input_tokens) must not leave
+    the client waiting for its request timeout."""
+    from tokenfleet.live.relay import RelayReader
+    from workers.tasks import run_job_guarded
+
+    info = InstanceInfo("b1", "dcb", "m", "http://127.0.0.1:1", "llama3-8b-h200", 4096, 1, 4)
+    rt = WorkerRuntime(LiveConfig.load(env={}), state, info)
+    state.create_request("bug1", "dcb.interactive", 60.0)
+    job = {"rid": "bug1", "attempt": 1, "tier": "interactive", "queue": "dcb.interactive"}
+    assert run_job_guarded(rt, job) == "failed"
+    events = list(RelayReader(state, "bug1", block_ms=100).events(lambda: None))
+    assert [e.kind for e in events] == ["err"] and events[0].code == 500
+    assert "KeyError" in events[0].message
+    st = state.request_state("bug1")
+    assert st["status"] == "done" and st["final"] == "failed"
+    assert state.counters().get("failed_interactive") == 1
+
+
 def test_pool_queues_pause_while_the_engine_has_prefill_queued(state: LiveState) -> None:
     from workers.runtime import Flight
 

@@ -36,7 +36,7 @@ def chat(self: Any, job: dict[str, Any]) -> str:
     rt = runtime()
     received = rt.started(self.request.id)
     try:
-        return run_job(rt, job, received_ts=received, task_id=self.request.id)
+        return run_job_guarded(rt, job, received_ts=received, task_id=self.request.id)
     finally:
         rt.task_done(self.request.id)
 
@@ -220,6 +220,42 @@ def run_job(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = 
                      finished_ts=finished, prompt_tokens=prompt, cached_tokens=cached,
                      completion_tokens=completion))
     return status
+
+
+def run_job_guarded(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = None,
+                    task_id: str | None = None) -> str:
+    """:func:`run_job`, but an unexpected error (a bug, a malformed job) ends
+    the request with an error event at once: otherwise the client would wait
+    for its request timeout, since nothing else settles a request that no
+    worker holds a lease on."""
+    try:
+        return run_job(rt, job, received_ts=received_ts, task_id=task_id)
+    except Exception as exc:  # noqa: BLE001 - reported to the client and the log
+        rid = job.get("rid") if isinstance(job, dict) else None
+        log.exception("request %s attempt %s failed inside the worker", rid,
+                      job.get("attempt") if isinstance(job, dict) else None)
+        if not rid:
+            return "failed"
+        err = {"k": "err", "m": f"internal error in the worker ({exc.__class__.__name__}); "
+               "retry the request", "c": 500, "y": "server_error"}
+        try:
+            won, _ = rt.state.finish(str(rid), "failed", rt.worker_id, end_event=err,
+                                     stream_ttl_s=rt.live.stream_ttl_s)
+            if won:
+                rt.state.count(**{f"failed_{job.get('tier') or 'unknown'}": 1})
+        except Exception:  # noqa: BLE001 - Redis gone too: the API's own checks remain
+            log.exception("request %s could not be settled after the error", rid)
+            return "failed"
+        if won:
+            try:  # the job may lack what a full row needs: record what it has
+                row = _row(job, rt, "failed", finished_ts=time.time(),
+                           error=f"worker error: {exc!r}"[:500])
+            except Exception:  # noqa: BLE001
+                row = {"request_id": str(rid), "status": "failed", "dc": rt.info.dc,
+                       "instance": rt.info.instance_id, "finished_ts": time.time(),
+                       "error": f"worker error: {exc!r}"[:500]}
+            _record(rt, row)
+        return "failed"
 
 
 def _prefix_events(rt: WorkerRuntime, job: dict[str, Any]) -> list[KVEvent]:
