@@ -10,6 +10,8 @@ admitted; once the backlog is gone, long-context work is admitted again.
 
 from __future__ import annotations
 
+import time
+
 from typing import Any, Iterator
 
 import pytest
@@ -43,6 +45,7 @@ def test_a_long_context_backlog_in_the_broker_refuses_new_long_work_only(stack: 
     backlog = {f"{dc}.long_context": 300 for dc in ("dc-a", "dc-b")}
     for q, n in backlog.items():
         st.queued_incr(q, n)
+    time.sleep(0.1)  # the gateway re-reads depths every 25 ms
     try:
         r = post(stack, long_prompt + " again")
         assert r.status_code == 429, r.text
@@ -54,7 +57,5 @@ def test_a_long_context_backlog_in_the_broker_refuses_new_long_work_only(stack: 
     finally:
         for q, n in backlog.items():
             st.queued_incr(q, -n)
-    import time
-
-    time.sleep(0.1)  # the gateway re-reads depths every 50 ms
+    time.sleep(0.1)  # the gateway re-reads depths every 25 ms
     assert post(stack, long_prompt + " after").status_code == 200

@@ -251,6 +251,39 @@ def _body(n: int) -> dict:  # type: ignore[type-arg]
             "stream_options": {"include_usage": True}, "vllm_xargs": {"output_tokens": n}}
 
 
+def test_accounting_view_adds_own_writes_until_a_read_includes_them(
+        state: LiveState) -> None:
+    """The API's cached accounting: Redis as of the last read plus this
+    replica's writes since, never counted twice once a read has them."""
+    from tokenfleet.live.accounting import AccountingView
+
+    now = [100.0]
+    reads: list[list[str]] = []
+
+    def read(ids: list[str]) -> dict[str, DispatchAccounting]:
+        reads.append(ids)
+        return state.accounting(ids)
+
+    view = AccountingView(read, period_s=0.02, clock=lambda: now[0])
+    req = RequestInfo(request_id="v1", arrival_s=0.0, input_tokens=300, max_tokens=50)
+    assert view.get(["i1"])["i1"].inflight_requests == 0 and len(reads) == 1  # inline
+    with state.batch() as b:  # our own dispatch, as the gateway writes it
+        delta = b.account("i1", "on_dispatch", req, 100)
+    now[0] += 0.001
+    view.wrote("i1", delta)
+    got = view.get(["i1"])["i1"]
+    assert (got.inflight_requests, got.prefill_pending_uncached_tokens) == (1, 200)
+    assert len(reads) == 1, "fresh enough: no read on the request path"
+    now[0] += 0.01
+    view.refresh(["i1"])  # began after the write returned: it holds the write
+    assert view.get(["i1"])["i1"].inflight_requests == 1, "not counted twice"
+    state.account_first_token("i1", req, 100)  # a worker's update: seen after a read
+    assert view.get(["i1"])["i1"].prefill_pending_requests == 1
+    now[0] += 0.05  # the refresh thread fell two periods behind: read inline
+    assert view.get(["i1"])["i1"].prefill_pending_requests == 0 and len(reads) == 3
+    assert view.get(["i1", "i2"])["i2"].inflight_requests == 0 and len(reads) == 4  # new id
+
+
 def test_engine_call_streams_and_reports_usage(emulator: EmulatorServer) -> None:
     pieces = list(EngineCall(emulator.url, _body(12), "e1").stream())
     assert sum(p.tokens for p in pieces) == 12

@@ -40,6 +40,7 @@ from tokenfleet.emulator.tokenizer import (
     render_chat,
 )
 from tokenfleet.errors import NoCandidateError, TokenFleetError
+from tokenfleet.live.accounting import AccountingView
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.fleet import FleetTicket, LiveFleet, load_topology
 from tokenfleet.live.queues import affinity_queue, pool_queue, prefill_header
@@ -66,6 +67,8 @@ FLEET_REFRESH_S = 0.1
 QUEUE_DEPTHS_MAX_AGE_S = 0.05
 #: beat's admission knobs and FleetMind spill shares are re-read this often
 KNOBS_REFRESH_S = 1.0
+#: every instance's dispatch accounting is re-read this often (AccountingView)
+ACCOUNTING_REFRESH_S = 0.02
 
 
 @dataclass(slots=True)
@@ -138,6 +141,7 @@ class Gateway:
         self._infos_at = 0.0
         self._infos_lock = threading.Lock()
         self._knobs_at = 0.0
+        self.accounting = AccountingView(self.state.accounting, ACCOUNTING_REFRESH_S)
         self._stop = threading.Event()
         self._kv_thread = threading.Thread(target=self._kv_loop, name="kv-index", daemon=True)
         self._kv_thread.start()
@@ -205,13 +209,16 @@ class Gateway:
         path: each of these reads is a round trip a request would otherwise pay
         whenever its copy aged out. The request path still reads inline, at
         twice the age, if this thread falls behind or Redis was down."""
-        due = {"instances": 0.0, "depths": 0.0, "knobs": 0.0}
-        while not self._stop.wait(QUEUE_DEPTHS_MAX_AGE_S / 2):
+        due = {"instances": 0.0, "accounting": 0.0, "depths": 0.0, "knobs": 0.0}
+        while not self._stop.wait(0.01):
             now = time.monotonic()
             try:
                 if now >= due["instances"]:
                     due["instances"] = now + INSTANCES_REFRESH_S
                     self._refresh_instances()
+                if now >= due["accounting"]:
+                    due["accounting"] = now + ACCOUNTING_REFRESH_S
+                    self.accounting.refresh([i.instance_id for i in self.instances()])
                 if self.admission is not None and now >= due["depths"]:
                     due["depths"] = now + QUEUE_DEPTHS_MAX_AGE_S / 2
                     self._refresh_depths()
@@ -448,7 +455,8 @@ class Gateway:
         info = prep.info
         now = time.time()
         try:
-            views = self.state.instance_views(now, self.live.stale_after_s, self.instances())
+            views = self.state.instance_views(now, self.live.stale_after_s, self.instances(),
+                                              self.accounting.get)
             views, dc_choice = self._pick_dc(prep, views, now)
             allowed = self._admit(prep, views, now)
             if allowed is not None:
@@ -629,12 +637,13 @@ class Gateway:
                          dc_choice: tuple[Any, str | None] | None) -> None:
         info = prep.info
         joined = self._publisher
+        booked: dict[str, int] = {}
         with self.state.batch() as b:
             b.create_request(info.request_id, queue, self.live.request_state_ttl_s,
                              tier=info.tier, instance=target.instance_id)
             b.queued(queue, 1)
             if affinity:
-                b.account(target.instance_id, "on_dispatch", info, cached)
+                booked = b.account(target.instance_id, "on_dispatch", info, cached)
             b.count(**{f"arrived_{info.tier}": 1,
                        f"dispatched_{'affinity' if affinity else 'pool'}": 1})
             if dc_choice is not None and dc_choice[1] not in (None, target.dc):
@@ -644,6 +653,8 @@ class Gateway:
                 # a KombuError here leaves the batch unsent: nothing to undo
                 joined.publish(b.pipe, TASK_CHAT, [job], _task_id(job), queue,
                                prefill_header(job))
+        if booked:  # the pool's dispatches are booked by the worker that claims them
+            self.accounting.wrote(target.instance_id, booked)
         if joined is not None:
             return
         try:

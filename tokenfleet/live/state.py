@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import msgpack
 import redis
@@ -256,15 +256,18 @@ class LiveState:
         return prof
 
     def instance_views(self, now_s: float, stale_after_s: float,
-                       infos: Sequence[InstanceInfo] | None = None) -> list[InstanceView]:
-        """Router views: static facts + last scrape + shared dispatch accounting.
+                       infos: Sequence[InstanceInfo] | None = None,
+                       accounting: Callable[[list[str]], Mapping[str, DispatchAccounting]]
+                       | None = None) -> list[InstanceView]:
+        """Router views: static facts + last scrape + shared dispatch accounting
+        (read now, or from ``accounting``: the API's :class:`AccountingView`).
 
         An instance whose worker stopped writing (dead or partitioned) is shown
         not ready; one the worker marked unhealthy shows ``metrics.healthy``
         False. Routers filter both through ``eligible()``.
         """
         infos = list(infos) if infos is not None else self.instances()
-        accts = self.accounting([i.instance_id for i in infos])
+        accts = (accounting or self.accounting)([i.instance_id for i in infos])
         views = []
         for idx, info in enumerate(infos):
             m = info.metrics
@@ -489,13 +492,14 @@ class Batch:
             self.pipe.reset()
 
     def account(self, instance_id: str, fn: str, req: RequestInfo, cached: int,
-                **kw: Any) -> None:
+                **kw: Any) -> dict[str, int]:
         """A DispatchAccounting transition (``on_dispatch``, ``on_first_token``,
-        ``on_finish``) of one instance."""
+        ``on_finish``) of one instance; returns the field deltas written."""
         key = self.state.k("acct", instance_id)
-        for name, d in LiveState._delta(fn, req, cached, **kw).items():
-            if d:
-                self.pipe.hincrby(key, name, d)
+        delta = {name: d for name, d in LiveState._delta(fn, req, cached, **kw).items() if d}
+        for name, d in delta.items():
+            self.pipe.hincrby(key, name, d)
+        return delta
 
     def queued(self, queue: str, n: int) -> None:
         self.pipe.hincrby(self.state.k("queued"), queue, n)
