@@ -27,9 +27,9 @@ connection server (the stdlib's, which the engine emulator uses) does. It
 gives the connection back when the linger ends, when the pool runs short of
 idle threads, or when connections are waiting in the queue. Measured with a
 trivial streaming Flask route (``benchmarks/api_ingress.py``, 50
-requests/s on one connection): time to first chunk p50 0.05-0.4 ms lower
-(1.21-1.46 -> 1.08-1.38 ms over five pairs of runs), most when the machine
-is slow to wake a thread; docs/benchmarks.md.
+requests/s on one connection): time to first chunk p50 lower in 10 of 13
+alternated pairs of runs, by 0.12 ms at the median (1.21-1.49 ms without);
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
