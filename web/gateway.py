@@ -207,8 +207,9 @@ class Gateway:
     def _refresh_loop(self) -> None:
         """Keep what routing and admission read from Redis fresh, off the request
         path: each of these reads is a round trip a request would otherwise pay
-        whenever its copy aged out. The request path still reads inline, at
-        twice the age, if this thread falls behind or Redis was down."""
+        whenever its copy aged out (the dispatch accounting: on every request).
+        The request path still reads inline, at twice the age, if this thread
+        falls behind or Redis was down."""
         due = {"instances": 0.0, "accounting": 0.0, "depths": 0.0, "knobs": 0.0}
         while not self._stop.wait(0.01):
             now = time.monotonic()
