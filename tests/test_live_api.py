@@ -47,7 +47,16 @@ def test_non_stream_completion_through_the_full_path(stack: LiveStack) -> None:
     assert resp.usage.prompt_tokens > 0
 
 
+def _ttft_observed(stack: LiveStack) -> float:
+    """Requests the API's TTFT histogram has seen (the first token's feedback
+    ran: router, admission, FleetMind and this metric)."""
+    text = requests.get(stack.url + "/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("tokenfleet_ttft_seconds_count"))
+
+
 def test_stream_with_usage_then_done(stack: LiveStack) -> None:
+    before = _ttft_observed(stack)
     c = stack.client()
     stream = c.chat.completions.create(
         model=stack.model, messages=[{"role": "user", "content": "Stream me some words."}],
@@ -62,6 +71,7 @@ def test_stream_with_usage_then_done(stack: LiveStack) -> None:
     assert last.usage.completion_tokens == _words(content)
     assert all(ch.usage is None for ch in chunks[:-1])
     assert len({ch.id for ch in chunks}) == 1
+    assert _ttft_observed(stack) == before + 1
 
 
 def test_raw_sse_framing_ends_with_done(stack: LiveStack) -> None:
@@ -204,6 +214,7 @@ def test_unknown_route_and_method_are_openai_shaped(stack: LiveStack) -> None:
 
 
 def test_client_disconnect_cancels_and_records_it(stack: LiveStack) -> None:
+    before = _ttft_observed(stack)
     r = requests.post(stack.url + "/v1/chat/completions", stream=True, timeout=30,
                       headers={"Authorization": f"Bearer {API_KEY}"},
                       json={"model": stack.model, "stream": True, "max_tokens": 4000,
@@ -219,3 +230,5 @@ def test_client_disconnect_cancels_and_records_it(stack: LiveStack) -> None:
     assert rows and rows[0]["status"] == "cancelled"
     # the engine stopped generating: far fewer than 4000 tokens were made
     assert (rows[0]["completion_tokens"] or 0) < 4000
+    # the first token's feedback ran once, though the client left right after it
+    assert _ttft_observed(stack) == before + 1

@@ -282,6 +282,11 @@ def test_accounting_view_adds_own_writes_until_a_read_includes_them(
     now[0] += 0.05  # the refresh thread fell two periods behind: read inline
     assert view.get(["i1"])["i1"].prefill_pending_requests == 0 and len(reads) == 3
     assert view.get(["i1", "i2"])["i2"].inflight_requests == 0 and len(reads) == 4  # new id
+    view.refresh_if_used(["i1", "i2"])  # used just now: the refresh thread reads
+    assert len(reads) == 5
+    now[0] += 5.0
+    view.refresh_if_used(["i1", "i2"])  # idle for 5 s: no polling
+    assert len(reads) == 5
 
 
 def test_engine_call_streams_and_reports_usage(emulator: EmulatorServer) -> None:

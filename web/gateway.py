@@ -96,6 +96,8 @@ class Dispatched:
     attempt: int = 1
     redispatches: int = 0
     first_token_s: float | None = None
+    #: instance of the first token whose policy feedback has not run yet
+    first_token_due: str | None = None
     tokens: int = 0  # completion tokens relayed so far
     state_checked_s: float = 0.0
     fleet: FleetTicket | None = None  # the DC choice's accounting, settled at the end
@@ -219,7 +221,7 @@ class Gateway:
                     self._refresh_instances()
                 if now >= due["accounting"]:
                     due["accounting"] = now + ACCOUNTING_REFRESH_S
-                    self.accounting.refresh([i.instance_id for i in self.instances()])
+                    self.accounting.refresh_if_used([i.instance_id for i in self.instances()])
                 if self.admission is not None and now >= due["depths"]:
                     due["depths"] = now + QUEUE_DEPTHS_MAX_AGE_S / 2
                     self._refresh_depths()
@@ -715,10 +717,7 @@ class Gateway:
         for ev in reader.events(on_idle):
             if ev.kind == "d" and d.first_token_s is None:
                 d.first_token_s = time.time()
-                actual = ev.instance or d.instance
-                if actual != d.instance:
-                    self._rebind(d, actual)
-                self._on_first_token(d, actual)
+                d.first_token_due = ev.instance or d.instance
             if ev.kind == "d":
                 d.tokens += ev.tokens
             elif ev.kind == "retry":
@@ -728,6 +727,9 @@ class Gateway:
             elif ev.kind == "err":
                 self._fleet_done(d, "failed")
             yield ev
+            # the policies learn from the first token once the caller has sent it
+            # on (it asks for the next event after writing the chunk)
+            self.first_token_feedback(d)
 
     def _watch(self, d: Dispatched, now: float) -> RelayEvent | None:
         """Detect a lost worker or a request stranded in a dead instance's queue."""
@@ -847,7 +849,18 @@ class Gateway:
         self._fleet_done(d, "cancelled")
 
     # -- policy feedback ----------------------------------------------------------------
+    def first_token_feedback(self, d: Dispatched) -> None:
+        """Run the first token's feedback (router, admission, FleetMind, metrics)
+        if it is still due; every end of a request calls it first."""
+        actual, d.first_token_due = d.first_token_due, None
+        if actual is None:
+            return
+        if actual != d.instance:
+            self._rebind(d, actual)
+        self._on_first_token(d, actual)
+
     def _fleet_done(self, d: Dispatched, status: str) -> None:
+        self.first_token_feedback(d)
         if d.fleet is None or self.fleet is None:
             return
         with self.router_lock:
@@ -885,6 +898,7 @@ class Gateway:
             self.metrics.first_token(d.prep.info.tier, d.first_token_s - d.prep.info.arrival_s)
 
     def _on_complete(self, d: Dispatched, ev: RelayEvent) -> None:
+        self.first_token_feedback(d)
         now = time.time()
         usage = ev.usage or {}
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))

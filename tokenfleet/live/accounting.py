@@ -39,6 +39,7 @@ class AccountingView:
         self._base: dict[str, DispatchAccounting] = {}
         self._ids: frozenset[str] = frozenset()
         self._read_at = float("-inf")
+        self._used_at = float("-inf")
         #: (when its round trip ended, instance, field deltas) of our own writes
         self._pending: list[tuple[float, str, Mapping[str, int]]] = []
 
@@ -52,6 +53,13 @@ class AccountingView:
             self._base, self._ids, self._read_at = got, frozenset(ids), began
             self._pending = [p for p in self._pending if p[0] >= began]
 
+    def refresh_if_used(self, instance_ids: Iterable[str], within_s: float = 1.0) -> None:
+        """The refresh thread's read: skipped while no request has looked for
+        ``within_s`` (an idle API does not poll Redis 50 times a second; its
+        next request reads inline)."""
+        if self._clock() - self._used_at <= within_s:
+            self.refresh(instance_ids)
+
     def wrote(self, instance_id: str, delta: Mapping[str, int]) -> None:
         """This replica's accounting write to ``instance_id`` just returned."""
         with self._lock:
@@ -61,8 +69,10 @@ class AccountingView:
         """Every instance's accounting; reads Redis inline when the refresh
         thread has fallen two periods behind or new instances appeared."""
         ids = list(instance_ids)
+        now = self._clock()
         with self._lock:
-            fresh = (self._clock() - self._read_at <= 2 * self.period_s
+            self._used_at = now
+            fresh = (now - self._read_at <= 2 * self.period_s
                      and self._ids.issuperset(ids))
         if not fresh:
             self.refresh(ids)
