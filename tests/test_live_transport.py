@@ -7,6 +7,7 @@ connections.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -22,7 +23,7 @@ from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.httpclient import KeepAliveClient
 from tokenfleet.live.redis_transport import (Channel, PipelinePublisher, publishes_into,
                                              same_database)
-from web.server import ApiServer
+from web.server import LINGER_S, ApiServer
 from workers.app import TASK_CHAT, create_celery
 
 
@@ -182,8 +183,11 @@ def test_pipeline_publisher_is_safe_across_threads(celery_app: Any, redis_server
 
 
 # -- the API server ---------------------------------------------------------------------
-@pytest.fixture()
-def server() -> Iterator[tuple[ApiServer, threading.Event]]:
+@contextlib.contextmanager
+def _serving(threads: int, linger_s: float = LINGER_S
+             ) -> Iterator[tuple[ApiServer, threading.Event]]:
+    """An ApiServer over a small app: ``/ping``, ``/who`` (the serving thread)
+    and ``/stream``, whose second chunk waits for the yielded event."""
     app = Flask("t")
     release = threading.Event()
 
@@ -191,19 +195,31 @@ def server() -> Iterator[tuple[ApiServer, threading.Event]]:
     def ping() -> Any:
         return {"ok": True}
 
+    @app.get("/who")
+    def who() -> Any:
+        return {"thread": threading.get_ident()}
+
     @app.get("/stream")
     def stream() -> Response:
         def gen() -> Iterator[bytes]:
             yield b"data: first\n\n"
-            release.wait(5)  # the client must see the first chunk before this returns
+            release.wait(20)  # the client must see the first chunk before this returns
             yield b"data: [DONE]\n\n"
         return Response(gen(), mimetype="text/event-stream")
 
-    srv = ApiServer(app, threads=8)
+    srv = ApiServer(app, threads=threads, linger_s=linger_s)
     srv.start_background()
-    yield srv, release
-    release.set()
-    srv.shutdown()
+    try:
+        yield srv, release
+    finally:
+        release.set()
+        srv.shutdown()
+
+
+@pytest.fixture()
+def server() -> Iterator[tuple[ApiServer, threading.Event]]:
+    with _serving(threads=8) as served:
+        yield served
 
 
 def test_server_keeps_connections_alive(server: tuple[ApiServer, threading.Event]) -> None:
@@ -231,23 +247,13 @@ def test_server_streams_chunks_as_they_are_yielded(
 
 
 def test_a_server_thread_keeps_serving_a_busy_connection() -> None:
-    app = Flask("t")
-
-    @app.get("/who")
-    def who() -> Any:
-        return {"thread": threading.get_ident()}
-
-    srv = ApiServer(app, threads=4, linger_s=30.0)
-    srv.start_background()
-    try:
+    with _serving(threads=4, linger_s=30.0) as (srv, _):
         conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=5)
         seen = set()
         for _ in range(4):
             conn.request("GET", "/who")
             seen.add(json.loads(conn.getresponse().read())["thread"])
         assert len(seen) == 1, "the thread that served the request waits for the next one"
-    finally:
-        srv.shutdown()
 
 
 def test_a_lingering_thread_yields_to_waiting_connections() -> None:
@@ -255,24 +261,7 @@ def test_a_lingering_thread_yields_to_waiting_connections() -> None:
     third connection must still be served (the lingering thread hands its
     connection back when it sees one waiting), before the stream ends and
     long before the 30 s linger or the client's 10 s timeout."""
-    app = Flask("t")
-    release = threading.Event()
-
-    @app.get("/ping")
-    def ping() -> Any:
-        return {"ok": True}
-
-    @app.get("/stream")
-    def stream() -> Response:
-        def gen() -> Iterator[bytes]:
-            yield b"data: first\n\n"
-            release.wait(20)
-            yield b"data: [DONE]\n\n"
-        return Response(gen(), mimetype="text/event-stream")
-
-    srv = ApiServer(app, threads=2, linger_s=30.0)
-    srv.start_background()
-    try:
+    with _serving(threads=2, linger_s=30.0) as (srv, release):
         idle = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
         idle.request("GET", "/ping")
         assert idle.getresponse().read() == b'{"ok":true}\n'  # its thread now lingers
@@ -288,9 +277,6 @@ def test_a_lingering_thread_yields_to_waiting_connections() -> None:
         assert resp.read() == b"data: [DONE]\n\n"
         idle.request("GET", "/ping")  # the handed-back connection still works
         assert idle.getresponse().status == 200
-    finally:
-        release.set()
-        srv.shutdown()
 
 
 # -- the load generators' client ---------------------------------------------------------

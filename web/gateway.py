@@ -213,7 +213,7 @@ class Gateway:
         The request path still reads inline, at twice the age, if this thread
         falls behind or Redis was down."""
         due = {"instances": 0.0, "accounting": 0.0, "depths": 0.0, "knobs": 0.0}
-        while not self._stop.wait(0.01):
+        while not self._stop.wait(0.01):  # finer than every period below
             now = time.monotonic()
             try:
                 if now >= due["instances"]:

@@ -236,8 +236,8 @@ def run_job_guarded(rt: WorkerRuntime, job: dict[str, Any], received_ts: float |
                       job.get("attempt") if isinstance(job, dict) else None)
         if not rid:
             return "failed"
-        err = {"k": "err", "m": f"internal error in the worker ({exc.__class__.__name__}); "
-               "retry the request", "c": 500, "y": "server_error"}
+        err = RelayWriter.error_fields(f"internal error in the worker "
+                                       f"({exc.__class__.__name__}); retry the request")
         try:
             won, _ = rt.state.finish(str(rid), "failed", rt.worker_id, end_event=err,
                                      stream_ttl_s=rt.live.stream_ttl_s)

@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import fields
+from dataclasses import replace
 from typing import Callable, Iterable, Mapping
 
 from tokenfleet.core.types import DispatchAccounting
-
-_FIELDS = tuple(f.name for f in fields(DispatchAccounting))
-
 
 class AccountingView:
     """Thread-safe; ``read`` is the Redis read (``LiveState.accounting``)."""
@@ -80,11 +77,7 @@ class AccountingView:
             out = {}
             for iid in ids:
                 base = self._base.get(iid)
-                acct = DispatchAccounting()
-                if base is not None:
-                    for name in _FIELDS:
-                        setattr(acct, name, getattr(base, name))
-                out[iid] = acct
+                out[iid] = replace(base) if base is not None else DispatchAccounting()
             for _at, iid, delta in self._pending:
                 acct = out.get(iid)
                 if acct is not None:

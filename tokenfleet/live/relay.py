@@ -94,8 +94,13 @@ class RelayWriter:
     def end(self, finish_reason: str, usage: dict[str, Any] | None) -> None:
         self._add(self.end_fields(finish_reason, usage), final=True)
 
+    @staticmethod
+    def error_fields(message: str, code: int = 500,
+                     error_type: str = "server_error") -> dict[str, Any]:
+        return {"k": "err", "m": message, "c": code, "y": error_type}
+
     def error(self, message: str, code: int = 500, error_type: str = "server_error") -> None:
-        self._add({"k": "err", "m": message, "c": code, "y": error_type}, final=True)
+        self._add(self.error_fields(message, code, error_type), final=True)
 
     def retry(self, attempt: int) -> None:
         self._add({"k": "retry", "a": attempt})
