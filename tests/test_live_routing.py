@@ -169,3 +169,22 @@ def test_batch_share_caps_batch_slots(stack: LiveStack) -> None:
     state.set_shares({"interactive": 1.0, "long_context": 1.0, "batch": 0.5})
     assert all(r["status"] == 200 for r in results)
     assert 1 <= peak <= 1, f"batch share 0.25 of 4 slots allows 1 running, saw {peak}"
+
+
+def test_a_pinned_key_overrides_a_router_that_picks_elsewhere() -> None:
+    """Round robin alternates between the two instances, so every other request
+    of a pinned conversation is routed away from its pin: it must still run
+    on the pinned instance (its own queue), not wherever the pool sends it."""
+    with running_stack(router="round_robin", time_scale=0.2,
+                       instances=[InstanceSpec("dc-a", "a0", slots=4),
+                                  InstanceSpec("dc-a", "a1", slots=4)]) as s:
+        c = s.client()
+        ids = []
+        for i in range(6):
+            resp = c.chat.completions.create(
+                model=s.model, max_tokens=2, prompt_cache_key="conversation-7",
+                messages=[{"role": "user", "content": f"turn {i}"}])
+            ids.append(resp.id.removeprefix("chatcmpl-"))
+        rows = s.ledger_rows(expect=lambda rows: set(ids) <= {
+            r["request_id"] for r in rows if r["instance"]})
+        assert len({r["instance"] for r in rows if r["request_id"] in ids}) == 1

@@ -468,12 +468,14 @@ class Gateway:
                 v.index = i
             decision = self._route(prep, views, now)
             target = next(v for v in views if v.instance_id == decision.instance_id)
-            cached = decision.expected_cached_tokens
+            target, sticky = self._sticky(prep, views, target)
+            cached = (decision.expected_cached_tokens
+                      if target.instance_id == decision.instance_id else 0)
             with self.index_lock:
                 cached = max(cached, self.index.match_instance(
                     target.instance_id, info.block_hashes) * 16)
             cached = min(cached, info.input_tokens)
-            affinity = self._valuable(info, cached) or self._sticky(prep, target.instance_id)
+            affinity = sticky or self._valuable(info, cached)
             if affinity:
                 queue = affinity_queue(target.dc, target.instance_id, info.tier)
             else:
@@ -510,7 +512,9 @@ class Gateway:
                     ticket = self.fleet.dispatched(info, dc_choice[0])
                 except NoCandidateError:  # the pool vanished between choice and send
                     ticket = None
-        return Dispatched(prep=prep, queue=queue, instance=target.instance_id,
+        # the router's choice: a pin elsewhere is corrected like late binding, at
+        # the first token (_rebind)
+        return Dispatched(prep=prep, queue=queue, instance=decision.instance_id,
                           decision=decision, dispatch_s=admitted, affinity=affinity,
                           fleet=ticket)
 
@@ -605,13 +609,16 @@ class Gateway:
         return (cached_tokens >= self.live.affinity_min_cached_tokens
                 and cached_tokens >= self.live.affinity_min_cached_fraction * info.input_tokens)
 
-    def _sticky(self, prep: Prepared, instance_id: str) -> bool:
+    def _sticky(self, prep: Prepared, views: list[Any], target: Any) -> tuple[Any, bool]:
         """``prompt_cache_key``: the client's own affinity hint. The first request
         with a key pins it to the routed instance for ten minutes; later ones
-        follow while that instance is healthy."""
+        go to that instance's own queue while it is healthy. Returns (the
+        instance to send to, whether to its own queue); a pinned instance the
+        DC choice or admission left out keeps its pin, and this request goes
+        where the router sent it, through the pool."""
         key = prep.info.prompt_cache_key
         if not key:
-            return False
+            return target, False
         rkey = self.state.k("pck", prep.info.tenant, key)
         pinned = self.state.r.get(rkey)
         now = time.time()
@@ -620,9 +627,10 @@ class Gateway:
             for i in self.instances():
                 if i.instance_id == pinned_id and i.is_healthy(now, self.live.stale_after_s):
                     self.state.r.expire(rkey, 600)
-                    return pinned_id == instance_id
-        self.state.r.set(rkey, instance_id, ex=600)
-        return True
+                    there = next((v for v in views if v.instance_id == pinned_id), None)
+                    return (there, True) if there is not None else (target, False)
+        self.state.r.set(rkey, target.instance_id, ex=600)
+        return target, True
 
     def _job(self, prep: Prepared, queue: str, accounted: str, dc: str, cached: int,
              admitted: float, attempt: int) -> dict[str, Any]:
