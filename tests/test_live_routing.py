@@ -68,17 +68,22 @@ def test_short_prompts_without_cache_value_use_the_pool_queue(stack: LiveStack) 
     assert stack.gateway.state.counters().get("dispatched_pool", 0) - before == 3
 
 
-def test_prompt_cache_key_pins_requests_to_one_instance(stack: LiveStack) -> None:
+def _conversation_instances(stack: LiveStack, key: str, turns: int) -> set[str]:
+    """Where the ledger says each turn of a ``prompt_cache_key`` conversation ran."""
     c = stack.client()
     ids = []
-    for i in range(4):
+    for i in range(turns):
         resp = c.chat.completions.create(
-            model=stack.model, max_tokens=2, prompt_cache_key="conversation-42",
+            model=stack.model, max_tokens=2, prompt_cache_key=key,
             messages=[{"role": "user", "content": f"short turn {i}"}])
         ids.append(resp.id.removeprefix("chatcmpl-"))
     rows = stack.ledger_rows(expect=lambda rows: set(ids) <= {
         r["request_id"] for r in rows if r["instance"]})
-    assert len({r["instance"] for r in rows if r["request_id"] in ids}) == 1
+    return {r["instance"] for r in rows if r["request_id"] in ids}
+
+
+def test_prompt_cache_key_pins_requests_to_one_instance(stack: LiveStack) -> None:
+    assert len(_conversation_instances(stack, "conversation-42", 4)) == 1
 
 
 def _flood(stack: LiveStack, n: int, tier: str, tokens: int, out: list[dict[str, Any]],
@@ -178,13 +183,4 @@ def test_a_pinned_key_overrides_a_router_that_picks_elsewhere() -> None:
     with running_stack(router="round_robin", time_scale=0.2,
                        instances=[InstanceSpec("dc-a", "a0", slots=4),
                                   InstanceSpec("dc-a", "a1", slots=4)]) as s:
-        c = s.client()
-        ids = []
-        for i in range(6):
-            resp = c.chat.completions.create(
-                model=s.model, max_tokens=2, prompt_cache_key="conversation-7",
-                messages=[{"role": "user", "content": f"turn {i}"}])
-            ids.append(resp.id.removeprefix("chatcmpl-"))
-        rows = s.ledger_rows(expect=lambda rows: set(ids) <= {
-            r["request_id"] for r in rows if r["instance"]})
-        assert len({r["instance"] for r in rows if r["request_id"] in ids}) == 1
+        assert len(_conversation_instances(s, "conversation-7", 6)) == 1
