@@ -80,7 +80,9 @@ def assert_accounting(eng: EngineInstance) -> None:
     referenced = sum(1 for rc in eng._cache.values() if rc > 0)
     private = sum(r.blocks - len(r.hashed) for r in eng.running)
     assert eng.used_blocks == private + referenced
-    assert eng.used_blocks + len(eng._evictable) <= eng.capacity_blocks
+    free_cached = sum(1 for rc in eng._cache.values() if rc == 0)
+    assert free_cached == sum(1 for k in eng._free_queue if isinstance(k, int))
+    assert eng.used_blocks + eng._fresh + len(eng._free_queue) == eng.capacity_blocks
     for r in eng.waiting:
         assert r.blocks == 0 and not r.hashed
 
@@ -228,18 +230,86 @@ def test_chunked_prefill_respects_max_num_batched_tokens() -> None:
 def test_lru_eviction_takes_least_recently_freed_blocks_tails_first() -> None:
     eng = EngineInstance("e", H200_8B, kv_capacity_blocks=16)
     a_hashes, b_hashes, c_hashes = chain(10, 10), chain(11, 5), chain(12, 2)
-    drive(eng, [(0.0, req("a", 10 * BLOCK + 1, 1, a_hashes))])  # frees a9..a0
-    drive(eng, [(0.0, req("b", 5 * BLOCK + 1, 1, b_hashes))])  # then b4..b0
+    # a: 11 blocks (a0..a9 cached, 1 partial) freed tail first:
+    # queue = [5 never used, a_partial, a9..a0]
+    drive(eng, [(0.0, req("a", 10 * BLOCK + 1, 1, a_hashes))])
+    # b: 6 blocks = the 5 never-used + a's empty partial; queue = [a9..a0, b_partial, b4..b0]
+    drive(eng, [(0.0, req("b", 5 * BLOCK + 1, 1, b_hashes))])
     assert eng.used_blocks == 0
-    # 15 cached blocks, 1 never-used block: c needs 3, so 2 cached ones go, and
-    # they must be the least recently freed: a's tail (a9, a8), not b's.
+    # c needs 3 blocks: the least recently freed go, a's tail (a9, a8, a7), not b's
     drive(eng, [(0.0, req("c", 40, 1, c_hashes))])
     e = req("e", 5 * BLOCK + 1, 1, b_hashes)
-    drive(eng, [(0.0, e)])
+    drive(eng, [(0.0, e)])  # revives b0..b4 and takes a6 for its partial block
     assert e.cached_tokens == 5 * BLOCK  # b's blocks all survived
     d = req("d", 10 * BLOCK + 1, 1, a_hashes)
     drive(eng, [(0.0, d)])
-    assert d.cached_tokens == 8 * BLOCK  # a0..a7 survive, a8/a9 were evicted
+    assert d.cached_tokens == 6 * BLOCK  # a0..a5 survive, a6..a9 were evicted
+
+
+# -- vLLM V1 cache semantics (docs/engine-model.md, section 5) -------------------
+
+
+def test_blocks_are_cached_when_scheduled_so_a_request_in_the_same_step_hits() -> None:
+    """kv_cache_manager.allocate_slots caches full blocks before the step runs."""
+    eng = EngineInstance("e", H200_8B)
+    shared = chain(40, 64)
+    a = req("a", 64 * BLOCK + 10, 2, shared + chain(41, 0))
+    b = req("b", 64 * BLOCK + 10, 2, shared)
+    eng.add(a)
+    eng.add(b)
+    eng.plan_step()
+    assert a.admitted and b.admitted  # both in the first step (2,068 of 8,192 tokens)
+    assert a.cached_tokens == 0
+    assert b.cached_tokens == 64 * BLOCK  # a's blocks, scheduled moments earlier
+    eng.finish_step()
+    assert eng.counters.prompt_tokens_computed == 64 * BLOCK + 10 + 10
+
+
+def test_a_request_hits_the_chunks_another_request_is_still_prefilling() -> None:
+    eng = EngineInstance("e", H200_8B)
+    doc = chain(42, 760)  # 12,160 tokens: chunks of 8,192 and 3,973 (with 5 more)
+    a = req("a", 760 * BLOCK + 5, 2, doc)
+    eng.add(a)
+    eng.plan_step()
+    eng.finish_step()  # a's first chunk is done; the second is not scheduled yet
+    b = req("b", 860 * BLOCK, 2, doc + chain(43, 100))
+    eng.add(b)
+    eng.plan_step()  # a's last chunk is scheduled (and cached) before b is admitted
+    assert b.admitted
+    assert b.cached_tokens == 760 * BLOCK  # a's whole prompt, not only its computed chunk
+
+
+def test_generated_blocks_are_cached_for_the_next_turn() -> None:
+    """A conversation's next prompt = prompt + answer + new message hits the answer."""
+    eng = EngineInstance("e", H200_8B)
+    seq = chain(43, 16)  # prompt (167 tokens) + answer (100 tokens) = 267 tokens
+    turn1 = EngineRequest("t1", 10 * BLOCK + 7, 100, seq[:10], output_block_hashes=seq[10:])
+    tr = drive(eng, [(0.0, turn1)])
+    turn2 = req("t2", 267 + 20, 2, seq + chain(44, 1))
+    drive(eng, [(tr.now_s, turn2)], trace=tr)
+    # the answer's KV covers 266 tokens (the last sampled token is never fed
+    # back): 16 full blocks, all reused; only the prompt's 10 without output hashes
+    assert turn2.cached_tokens == 16 * BLOCK
+
+
+def test_empty_freed_blocks_do_not_shield_older_cached_blocks() -> None:
+    """One free queue ordered by free time (block_pool.FreeKVCacheBlockQueue)."""
+    eng = EngineInstance("e", H200_8B, kv_capacity_blocks=12)
+    a_hashes = chain(45, 4)
+    drive(eng, [(0.0, req("a", 4 * BLOCK + 1, 1, a_hashes))])  # 5 blocks; a0..a3 cached
+    drive(eng, [(0.0, req("u", 7 * BLOCK + 1, 1))])  # 8 blocks, no prefix: freed later than a's
+    drive(eng, [(0.0, req("v", 2 * BLOCK - 1, 1))])  # 2 blocks: a3 and a2 are the oldest free
+    d = req("d", 4 * BLOCK + 1, 1, a_hashes)
+    drive(eng, [(0.0, d)])
+    assert d.cached_tokens == 2 * BLOCK
+
+
+def test_default_scheduler_limits_are_vllm_v1_server_defaults_on_hopper() -> None:
+    # vllm/engine/arg_utils.py, EngineArgs.get_batch_defaults: >= 70 GiB GPUs,
+    # OpenAI server usage context
+    for name in ("llama3-8b-h200", "llama3-8b-h100", "llama3-70b-h200-tp4"):
+        p = get_profile(name)
+        assert (p.max_num_seqs, p.max_num_batched_tokens) == (1024, 8192), name
 
 
 # -- abort ----------------------------------------------------------------------

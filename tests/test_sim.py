@@ -242,3 +242,20 @@ def test_path_latency_request_cancelled_before_reaching_its_engine() -> None:
     recs, pool = run([tr], "round_robin", path_latency=PathLatency(dispatch_min_s=0.050))
     assert recs[0].status == "cancelled" and recs[0].first_token_s is None
     assert all(not e.waiting and not e.running for e in pool.engines)
+
+
+def test_a_conversation_reuses_the_previous_answer_in_the_simulator() -> None:
+    """Synthetic chat carries its answers' block hashes; the engine caches them."""
+    from dataclasses import replace
+
+    from tokenfleet.workloads.synthetic import generate
+
+    reqs = generate("chat", 300, 5, 3.0)
+    assert sum(1 for r in reqs if r.output_block_hashes) == len(reqs)
+    without = [replace(r, output_block_hashes=()) for r in reqs]
+    cfg = PoolConfig(profile=PROFILE, n_instances=1, router="round_robin")
+    with_answers = summarize(run_pool(reqs, cfg, SLOConfig())[0], SLOConfig())
+    prompt_only = summarize(run_pool(without, cfg, SLOConfig())[0], SLOConfig())
+    # every turn after the first now also hits the previous answer's blocks
+    assert with_answers["prefix_hit_ratio"] > prompt_only["prefix_hit_ratio"] + 0.05
+    assert with_answers["completed"] == prompt_only["completed"] == len(reqs)

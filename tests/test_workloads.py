@@ -232,6 +232,39 @@ def test_tokenfleet_optional_fields_map_onto_request_info(tmp_path: Path) -> Non
     assert first.output_tokens == 20 and first.client_timeout_s == 30.0
 
 
+def test_tokenfleet_turns_quote_the_previous_prompt_and_answer(tmp_path: Path) -> None:
+    path = _jsonl(tmp_path / "w.jsonl", [
+        {"arrival_s": 0, "input_tokens": 300, "output_tokens": 90, "session": "c1", "turn": 1,
+         "prefix_id": "sys", "prefix_tokens": 200},
+        {"arrival_s": 1, "input_tokens": 300, "output_tokens": 5, "session": "c2", "turn": 1,
+         "prefix_id": "sys", "prefix_tokens": 200},
+        {"arrival_s": 9, "input_tokens": 420, "output_tokens": 40, "session": "c1", "turn": 2},
+    ])
+    t1, other, t2 = load_workload(path)
+    quoted = t1.info.block_hashes + t1.output_block_hashes
+    assert len(quoted) == (300 + 90) // B
+    assert t2.info.block_hashes[:len(quoted)] == quoted  # prompt + answer, block for block
+    assert len(t2.info.block_hashes) == 420 // B
+    # the other session shares only the system prompt
+    assert _common_prefix(other.info.block_hashes, t2.info.block_hashes) == 200 // B
+
+
+@pytest.mark.parametrize("rows, problem", [
+    ([{"input_tokens": 100, "output_tokens": 50, "session": "s", "turn": 1},
+      {"input_tokens": 120, "output_tokens": 5, "session": "s", "turn": 2}],
+     "less than turn 1's prompt plus its answer"),
+    ([{"input_tokens": 100, "output_tokens": 5, "session": "s", "turn": 1},
+      {"input_tokens": 200, "output_tokens": 5, "session": "s", "turn": 3}],
+     "must be consecutive"),
+    ([{"input_tokens": 100, "output_tokens": 5, "turn": 1}], "turn needs session"),
+])
+def test_tokenfleet_turns_reject_inconsistent_conversations(
+        tmp_path: Path, rows: list[dict[str, object]], problem: str) -> None:
+    path = _jsonl(tmp_path / "w.jsonl", [{"arrival_s": i, **r} for i, r in enumerate(rows)])
+    with pytest.raises(TraceFormatError, match=problem):
+        load_workload(path)
+
+
 def test_tokenfleet_prefix_ids_and_hash_ids(tmp_path: Path) -> None:
     path = _jsonl(tmp_path / "w.jsonl", [
         {"arrival_s": 0, "input_tokens": 400, "output_tokens": 1,
@@ -344,6 +377,22 @@ def test_chat_turns_extend_previous_prompt() -> None:
     assert len({h[0] for h in firsts if h}) <= 4
     seconds = {turns[1].info.block_hashes[-1] for turns in multi}
     assert len(seconds) == len(multi)
+
+
+def test_chat_answers_carry_the_block_hashes_the_next_turn_quotes() -> None:
+    """The engine caches an answer's KV under hashes the next prompt carries."""
+    reqs = generate("chat", 400, 3, 5.0)
+    by_session: dict[str, list[TraceRequest]] = {}
+    for r in reqs:
+        by_session.setdefault(str(r.info.session), []).append(r)
+    pairs = [(a, b) for turns in by_session.values() for a, b in zip(turns, turns[1:])]
+    assert len(pairs) >= 50
+    for prev, nxt in pairs:
+        full = prev.info.block_hashes + prev.output_block_hashes
+        assert len(full) == (prev.info.input_tokens + prev.output_tokens) // B
+        assert nxt.info.block_hashes[:len(full)] == full
+    # the policy-facing RequestInfo knows nothing of the answer
+    assert all(not hasattr(r.info, "output_block_hashes") for r in reqs)
 
 
 def test_longdoc_questions_share_the_document() -> None:

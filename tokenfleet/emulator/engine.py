@@ -13,7 +13,6 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from itertools import islice
 from typing import Callable
 
 from tokenfleet.emulator.kv_events import (
@@ -61,46 +60,29 @@ class EmulatedEngine(EngineInstance):
         out, self.events = self.events, []
         return out
 
-    def reset_prefix_cache(self) -> int:
-        """Drop every cached block no request holds (vLLM's /reset_prefix_cache)."""
-        dropped = list(self._evictable)
-        for h in dropped:
-            del self._cache[h]
-        self._evictable.clear()
-        if self.events is not None:
-            if dropped:
-                self.events.append(BlockRemoved(tuple(dropped)))
-            if not self._cache:
-                self.events.append(AllBlocksCleared())
-        return len(dropped)
+    def reset_prefix_cache(self) -> list[int]:
+        dropped = super().reset_prefix_cache()
+        if self.events is not None and not self._cache:
+            self.events.append(AllBlocksCleared())
+        return dropped
 
     # -- hooks --------------------------------------------------------------
-    def _register(self, req: EngineRequest, first_block: int, end_block: int) -> None:
+    def _on_stored(self, req: EngineRequest, first_block: int, hashes: list[int]) -> None:
+        super()._on_stored(req, first_block, hashes)
         if self.events is None:
-            super()._register(req, first_block, end_block)
             return
-        before = len(req.hashed)
-        super()._register(req, first_block, end_block)
-        after = len(req.hashed)
-        if after == before:
-            return
-        parent = req.hashed[before - 1] if before else None
+        parent = req.chain[first_block - 1] if first_block else None
         ids: tuple[int, ...] = ()
         if isinstance(req, EmulatedRequest) and req.prompt_stream:
             step = self.block * BYTES_PER_TOKEN
-            ids = tuple(token_ids(req.prompt_stream[before * step:after * step]))
-        self.events.append(BlockStored(tuple(req.hashed[before:after]), parent, ids,
-                                       self.block))
+            ids = tuple(token_ids(req.prompt_stream[first_block * step:
+                                                    (first_block + len(hashes)) * step]))
+        self.events.append(BlockStored(tuple(hashes), parent, ids, self.block))
 
-    def _grow(self, req: EngineRequest, n: int) -> None:
-        if self.events is not None and n > 0:
-            spare = self.capacity_blocks - self.used_blocks - len(self._evictable)
-            if n > spare:
-                # _grow evicts exactly these, least recently freed first.
-                gone = tuple(islice(self._evictable, n - spare))
-                if gone:
-                    self.events.append(BlockRemoved(gone))
-        super()._grow(req, n)
+    def _on_removed(self, hashes: list[int]) -> None:
+        super()._on_removed(hashes)
+        if self.events is not None:
+            self.events.append(BlockRemoved(tuple(hashes)))
 
 
 class RequestHandle:
@@ -226,7 +208,7 @@ class EngineLoop:
 
     def reset_prefix_cache(self) -> int:
         with self._cond:
-            n = self.engine.reset_prefix_cache()
+            n = len(self.engine.reset_prefix_cache())
             self._publish()
             return n
 

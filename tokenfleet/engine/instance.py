@@ -5,17 +5,21 @@ duration; ``finish_step`` applies it and reports first tokens and
 completions. The discrete-event simulator and the real-time HTTP emulator
 both drive this same object, so the emulator's timing is the simulator's.
 
-Modelled, after vLLM's V1 scheduler:
+Modelled, after vLLM's V1 scheduler and KV cache manager (file by file in
+docs/engine-model.md, section 5):
 - continuous batching: running requests first (decodes and unfinished
   chunked prefills), then waiting requests FCFS, within a token budget
   (``max_num_batched_tokens``) and ``max_num_seqs``;
 - a paged KV cache of fixed 16-token blocks; a request enters the batch only
   if blocks for its scheduled tokens are free, otherwise it waits (FCFS: no
   skipping ahead);
-- automatic prefix caching over chained block hashes: full prompt blocks are
-  hashed when computed, freed blocks stay reusable until their space is
-  needed, and the least recently freed are evicted first (tails before
-  heads, as vLLM frees blocks in reverse);
+- automatic prefix caching over chained block hashes: a full block is cached
+  when it is *scheduled* (``cache_blocks`` in ``allocate_slots``), so a
+  request scheduled later in the same step reuses it; generated tokens' full
+  blocks are cached too when the driver knows their hashes;
+- one free-block queue ordered by free time: never-used blocks first, then
+  the least recently freed block, cached or not (a request frees its tail
+  first), as ``FreeKVCacheBlockQueue`` does;
 - recompute preemption when a running request cannot grow (counted, since
   admission control aims to make it never happen).
 """
@@ -42,13 +46,19 @@ class EngineRequest:
     input_tokens: int
     output_tokens: int
     block_hashes: Sequence[int] = ()
+    #: Hashes of the full blocks of prompt + generated tokens after the prompt's
+    #: own full blocks (truth the driver knows, e.g. a conversation's answer);
+    #: empty when unknown, and then generated blocks stay uncached.
+    output_block_hashes: Sequence[int] = ()
     # -- progress (engine-owned) --
     prompt_tokens: int = 0  # tokens to prefill: input + already generated
     computed_tokens: int = 0
     generated_tokens: int = 0
     cached_tokens: int = 0  # prefix-cache hit at (first) admission
+    chain: Sequence[int] = ()  # every block hash known: prompt, then output
     hashed: list[int] = field(default_factory=list)  # cache blocks referenced
     blocks: int = 0  # total KV blocks held
+    blocks_private_hashed: int = 0  # chain blocks kept private (already cached)
     scheduled: int = 0  # tokens scheduled in the current step
     preemptions: int = 0
     first_token: bool = False
@@ -56,6 +66,7 @@ class EngineRequest:
 
     def __post_init__(self) -> None:
         self.prompt_tokens = self.input_tokens
+        self.chain = self.block_hashes
 
 
 @dataclass(slots=True)
@@ -76,8 +87,19 @@ class EngineCounters:
     generation_tokens: int = 0
 
 
+class _Empty:
+    """A free block that holds no cached prefix: a free-queue key by identity."""
+
+    __slots__ = ()
+
+
 class EngineInstance:
-    """One inference engine: scheduler + paged KV cache + roofline timing."""
+    """One inference engine: scheduler + paged KV cache + roofline timing.
+
+    Subclasses observe the prefix cache through two hooks, ``_on_stored`` and
+    ``_on_removed`` (the emulator turns them into vLLM KV events); by default
+    they forward to ``kv_listener``.
+    """
 
     def __init__(self, instance_id: str, profile: EngineProfile,
                  kv_capacity_blocks: int | None = None) -> None:
@@ -89,9 +111,13 @@ class EngineInstance:
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.by_id: dict[str, EngineRequest] = {}
-        # prefix cache: hash -> refcount; refcount-0 blocks live in `evictable`
+        # prefix cache: hash -> refcount, for every block that holds a cached
+        # prefix, in use (refcount > 0) or free (refcount 0)
         self._cache: dict[int, int] = {}
-        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # free blocks after the never-used ones, least recently freed first:
+        # a hash key is a cached block, an _Empty key a block with no prefix
+        self._free_queue: OrderedDict[int | _Empty, None] = OrderedDict()
+        self._fresh = self.capacity_blocks  # never-used blocks (the queue's head)
         self.used_blocks = 0  # blocks held by requests (shared counted once)
         self.counters = EngineCounters()
         self.stepping = False
@@ -102,6 +128,9 @@ class EngineInstance:
     # -- public API -----------------------------------------------------------
     def add(self, req: EngineRequest) -> None:
         self.check(req)
+        if req.output_block_hashes and len(req.block_hashes) == req.input_tokens // self.block:
+            # output hashes continue the prompt's chain only if it is complete
+            req.chain = tuple(req.block_hashes) + tuple(req.output_block_hashes)
         self.waiting.append(req)
         self.by_id[req.request_id] = req
 
@@ -182,6 +211,7 @@ class EngineInstance:
             budget -= q
             if req.computed_tokens < req.prompt_tokens:
                 c = req.computed_tokens
+                self._cache_blocks(req, c + q)
                 p_new += q
                 p_pairs += q * c + q * (q + 1) / 2
                 p_ctx += c
@@ -190,6 +220,8 @@ class EngineInstance:
                 # KV already cached (the new token's own KV is written this step);
                 # computed_tokens would double-count tokens recomputed after preemption
                 d_ctx += req.input_tokens + req.generated_tokens - 1
+                if len(req.chain) > len(req.hashed):
+                    self._cache_blocks(req, req.input_tokens + req.generated_tokens)
             i += 1
         # 2) waiting requests, FCFS, while budget, seats and KV blocks allow; none
         # in a step that preempted (vllm/v1/core/sched/scheduler.py:
@@ -209,6 +241,7 @@ class EngineInstance:
             self.waiting.popleft()
             self._acquire(req, hit, start)
             self._grow(req, need)
+            self._cache_blocks(req, start + q)
             req.admitted = True
             self.running.append(req)
             req.scheduled = q
@@ -232,7 +265,6 @@ class EngineInstance:
         firsts: list[EngineRequest] = []
         done: list[EngineRequest] = []
         emitted = 0
-        blk = self.block
         for req in self._batch:
             q = req.scheduled
             req.scheduled = 0
@@ -241,10 +273,8 @@ class EngineInstance:
                 self.by_id.pop(req.request_id, None)
                 continue
             if req.computed_tokens < req.prompt_tokens:
-                before = req.computed_tokens
                 req.computed_tokens += q
                 self.counters.prompt_tokens_computed += q
-                self._register(req, before // blk, req.computed_tokens // blk)
                 if req.computed_tokens < req.prompt_tokens:
                     continue
                 # prefill complete: the step also samples one token
@@ -271,6 +301,32 @@ class EngineInstance:
         self.stepping = False
         return StepResult(firsts, done, emitted)
 
+    def reset_prefix_cache(self) -> list[int]:
+        """Forget every cached block no request holds (vLLM's /reset_prefix_cache).
+
+        The blocks stay free in their queue position; returns the dropped hashes.
+        """
+        cache = self._cache
+        dropped = [k for k in self._free_queue if not isinstance(k, _Empty)]
+        if dropped:
+            self._free_queue = OrderedDict(
+                (k if isinstance(k, _Empty) else _Empty(), None) for k in self._free_queue)
+            for h in dropped:
+                del cache[h]
+            self._on_removed(dropped)
+        return dropped
+
+    # -- hooks ------------------------------------------------------------------
+    def _on_stored(self, req: EngineRequest, first_block: int, hashes: list[int]) -> None:
+        """Blocks ``first_block..`` of ``req``'s chain were just cached."""
+        if self.kv_listener is not None:
+            self.kv_listener("stored", hashes)
+
+    def _on_removed(self, hashes: list[int]) -> None:
+        """These cached blocks were evicted (or reset)."""
+        if self.kv_listener is not None:
+            self.kv_listener("removed", hashes)
+
     # -- KV/cache internals ------------------------------------------------------
     def _blocks_needed(self, req: EngineRequest, q: int) -> int:
         if req.computed_tokens < req.prompt_tokens:
@@ -281,7 +337,7 @@ class EngineInstance:
         return -(-tokens // self.block)
 
     def _match(self, req: EngineRequest) -> tuple[int, int]:
-        """Leading prompt blocks in the cache, and how many of them are unreferenced.
+        """Leading blocks of ``req``'s chain in the cache, and how many are free.
 
         At least the last prompt token is always recomputed (vLLM does too),
         so at most ``(prompt - 1) // block`` blocks can hit.
@@ -289,7 +345,7 @@ class EngineInstance:
         cache = self._cache
         n = 0
         revived = 0
-        hashes = req.block_hashes
+        hashes = req.chain
         lim = min((req.prompt_tokens - 1) // self.block, len(hashes))
         while n < lim:
             rc = cache.get(hashes[n])
@@ -308,13 +364,13 @@ class EngineInstance:
 
     def _acquire(self, req: EngineRequest, hit: int, start: int) -> None:
         cache = self._cache
-        ev = self._evictable
-        hashes = req.block_hashes
+        free = self._free_queue
+        hashes = req.chain
         for j in range(hit):
             h = hashes[j]
             rc = cache[h]
             if rc == 0:
-                del ev[h]
+                del free[h]  # a free cached block is touched: it leaves the queue
                 self.used_blocks += 1
             cache[h] = rc + 1
         req.hashed = list(hashes[:hit])
@@ -322,55 +378,74 @@ class EngineInstance:
         req.computed_tokens = start
 
     def _grow(self, req: EngineRequest, n: int) -> None:
+        """Give ``req`` n more blocks from the head of the free queue."""
         if n <= 0:
             return
-        # take never-used blocks first, then evict least-recently freed cached ones
-        spare = self.capacity_blocks - self.used_blocks - len(self._evictable)
-        if n > spare:
-            ev = self._evictable
+        fresh = min(n, self._fresh)
+        self._fresh -= fresh
+        if n > fresh:
+            free = self._free_queue
             cache = self._cache
-            gone = []
-            for _ in range(n - spare):
-                h, _ = ev.popitem(last=False)
-                del cache[h]
-                gone.append(h)
-            if self.kv_listener is not None:
-                self.kv_listener("removed", gone)
+            gone: list[int] = []
+            for _ in range(n - fresh):
+                key, _ = free.popitem(last=False)
+                if not isinstance(key, _Empty):
+                    del cache[key]
+                    gone.append(key)
+            if gone:
+                self._on_removed(gone)
         self.used_blocks += n
         req.blocks += n
 
-    def _register(self, req: EngineRequest, first_block: int, end_block: int) -> None:
-        """Hash prompt blocks that just became full, so others can reuse them."""
-        hashes = req.block_hashes
+    def _cache_blocks(self, req: EngineRequest, kv_tokens: int) -> None:
+        """Cache ``req``'s full blocks up to ``kv_tokens`` as they are scheduled.
+
+        vLLM caches in ``allocate_slots``, before the step runs, so a request
+        scheduled after this one (same step included) hits these blocks. A
+        block whose hash another block already caches stays private.
+        """
+        chain = req.chain
+        end = min(kv_tokens // self.block, len(chain))
+        j = len(req.hashed) + req.blocks_private_hashed
+        if j >= end:
+            return
         cache = self._cache
-        start = len(req.hashed)
-        if start < first_block:
-            return  # chain broken earlier (a duplicate block): nothing more to share
-        end = min(end_block, len(hashes), req.input_tokens // self.block)
-        for j in range(start, end):
-            h = hashes[j]
-            if h in cache:
-                # Someone else computed the same block meanwhile; keep ours private.
-                break
-            cache[h] = 1
-            req.hashed.append(h)
-        if self.kv_listener is not None and len(req.hashed) > start:
-            self.kv_listener("stored", req.hashed[start:])
+        run: list[int] = []
+        first = j
+        while j < end:
+            h = chain[j]
+            if h in cache:  # computed twice (e.g. a full-hit prompt's last block)
+                req.blocks_private_hashed += 1
+                if run:
+                    self._on_stored(req, first, run)
+                    run = []
+                first = j + 1
+            else:
+                cache[h] = 1
+                req.hashed.append(h)
+                run.append(h)
+            j += 1
+        if run:
+            self._on_stored(req, first, run)
 
     def _free(self, req: EngineRequest) -> None:
+        """Return ``req``'s blocks, tail first, to the back of the free queue."""
         cache = self._cache
-        ev = self._evictable
+        free = self._free_queue
+        private = req.blocks - len(req.hashed)
+        for _ in range(private):
+            free[_Empty()] = None
         shared_freed = 0
-        for h in reversed(req.hashed):  # tails become evictable first
+        for h in reversed(req.hashed):
             rc = cache[h] - 1
             cache[h] = rc
             if rc == 0:
-                ev[h] = None
+                free[h] = None
                 shared_freed += 1
-        private = req.blocks - len(req.hashed)
         self.used_blocks -= private + shared_freed
         req.hashed = []
         req.blocks = 0
+        req.blocks_private_hashed = 0
 
     def _drop(self, req: EngineRequest) -> None:
         if req in self.running:

@@ -62,7 +62,7 @@ class EngineProfile:
     tp: int = 1
     # vLLM scheduler knobs
     max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
+    max_num_seqs: int = 1024  # vLLM V1 server default on >= 70 GiB GPUs
     block_size_tokens: int = BLOCK_SIZE_TOKENS
     gpu_memory_utilization: float = 0.9
     # per GPU: activation peak, CUDA graphs, NCCL/cuBLAS workspaces (~2.8 GiB)

@@ -117,7 +117,7 @@ class AdmissionDriver:
         tier = classify(info, self.slo)
         if tier != info.tier:
             info = replace(info, tier=tier)
-            trace = TraceRequest(info, trace.output_tokens, trace.client_timeout_s)
+            trace = replace(trace, info=info)
         rid = info.request_id
         rec = new_record(info, self.pool.cfg.dc)
         self._records[rid] = rec

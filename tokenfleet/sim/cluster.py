@@ -187,7 +187,8 @@ class PoolSim:
             return
         idx = self.by_index[decision.instance_id]
         eng_req = EngineRequest(info.request_id, info.input_tokens,
-                                min(trace.output_tokens, info.max_tokens), info.block_hashes)
+                                min(trace.output_tokens, info.max_tokens), info.block_hashes,
+                                trace.output_block_hashes)
         engine = self.engines[idx]
         latency = self.cfg.path_latency
         dispatch_s = relay_s = 0.0

@@ -389,7 +389,7 @@ def build_workload(sc: Scenario, seed: int = 0,
                           deadline_s=(None if info.deadline_s is None
                                       else info.deadline_s + st.start_s))
             new = replace(new, tier=classify(new, sc.slo))
-            out.append(Arrival(TraceRequest(new, tr.output_tokens, tr.client_timeout_s),
+            out.append(Arrival(replace(tr, info=new),
                                st.origin, st.home))
     out.sort(key=lambda a: (a.trace.info.arrival_s, a.trace.info.request_id))
     return out

@@ -32,11 +32,13 @@ def engine_output_tokens(true_output_tokens: int, max_tokens: int) -> int:
 
 
 def make_request(info: RequestInfo, true_output_tokens: int,
-                 client_timeout_s: float | None = None) -> TraceRequest:
+                 client_timeout_s: float | None = None,
+                 output_block_hashes: tuple[int, ...] = ()) -> TraceRequest:
     return TraceRequest(
         info=info,
         output_tokens=engine_output_tokens(true_output_tokens, info.max_tokens),
         client_timeout_s=client_timeout_s,
+        output_block_hashes=output_block_hashes,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections import OrderedDict
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -98,7 +99,7 @@ def load_workload(
                 _cache.popitem(last=False)
     else:
         _cache.move_to_end(key)
-    reqs = [TraceRequest(r.info, r.output_tokens, r.client_timeout_s) for r in cached]
+    reqs = [replace(r) for r in cached]
     return limit_requests(reqs, limit) if limit is not None else reqs
 
 

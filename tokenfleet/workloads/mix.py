@@ -270,7 +270,7 @@ def _retag(spec: ClassSpec, r: TraceRequest, arrival_s: float) -> TraceRequest:
     elif info.deadline_s is not None:
         changes["deadline_s"] = arrival_s + (info.deadline_s - info.arrival_s)
     timeout = spec.client_timeout_s if spec.client_timeout_s is not None else r.client_timeout_s
-    return TraceRequest(replace(info, **changes), r.output_tokens, timeout)
+    return replace(r, info=replace(info, **changes), client_timeout_s=timeout)
 
 
 def build_class(spec: ClassSpec, duration_s: float, seed: int = 0,

@@ -12,8 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from tokenfleet.core.types import TIERS, RequestInfo
-from tokenfleet.workloads.common import DEFAULT_MAX_TOKENS, LineChecker, check_budget, make_request
-from tokenfleet.workloads.hashing import BLOCK, BlockIdHasher, SegmentHasher, content_id
+from tokenfleet.workloads.common import (
+    DEFAULT_MAX_TOKENS,
+    LineChecker,
+    check_budget,
+    engine_output_tokens,
+    make_request,
+)
+from tokenfleet.workloads.hashing import BLOCK, BlockIdHasher, Segment, SegmentHasher, content_id
 from tokenfleet.workloads.trace import TraceRequest
 
 TASK_TYPES = ("chat", "completion", "batch")
@@ -23,11 +29,44 @@ KNOWN_FIELDS = frozenset({
     "tenant", "task_type", "tier", "deadline_s", "region", "model", "model_version",
     "session", "prefix_id", "prefix_tokens", "hash_ids", "hash_block_tokens",
     "client_timeout_s", "request_id", "slo_class", "prompt_cache_key",
-    "allow_cross_region",
+    "allow_cross_region", "turn",
 })
 
 _STR_FIELDS = ("tenant", "region", "model", "model_version", "session",
                "slo_class", "prompt_cache_key")
+
+
+class _Turns:
+    """Each session's last turn: its number, prompt segments and answer.
+
+    A line with ``session`` and ``turn`` continues the session's previous
+    turn: its prompt is that prompt + that answer + new tokens, so it shares
+    their blocks, and the engine caches its own answer for the next turn.
+    """
+
+    def __init__(self) -> None:
+        self.last: dict[str, tuple[int, int, tuple[Segment, ...], Segment]] = {}
+
+    def segments(self, chk: LineChecker, session: str, turn: int, n_in: int,
+                 first: tuple[Segment, ...], new_content: int) -> tuple[Segment, ...]:
+        prev = self.last.get(session)
+        if prev is None:
+            return first
+        prev_turn, prev_line, prev_segs, answer = prev
+        if turn != prev_turn + 1:
+            raise chk.fail(f"turn {turn} of session {session!r} follows turn {prev_turn} "
+                           f"(line {prev_line}); a session's turns must be consecutive and "
+                           "in file order")
+        quoted = sum(n for _, n in prev_segs) + answer[1]
+        if n_in < quoted:
+            raise chk.fail(f"input_tokens {n_in} is less than turn {prev_turn}'s prompt plus "
+                           f"its answer ({quoted} tokens, line {prev_line}); a turn's prompt "
+                           "contains the previous prompt and answer")
+        return prev_segs + (answer, (new_content, n_in - quoted))
+
+    def remember(self, session: str, turn: int, line_no: int, segs: tuple[Segment, ...],
+                 answer: Segment) -> None:
+        self.last[session] = (turn, line_no, segs, answer)
 
 
 def load_tokenfleet(
@@ -49,6 +88,7 @@ def load_tokenfleet(
     segs = SegmentHasher()
     id_hashers: dict[int, BlockIdHasher] = {}
     seen_ids: dict[str, int] = {}
+    turns = _Turns()
     out: list[TraceRequest] = []
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
@@ -67,14 +107,15 @@ def load_tokenfleet(
                 raise chk.fail(f"unknown field(s) {', '.join(unknown)}; known fields: "
                                f"{', '.join(sorted(KNOWN_FIELDS))}")
             out.append(_parse(obj, chk, len(out), budget, model, tenant, salt, segs,
-                              id_hashers, seen_ids))
+                              id_hashers, seen_ids, turns))
     out.sort(key=lambda r: r.info.arrival_s)
     return out
 
 
 def _parse(obj: dict[str, Any], chk: LineChecker, idx: int, budget: int, model: str,
            tenant: str, salt: int, segs: SegmentHasher,
-           id_hashers: dict[int, BlockIdHasher], seen_ids: dict[str, int]) -> TraceRequest:
+           id_hashers: dict[int, BlockIdHasher], seen_ids: dict[str, int],
+           turns: _Turns) -> TraceRequest:
     if ("arrival_s" in obj) == ("timestamp_ms" in obj):
         raise chk.fail("give exactly one of 'arrival_s' (seconds) or 'timestamp_ms'")
     arrival_s = (chk.num_field(obj, "arrival_s") if "arrival_s" in obj
@@ -125,7 +166,25 @@ def _parse(obj: dict[str, Any], chk: LineChecker, idx: int, budget: int, model: 
             raise chk.fail(f"allow_cross_region must be true or false, got {v!r}")
         allow_cross_region = v
 
-    hashes = _hashes(obj, chk, n_in, request_id, salt, segs, id_hashers)
+    output_hashes: tuple[int, ...] = ()
+    if "turn" in obj:
+        turn = chk.int_field(obj, "turn")
+        session = strs.get("session")
+        if session is None:
+            raise chk.fail("turn needs session: it numbers the turns of one conversation")
+        if "hash_ids" in obj:
+            raise chk.fail("give either turn (the prompt continues the previous turn) or "
+                           "hash_ids, not both")
+        unique = content_id("tf-unique", salt, request_id)
+        prompt = turns.segments(chk, session, turn, n_in,
+                                _prefix_segments(obj, chk, n_in, unique), unique)
+        answer = (content_id("tf-answer", salt, session, turn),
+                  engine_output_tokens(n_out, mt))
+        turns.remember(session, turn, chk.line_no, prompt, answer)
+        hashes = segs.hashes(prompt)
+        output_hashes = segs.hashes(prompt + (answer,))[len(hashes):]
+    else:
+        hashes = _hashes(obj, chk, n_in, request_id, salt, segs, id_hashers)
     info = RequestInfo(
         request_id=request_id,
         arrival_s=arrival_s,
@@ -144,7 +203,7 @@ def _parse(obj: dict[str, Any], chk: LineChecker, idx: int, budget: int, model: 
         slo_class=strs.get("slo_class"),
         allow_cross_region=allow_cross_region,
     )
-    return make_request(info, n_out, client_timeout_s)
+    return make_request(info, n_out, client_timeout_s, output_hashes)
 
 
 def _hashes(obj: dict[str, Any], chk: LineChecker, n_in: int, request_id: str, salt: int,
@@ -168,16 +227,22 @@ def _hashes(obj: dict[str, Any], chk: LineChecker, n_in: int, request_id: str, s
         if hasher is None:
             hasher = id_hashers[bt] = BlockIdHasher(bt)
         return hasher.hashes(ids, n_in)
-    if has_prefix:
-        if "prefix_id" not in obj or "prefix_tokens" not in obj:
-            raise chk.fail("prefix_id and prefix_tokens go together; give both")
-        pid = obj["prefix_id"]
-        if isinstance(pid, bool) or not isinstance(pid, (str, int)):
-            raise chk.fail(f"prefix_id must be a string or integer, got {pid!r}")
-        n_pre = chk.int_field(obj, "prefix_tokens")
-        if n_pre > n_in:
-            raise chk.fail(f"prefix_tokens {n_pre} exceeds input_tokens {n_in}")
-        # Same prefix_id -> same text, so different prefix_tokens share the shorter.
-        pre = content_id("tf-prefix", type(pid).__name__, pid)
-        return segs.hashes(((pre, n_pre), (unique, n_in - n_pre)))
-    return segs.hashes(((unique, n_in),))
+    return segs.hashes(_prefix_segments(obj, chk, n_in, unique))
+
+
+def _prefix_segments(obj: dict[str, Any], chk: LineChecker, n_in: int,
+                     unique: int) -> tuple[Segment, ...]:
+    """The prompt as segments: an optional shared ``prefix_id``, then unique text."""
+    if "prefix_id" not in obj and "prefix_tokens" not in obj:
+        return ((unique, n_in),)
+    if "prefix_id" not in obj or "prefix_tokens" not in obj:
+        raise chk.fail("prefix_id and prefix_tokens go together; give both")
+    pid = obj["prefix_id"]
+    if isinstance(pid, bool) or not isinstance(pid, (str, int)):
+        raise chk.fail(f"prefix_id must be a string or integer, got {pid!r}")
+    n_pre = chk.int_field(obj, "prefix_tokens")
+    if n_pre > n_in:
+        raise chk.fail(f"prefix_tokens {n_pre} exceeds input_tokens {n_in}")
+    # Same prefix_id -> same text, so different prefix_tokens share the shorter.
+    pre = content_id("tf-prefix", type(pid).__name__, pid)
+    return ((pre, n_pre), (unique, n_in - n_pre))

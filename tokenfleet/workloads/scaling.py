@@ -66,8 +66,7 @@ def rate_scale(reqs: Sequence[TraceRequest], x: float) -> list[TraceRequest]:
         info = r.info
         arrival = t0 + (info.arrival_s - t0) / x
         deadline = None if info.deadline_s is None else arrival + (info.deadline_s - info.arrival_s)
-        out.append(TraceRequest(replace(info, arrival_s=arrival, deadline_s=deadline),
-                                r.output_tokens, r.client_timeout_s))
+        out.append(replace(r, info=replace(info, arrival_s=arrival, deadline_s=deadline)))
     out.sort(key=lambda r: r.info.arrival_s)
     return out
 

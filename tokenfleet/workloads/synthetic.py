@@ -49,6 +49,7 @@ class _Draft:
     task_type: str = "chat"
     session: str | None = None
     deadline_s: float | None = None
+    answer: Segment | None = None  # the answer's content, when a later turn quotes it
 
     @property
     def input_tokens(self) -> int:
@@ -75,19 +76,24 @@ def _finish(drafts: list[_Draft], n_requests: int, model: str,
     hasher = SegmentHasher()
     out: list[TraceRequest] = []
     for d in drafts[:n_requests]:
+        prompt_hashes = hasher.hashes(d.segments)
+        output_hashes: tuple[int, ...] = ()
+        if d.answer is not None:
+            # the engine caches the answer's KV under the hashes the next turn has
+            output_hashes = hasher.hashes(d.segments + (d.answer,))[len(prompt_hashes):]
         info = RequestInfo(
             request_id=d.request_id,
             arrival_s=d.arrival_s,
             input_tokens=d.input_tokens,
             max_tokens=max_tokens,
-            block_hashes=hasher.hashes(d.segments),
+            block_hashes=prompt_hashes,
             tenant=d.tenant,
             task_type=d.task_type,
             model=model,
             session=d.session,
             deadline_s=d.deadline_s,
         )
-        out.append(make_request(info, d.true_output_tokens))
+        out.append(make_request(info, d.true_output_tokens, output_block_hashes=output_hashes))
     return out
 
 
@@ -121,7 +127,8 @@ def chat(n_requests: int, seed: int, rate_rps: float, *, model: str = "default",
     """Multi-turn chat sessions over a few shared system prompts.
 
     Turn k's prompt is system + (user, answer) pairs of turns 1..k-1 + user k,
-    so consecutive turns share a growing prefix. Sessions start as a Poisson
+    so consecutive turns share a growing prefix, and the engine caches each
+    answer's KV under the hashes the next turn's prompt carries. Sessions start as a Poisson
     process at ``rate_rps / mean_turns``; turns per session are geometric with
     mean ``mean_turns``; the gap to the next turn is reading time (20 ms per
     answer token) plus an exponential think time. A session ends early when
@@ -153,10 +160,11 @@ def chat(n_requests: int, seed: int, rate_rps: float, *, model: str = "default",
                 break
             segs.append((content_id("chat-user", seed, s, k), user))
             used += user
-            out.append(_Draft(t, f"chat-{s}-{k}", tuple(segs), true_out, tenant,
-                              session=f"chat-{seed}-{s}"))
             answer = engine_output_tokens(true_out, budget)
-            segs.append((content_id("chat-answer", seed, s, k), answer))
+            answer_seg = (content_id("chat-answer", seed, s, k), answer)
+            out.append(_Draft(t, f"chat-{s}-{k}", tuple(segs), true_out, tenant,
+                              session=f"chat-{seed}-{s}", answer=answer_seg))
+            segs.append(answer_seg)
             used += answer
             t += 0.02 * answer + float(rng.exponential(think_time_s))
         return out

@@ -1,7 +1,8 @@
 """The simulator's request record: what the router sees plus the hidden truth.
 
 ``TraceRequest.info`` is the only part any policy ever receives. The true
-output length lives beside it, read by the simulated engine alone.
+output length, and for conversations the hashes of the answer's KV blocks,
+live beside it, read by the simulated engine alone.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ class TraceRequest:
     info: RequestInfo
     output_tokens: int  # true generated length: engine-only
     client_timeout_s: float | None = None  # client gives up (cancels) after this
+    #: Full-block hashes of prompt + answer after the prompt's own blocks: the
+    #: engine caches the answer's KV under them, and a conversation's next turn
+    #: (prompt + answer + message) hits them. Engine-only, like output_tokens.
+    output_block_hashes: tuple[int, ...] = ()
 
     @property
     def arrival_s(self) -> float:
