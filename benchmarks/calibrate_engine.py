@@ -375,7 +375,8 @@ MEASUREMENTS: list[Measurement] = [
         "prompts U[1,8192] tokens, <=8 output, all at t=0",
         "input throughput", "tok/s", 27670.26,
         "github.com/sgl-project/sglang pull/1060 (benchmark comment, H100)",
-        _prefill_throughput, "SGLang ~0.2.12 (Aug 2024)", "on, 8192-token chunks", "H100 SXM",
+        _prefill_throughput, "SGLang ~0.2.12 (Aug 2024)", "on, 8192-token chunks (assumed default)",
+        "H100 SXM",
         True),
     Measurement(
         "sharegpt-8b-h100", "e2e",
