@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     norm_f = torch.ones(h, device=dev, dtype=dtype)
     inv = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device=dev, dtype=torch.float32) / d))
 
-    def rope(x: Any, pos: Any) -> Any:  # x: [..., T, d], pos: [T] or [B, 1]
+    def rope(x: Any, pos: Any) -> Any:  # x: [B, heads, T, d]; pos: [T] or [B, 1, 1]
         f = pos.to(torch.float32)[..., None] * inv
         cos, sin = f.cos().to(x.dtype), f.sin().to(x.dtype)
         x1, x2 = x[..., : d // 2], x[..., d // 2:]
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         vc = [torch.empty(bsz, nkv, ctx + 1, d, device=dev, dtype=dtype).normal_()
               for _ in layers]
         ids = torch.zeros(bsz, 1, dtype=torch.long, device=dev)
-        pos = torch.full((bsz, 1), ctx, dtype=torch.long, device=dev)
+        pos = torch.full((bsz, 1, 1), ctx, dtype=torch.long, device=dev)  # [B, 1, 1]
         scale = 1.0 / math.sqrt(d)
 
         def step() -> Any:
@@ -228,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             step, cache = make_decode(bsz)
             fn: Callable[[], Any] = step
             graphed = False
+            g = None
             if cuda and not args.no_graphs:
                 s = torch.cuda.Stream()
                 s.wait_stream(torch.cuda.current_stream())
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                              repeats=len(ms), cuda_graph=graphed))
             print(f"decode batch {bsz:4d} ctx {ctx}: {statistics.median(ms):9.3f} ms",
                   flush=True)
-            del step, cache, fn
+            del step, cache, fn, g
             if cuda:
                 torch.cuda.empty_cache()
 
