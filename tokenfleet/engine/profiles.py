@@ -28,10 +28,31 @@ class ModelSpec:
     bytes_per_param: float = 2.0  # bf16
     kv_bytes_per_elem: float = 2.0  # bf16 KV cache
     n_active_params: float | None = None  # MoE: parameters touched per token
+    vocab_size: int = 0  # 0: no separate embedding / LM head accounting
+    tied_embeddings: bool = False  # LM head shares the embedding matrix
 
     @property
     def active_params(self) -> float:
         return self.n_active_params if self.n_active_params is not None else self.n_params
+
+    @property
+    def lm_head_params(self) -> float:
+        """The output projection, ``vocab x hidden``: run only for sampled positions."""
+        return float(self.vocab_size * self.hidden_size)
+
+    @property
+    def linear_params_per_token(self) -> float:
+        """Weights every token multiplies: active parameters minus the embedding
+        table (a row gather, no FLOPs) and the LM head (sampled positions only)."""
+        emb = self.lm_head_params  # embedding table, vocab x hidden
+        return self.active_params - (emb if self.tied_embeddings else 2 * emb)
+
+    @property
+    def weight_read_bytes(self) -> float:
+        """Weights streamed from HBM once per step: everything but the embedding
+        table, of which only the batch's rows are gathered."""
+        emb = 0.0 if self.tied_embeddings else self.lm_head_params
+        return (self.n_params - emb) * self.bytes_per_param
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -67,11 +88,14 @@ class EngineProfile:
     gpu_memory_utilization: float = 0.9
     # per GPU: activation peak, CUDA graphs, NCCL/cuBLAS workspaces (~2.8 GiB)
     activation_reserve_bytes: float = 3e9
-    # efficiency factors, fitted to public vLLM/SGLang H100 measurements by
-    # benchmarks/calibrate_engine.py (table and sources: docs/engine-model.md)
-    mfu: float = 0.40  # whole-step fraction of peak FLOP/s (GEMMs alone reach ~0.7)
-    mbu: float = 0.85  # achieved fraction of HBM bandwidth in memory-bound steps
-    step_overhead_s: float = 0.0015  # scheduler + sampling + launch, per step
+    # efficiency factors, fitted on the in-sample rows of
+    # benchmarks/calibrate_engine.py (`--fit`; table and sources: docs/engine-model.md)
+    mfu: float = 0.52  # fraction of peak FLOP/s of the linear layers (GEMMs + their
+    #                    per-token elementwise work: norms, RoPE, SiLU; GEMMs alone ~0.7)
+    attn_eff: float = 0.60  # fraction of peak reached by prefill attention (FA3-class)
+    mbu: float = 0.95  # achieved fraction of HBM bandwidth in memory-bound steps
+    step_overhead_s: float = 0.000768  # scheduler + input prep + launch, per step (V1)
+    per_seq_overhead_s: float = 0.0  # per sequence in the step (not fitted for V1: 0)
     allreduce_latency_s: float = 4e-5  # per all-reduce call under TP (NCCL, 4xH100)
     notes: str = field(default="", compare=False)
 
@@ -92,35 +116,40 @@ class EngineProfile:
         return self.kv_capacity_tokens // self.block_size_tokens
 
     # -- roofline step time ---------------------------------------------------
-    def step_time_s(
+    def step_parts(
         self,
         prefill_new_tokens: int,
         prefill_attn_pairs: float,
         prefill_ctx_tokens: int,
         decode_seqs: int,
         decode_ctx_tokens: int,
-    ) -> float:
-        """Duration of one engine step (one forward pass of the whole batch).
+        prefill_seqs: int | None = None,
+    ) -> tuple[float, float, float, float, float]:
+        """``(gemm_s, attn_s, memory_s, comm_s, overhead_s)`` of one step.
 
-        ``prefill_attn_pairs`` is sum over prefill chunks of
-        ``q * ctx + q * (q + 1) / 2`` (query-key pairs attended),
-        ``prefill_ctx_tokens`` the cached context those chunks read, and
-        ``decode_ctx_tokens`` the summed context lengths of decoding sequences.
+        ``gemm_s`` and ``attn_s`` are the compute times of the linear layers
+        (LM head included) and of attention; ``step_time_s`` combines them as
+        ``overhead + max(gemm + attn, memory) + comm``. Arguments as there.
         """
         m = self.model
         tokens = prefill_new_tokens + decode_seqs
         if tokens == 0:
-            return 0.0
-        attn_dim = m.n_heads * m.head_dim
-        # 2 FLOPs per MAC: linear layers touch every active weight once per token;
-        # attention does QK^T and AV, 2 * 2 * attn_dim per (query, key) pair per layer.
-        flops = 2.0 * m.active_params * tokens + 4.0 * m.n_layers * attn_dim * (
-            prefill_attn_pairs + decode_ctx_tokens + decode_seqs
-        )
+            return 0.0, 0.0, 0.0, 0.0, 0.0
+        if prefill_seqs is None:
+            prefill_seqs = 1 if prefill_new_tokens > 0 else 0
+        seqs = decode_seqs + prefill_seqs  # each computes logits at one position
+        # 2 FLOPs per MAC. Every token multiplies every linear weight; the LM
+        # head runs once per sequence in the batch (the position it samples).
+        lin_flops = 2.0 * (m.linear_params_per_token * tokens + m.lm_head_params * seqs)
+        # Attention: QK^T and AV, 2 * 2 * H * d FLOPs per (query, key) pair per layer.
+        attn_flops = 4.0 * m.n_layers * m.n_heads * m.head_dim * (
+            prefill_attn_pairs + decode_ctx_tokens + decode_seqs)
+        peak = self.tp * self.gpu.peak_flops
+        gemm_s = lin_flops / (peak * self.mfu)
+        attn_s = attn_flops / (peak * self.attn_eff)
         kv_read = (prefill_ctx_tokens + decode_ctx_tokens) * m.kv_bytes_per_token
         kv_write = tokens * m.kv_bytes_per_token
-        hbm = m.weight_bytes + kv_read + kv_write
-        compute_s = flops / (self.tp * self.gpu.peak_flops * self.mfu)
+        hbm = m.weight_read_bytes + kv_read + kv_write
         memory_s = hbm / (self.tp * self.gpu.hbm_bytes_per_s * self.mbu)
         comm_s = 0.0
         if self.tp > 1:
@@ -129,7 +158,35 @@ class EngineProfile:
             ring_bytes = 2.0 * (self.tp - 1) / self.tp * tokens * m.hidden_size * 2
             comm_s = calls * (self.allreduce_latency_s
                               + ring_bytes / self.gpu.interconnect_bytes_per_s)
-        return self.step_overhead_s + max(compute_s, memory_s) + comm_s
+        overhead_s = self.step_overhead_s + self.per_seq_overhead_s * seqs
+        return gemm_s, attn_s, memory_s, comm_s, overhead_s
+
+    def step_time_s(
+        self,
+        prefill_new_tokens: int,
+        prefill_attn_pairs: float,
+        prefill_ctx_tokens: int,
+        decode_seqs: int,
+        decode_ctx_tokens: int,
+        prefill_seqs: int | None = None,
+    ) -> float:
+        """Duration of one engine step (one forward pass of the whole batch).
+
+        ``prefill_attn_pairs`` is sum over prefill chunks of
+        ``q * ctx + q * (q + 1) / 2`` (query-key pairs attended),
+        ``prefill_ctx_tokens`` the cached context those chunks read, and
+        ``decode_ctx_tokens`` the summed context lengths of decoding sequences.
+        ``prefill_seqs`` is the number of prefill chunks in the step (each
+        computes logits for one position, as vLLM V1 does even for a partial
+        chunk); ``None`` means one chunk if there are prefill tokens.
+        """
+        gemm_s, attn_s, memory_s, comm_s, overhead_s = self.step_parts(
+            prefill_new_tokens, prefill_attn_pairs, prefill_ctx_tokens, decode_seqs,
+            decode_ctx_tokens, prefill_seqs)
+        if overhead_s == 0.0 and memory_s == 0.0:
+            return 0.0
+        compute_s = gemm_s + attn_s
+        return overhead_s + (compute_s if compute_s > memory_s else memory_s) + comm_s
 
     # -- conveniences used by estimators -------------------------------------
     def prefill_time_s(self, uncached_tokens: int, cached_tokens: int = 0) -> float:
@@ -139,13 +196,13 @@ class EngineProfile:
         left = uncached_tokens
         while left > 0:
             q = min(left, self.max_num_batched_tokens)
-            t += self.step_time_s(q, q * done + q * (q + 1) / 2, done, 0, 0)
+            t += self.step_time_s(q, q * done + q * (q + 1) / 2, done, 0, 0, 1)
             done += q
             left -= q
         return t
 
     def decode_step_time_s(self, batch: int, mean_ctx_tokens: float) -> float:
-        return self.step_time_s(0, 0.0, 0, batch, int(batch * mean_ctx_tokens))
+        return self.step_time_s(0, 0.0, 0, batch, int(batch * mean_ctx_tokens), 0)
 
     def with_overrides(self, **kwargs: object) -> EngineProfile:
         return replace(self, **kwargs)  # type: ignore[arg-type]
@@ -175,13 +232,13 @@ H100 = GPUSpec(
 LLAMA3_8B = ModelSpec(
     name="meta-llama/Llama-3.1-8B-Instruct",
     n_params=8.03e9, n_layers=32, hidden_size=4096, n_heads=32, n_kv_heads=8,
-    head_dim=128, max_model_len_tokens=131072,
+    head_dim=128, max_model_len_tokens=131072, vocab_size=128256,
 )
 
 LLAMA3_70B = ModelSpec(
     name="meta-llama/Llama-3.1-70B-Instruct",
     n_params=70.6e9, n_layers=80, hidden_size=8192, n_heads=64, n_kv_heads=8,
-    head_dim=128, max_model_len_tokens=131072,
+    head_dim=128, max_model_len_tokens=131072, vocab_size=128256,
 )
 
 PROFILES: Registry[EngineProfile] = Registry("profile")

@@ -529,8 +529,9 @@ def _default_router() -> str:
 
 def _slowed(p: EngineProfile, factor: float) -> EngineProfile:
     """An engine ``factor`` times slower (power capping, a noisy neighbour, a bad link)."""
-    return p.with_overrides(mfu=p.mfu / factor, mbu=p.mbu / factor,
-                            step_overhead_s=p.step_overhead_s * factor)
+    return p.with_overrides(mfu=p.mfu / factor, attn_eff=p.attn_eff / factor,
+                            mbu=p.mbu / factor, step_overhead_s=p.step_overhead_s * factor,
+                            per_seq_overhead_s=p.per_seq_overhead_s * factor)
 
 
 class FleetSim:
