@@ -442,6 +442,103 @@ def test_baselines() -> None:
     assert select_dc(fleetmind(), req(), "A", "B", snapshot(t, vs)).reason == "failover"
 
 
+def skylb() -> Any:
+    return FLEET.create("skylb", slo=SLOConfig())
+
+
+def busy(pool: PoolView, now_s: float, load: float) -> None:
+    """Dispatch history giving ``pool`` roughly ``load`` (no standing queue)."""
+    acc = pool.accounting
+    n = 50
+    for k in range(n):
+        acc.on_dispatch(now_s - 5.0 + k * 5.0 / n, 0.01,
+                        load * 5.0 * pool.ready_instances / n, pool.ready_instances)
+    acc.drain_at_s = now_s
+
+
+def test_skylb_keeps_local_until_the_load_threshold() -> None:
+    t = topo()
+    vs = views(t)
+    b = vs["B"].pools[("m", "2")]
+    busy(b, 100.0, 0.5)  # under B's 0.7 ceiling
+    assert b.load(100.0) < 0.7
+    d = select_dc(skylb(), req(), "A", "B", snapshot(t, vs))
+    assert (d.dc, d.spilled) == ("B", False)
+    # C is idle and would win any load comparison; skylb still stays local
+    assert vs["C"].pools[("m", "2")].load(100.0) < b.load(100.0)
+    busy(b, 100.0, 0.9)  # now over the threshold: spill
+    d = select_dc(skylb(), req(), "A", "B", snapshot(t, vs))
+    assert (d.dc, d.spilled) == ("C", True)
+    # an explicit threshold overrides the DC's ceiling
+    d = select_dc(FLEET.create("skylb", load_threshold=5.0), req(), "A", "B",
+                  snapshot(t, vs))
+    assert d.dc == "B"
+
+
+def test_skylb_spills_only_to_the_exact_version_nearest_first() -> None:
+    data = base_topology()
+    # E: a second version-2 site, farther from A than C
+    data["datacenters"]["E"] = {"region": "r4", "gpus": 8, "load_ceiling": 0.7,
+                                "deployments": [dep("2")]}
+    data["rtt_ms"]["A"]["E"] = 60
+    data["rtt_ms"]["B"]["E"] = 55
+    data["rtt_ms"]["C"]["E"] = 40
+    data["rtt_ms"]["D"] = {"E": 20}
+    t = topo(data)
+    vs = views(t)
+    overload(vs["B"].pools[("m", "2")], 100.0, queue_s=3.0)
+    picks = {select_dc(skylb(), req(f"r{i}"), "A", "B", snapshot(t, vs)).dc
+             for i in range(30)}
+    assert picks == {"C"}  # nearest version-2 site; never D (version 1 only)
+    # C full: the next nearest exact-version site, still never D
+    busy(vs["C"].pools[("m", "2")], 100.0, 1.5)
+    d = select_dc(skylb(), req(), "A", "B", snapshot(t, vs))
+    assert d.dc == "E"
+    # every remote full: stay local rather than travel to a full region
+    busy(vs["E"].pools[("m", "2")], 100.0, 1.5)
+    d = select_dc(skylb(), req(), "A", "B", snapshot(t, vs))
+    assert (d.dc, d.spilled) == ("B", False)
+    # D (version 1, idle) is the obvious least-loaded site, and skylb never uses it
+    assert select_dc(FLEET.create("least_loaded"), req(), "A", "B",
+                     snapshot(t, vs)).dc == "D"
+
+
+def test_skylb_respects_residency() -> None:
+    t = topo()
+    vs = views(t)
+    overload(vs["B"].pools[("m", "2")], 100.0, queue_s=10.0)
+    for r in (req(tenant="bank"), req(tenant="acme", region="r1", cross=False)):
+        d = select_dc(skylb(), r, "A", "B", snapshot(t, vs))
+        assert (d.dc, d.spilled) == ("B", False)
+    # home unready: fails over to the nearest compliant exact-version site
+    vs["B"].pools[("m", "2")].ready_instances = 0
+    d = select_dc(skylb(), req(), "A", "B", snapshot(t, vs))
+    assert (d.dc, d.reason) == ("C", "failover")
+    with pytest.raises(NoCandidateError):
+        select_dc(skylb(), req(tenant="bank"), "A", "B", snapshot(t, vs))
+
+
+def test_skylb_on_a_small_hotspot_spills_without_violations() -> None:
+    sc = scenario(60, hot_streams())
+    runs = {r.policy: r for r in run_fleets(sc, ["none", "skylb"])}
+    sky = runs["skylb"]
+    assert sky.residency_violations == 0 and sky.version_mismatches == 0
+    assert all(r.dc == "B" for r in sky.records if r.tenant == "bank")
+    assert not any(r.dc == "D" for r in sky.records if r.tenant != "local")
+    assert 0.0 < sky.spill_fraction < 1.0
+    assert sky.summary["goodput_tok_s"] > runs["none"].summary["goodput_tok_s"]
+    assert not sky.plans  # no planner
+
+
+def test_cli_help_lists_the_peers(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["sim", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for name in ("skylb", "fleetmind", "least_loaded", "llmd", "llmd_flow_control",
+                 "--no-kv-events"):
+        assert name in out
+
+
 # ---------------------------------------------------------------------------
 # planner
 # ---------------------------------------------------------------------------

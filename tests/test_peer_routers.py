@@ -322,6 +322,92 @@ def test_llmd_index_is_sized_by_kv_blocks() -> None:
     assert router.index_entries("i0") == 10
 
 
+def test_llmd_uses_the_precise_prefix_scorer_once_engines_publish_events() -> None:
+    insts = make_instances(3)
+    pool = PoolSnapshot(now_s=0.0, instances=insts)
+    router = LlmdWeightedRouter(seed=0)
+    assert not router.precise
+    prompt = chain((1, 8), (2, 4))
+    # engine events: i1 holds the first 8 blocks, i2 only the first 2 blocks
+    router.on_kv_event(KVEvent(instance_id="i1", kind="stored", block_hashes=prompt[:8]))
+    router.on_kv_event(KVEvent(instance_id="i2", kind="stored", block_hashes=prompt[:2]))
+    assert router.precise
+    # longest prefix 8 vs 2, min-max normalised over the holders: i1 1.0, i2 0.0;
+    # i0 holds nothing: 0. Queue and KV terms are equal (2 + 2).
+    assert router.scores(req(prompt), insts) == pytest.approx(
+        {"i0": 4.0, "i1": 7.0, "i2": 4.0})
+    d = router.route(req(prompt), pool)
+    assert (d.instance_id, d.expected_cached_tokens) == ("i1", 8 * 16)
+    # routing adds nothing to the precise index (speculative indexing is off)
+    assert router.scores(req(chain((9, 4))), insts) == pytest.approx(
+        {"i0": 4.0, "i1": 4.0, "i2": 4.0})
+    # evictions reach it: i1 loses blocks 4.., so its run is 4 blocks
+    router.on_kv_event(KVEvent(instance_id="i1", kind="removed", block_hashes=prompt[4:8]))
+    d = router.route(req(prompt), pool)
+    assert (d.instance_id, d.expected_cached_tokens) == ("i1", 4 * 16)
+    router.on_kv_event(KVEvent(instance_id="i1", kind="cleared", block_hashes=()))
+    # a single holder (i2) scores a full 1.0
+    assert router.scores(req(prompt), insts)["i2"] == pytest.approx(7.0)
+    # inferred hints (not engine events) never switch the scorer
+    fresh = LlmdWeightedRouter(seed=0)
+    fresh.on_kv_event(KVEvent(instance_id="i0", kind="stored", block_hashes=prompt,
+                              exact=False))
+    assert not fresh.precise
+
+
+def test_engines_publish_kv_events_for_dynamo_on_shipped_defaults() -> None:
+    from tokenfleet.core.tiers import SLOConfig
+    from tokenfleet.sim.cluster import run_pool
+    from tokenfleet.sim.runner import SimSettings, run_policies
+    from tokenfleet.workloads.synthetic import generate
+
+    reqs = generate("chat", 60, 0, 20.0)
+    settings = SimSettings(profile=PROFILE, instances=2)
+    assert settings.kv_events is None  # each peer as shipped
+    _, pool = run_pool(reqs, settings.pool_config("dynamo_kv"), SLOConfig())
+    router = pool.routers[0]
+    assert isinstance(router, DynamoKVRouter) and router.exact  # got engine events
+    _, pool = run_pool(reqs, settings.pool_config("llmd_weighted"), SLOConfig())
+    llmd = pool.routers[0]
+    assert isinstance(llmd, LlmdWeightedRouter) and not llmd.precise  # llm-d's default
+    runs = {r.policy: r for r in run_policies(reqs, ["dynamo_kv", "llmd_weighted"],
+                                              settings)}
+    assert runs["dynamo_kv"].as_json()["kv_events"] is True
+    assert runs["llmd_weighted"].as_json()["kv_events"] is False
+    # --kv-events: every peer gets them, llm-d then scores precisely
+    on = SimSettings(profile=PROFILE, instances=2, kv_events=True)
+    _, pool = run_pool(reqs, on.pool_config("llmd_weighted"), SLOConfig())
+    llmd = pool.routers[0]
+    assert isinstance(llmd, LlmdWeightedRouter) and llmd.precise
+    # --no-kv-events: Dynamo's approximate mode
+    off = SimSettings(profile=PROFILE, instances=2, kv_events=False)
+    _, pool = run_pool(reqs, off.pool_config("dynamo_kv"), SLOConfig())
+    router = pool.routers[0]
+    assert isinstance(router, DynamoKVRouter) and not router.exact
+
+
+def test_a_dynamo_dc_in_the_fleet_sim_gets_kv_events() -> None:
+    from tokenfleet.sim.fleet import FleetSim, scenario_from_mapping
+
+    data = {
+        "name": "t",
+        "settings": {"default_router": "dynamo_kv"},
+        "datacenters": {"A": {"region": "r1", "gpus": 2, "deployments": [
+            {"model": "m", "version": "1", "profile": "llama3-8b-h200", "instances": 2}]}},
+        "tenants": {"t": {"home": "A"}},
+        "workload": {"duration_s": 5, "streams": [
+            {"name": "s", "tenant": "t", "generator": "chat", "rate_rps": 4, "seed": 1,
+             "model": "m", "version": "1"}]},
+    }
+    sc = scenario_from_mapping(data, "<test>")
+    from tokenfleet.sim.fleet import build_workload
+
+    sim = FleetSim(sc, "none")
+    sim.run(build_workload(sc))
+    router = next(iter(sim.pools.values())).sim.routers[0]
+    assert isinstance(router, DynamoKVRouter) and router.exact
+
+
 # --------------------------------------------------------------------------
 # dynamo_kv
 # --------------------------------------------------------------------------

@@ -230,10 +230,43 @@ def test_llmd_saturation_is_mean_of_max_queue_over_5_kv_over_08() -> None:
     # stale metrics count as saturated (1.0 per endpoint)
     stale = AdmissionSnapshot(11.0, instances(2, now_s=10.0), queues())
     assert pol.saturation(stale) == pytest.approx(1.0)
-    # unsaturated: admitted, filtered to endpoints under both thresholds
-    insts[0].view.metrics.num_waiting = 6  # 1.2 -> filtered out; mean 0.85 < 1
+    # unsaturated: admitted to any endpoint. Upstream registers the detector as
+    # a flow-control detector, not as a filter of the default scheduling
+    # profile, so an endpoint over the thresholds stays a candidate.
+    insts[0].view.metrics.num_waiting = 6  # endpoint score 1.2; mean 0.85 < 1
     d = pol.on_arrival(req("y", tier="interactive"), snap)
-    assert d.action == ADMIT and d.instance_ids == ("i1",)
+    assert d.action == ADMIT and d.instance_ids is None
+    qs = queues()
+    qs["interactive"].append(QueuedRequest(req("z", tier="interactive"), 10.0))
+    act = pol.next_action(AdmissionSnapshot(10.05, insts, qs))
+    assert act is not None and act.request_id == "z" and act.instance_ids is None
+
+
+def test_llmd_legacy_admission_sheds_only_sheddable_requests_while_saturated() -> None:
+    """llm-d's default (LegacyAdmissionController): non-sheddable requests bypass
+    the saturation check, sheddable ones (batch, priority < 0) are rejected at
+    Saturation >= 1.0; nothing is ever queued at the gateway."""
+    pol = ADMISSION.create("llmd", slo=SLO)
+    assert not pol.uses_queues()
+    insts = instances(2, now_s=10.0)
+    for i in insts:
+        i.view.metrics.num_waiting, i.view.metrics.kv_usage = 12, 0.95  # score 2.4
+    saturated = AdmissionSnapshot(10.05, insts, queues())
+    assert pol.saturation(saturated) == pytest.approx(2.4)  # type: ignore[attr-defined]
+    for tier in ("interactive", "long_context"):
+        d = pol.on_arrival(req(f"n-{tier}", tier=tier), saturated)
+        assert d.action == ADMIT and d.instance_ids is None  # no queue, no filter
+    assert pol.on_arrival(req("b1", tier="batch"), saturated).action == REJECT
+    # stale scrapes count as saturated for the sheddable check
+    stale = AdmissionSnapshot(11.0, instances(2, now_s=10.0), queues())
+    assert pol.on_arrival(req("b2", tier="batch"), stale).action == REJECT
+    assert pol.on_arrival(req("i2", tier="interactive"), stale).action == ADMIT
+    # below saturation sheddable work is admitted too, to any endpoint
+    insts[0].view.metrics.num_waiting, insts[0].view.metrics.kv_usage = 7, 0.2  # 1.4
+    insts[1].view.metrics.num_waiting, insts[1].view.metrics.kv_usage = 0, 0.1  # 0.125
+    calm = AdmissionSnapshot(10.05, insts, queues())
+    d = pol.on_arrival(req("b3", tier="batch"), calm)
+    assert d.action == ADMIT and d.instance_ids is None
 
 
 def test_strict_priority_serves_higher_tiers_first() -> None:
@@ -247,7 +280,8 @@ def test_strict_priority_serves_higher_tiers_first() -> None:
 
 
 def test_registry_names_and_duplicates() -> None:
-    assert {"fcfs", "strict_priority", "llmd_flow_control", "slomax"} <= set(ADMISSION.names())
+    assert {"fcfs", "strict_priority", "llmd", "llmd_flow_control",
+            "slomax"} <= set(ADMISSION.names())
     from tokenfleet.errors import DuplicateNameError
     with pytest.raises(DuplicateNameError):
         ADMISSION.add("slomax", SLOMaxAdmission)
@@ -570,13 +604,16 @@ def test_mixed_scenario_acceptance(tmp_path: Path) -> None:
         pytest.skip(f"shared traces absent ({', '.join(str(m) for m in missing)}); "
                     "the mixed scenario needs ../shared/traces")
     out = tmp_path / "mixed.json"
-    rc = main(["sim", "--workload", str(MIXED), "--admission", "fcfs", "--admission",
-               "slomax", "--admission", "llmd_flow_control", "--json", str(out), "--quiet"])
+    rc = main(["sim", "--workload", str(MIXED), "--admission", "fcfs", "--admission", "llmd",
+               "--admission", "slomax", "--admission", "llmd_flow_control",
+               "--json", str(out), "--quiet"])
     assert rc == 0
     runs = {r["admission"]: r for r in json.loads(out.read_text())["runs"]}
-    fc, sm, fl = runs["fcfs"], runs["slomax"], runs["llmd_flow_control"]
+    fc, ld, sm, fl = (runs["fcfs"], runs["llmd"], runs["slomax"],
+                      runs["llmd_flow_control"])
     assert 0.55 <= fc["slo_attainment"] <= 0.75
     assert sm["goodput_tok_s"] >= 1.30 * fc["goodput_tok_s"]
+    assert sm["goodput_tok_s"] >= 1.30 * ld["goodput_tok_s"]  # llm-d as shipped
     assert sm["slo_attainment"] >= 0.90
     assert sm["throughput_tok_s"] >= 0.98 * fc["throughput_tok_s"]
     assert sm["per_tier"]["interactive"]["slo_attainment"] >= 0.95

@@ -63,6 +63,7 @@ from tokenfleet.sim.cluster import PoolConfig, PoolSim, new_record
 from tokenfleet.sim.core import Environment
 from tokenfleet.sim.metrics import judge, summarize
 from tokenfleet.sim.records import RequestRecord
+from tokenfleet.sim.runner import engines_publish_kv_events
 from tokenfleet.workloads.trace import TraceRequest
 
 #: Sections of a scenario file that the simulator (not the topology) owns.
@@ -629,10 +630,12 @@ class FleetSim:
         n = max(1, site.gpus // prof.tp)
         router = (self.router_of.get((model, version)) or self.settings.default_router
                   or _default_router())
+        # a DC whose router ships with KV events (Dynamo) has engines that publish them
         cfg = PoolConfig(profile=prof, n_instances=n, router=router,
                          scrape_interval_s=self.settings.pool_scrape_interval_s,
                          seed=self.seed * 7919 + len(self.pools) * 131 + 1, dc=dc,
-                         model=model, model_version=version)
+                         model=model, model_version=version,
+                         kv_events=engines_publish_kv_events(router))
         sim = PoolSim(self.env, cfg, self.sc.slo, on_done=self._done_for(key))
         costs = self._costs.get(pname)
         if costs is None:

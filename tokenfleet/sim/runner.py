@@ -17,6 +17,13 @@ from tokenfleet.workloads.trace import TraceRequest
 ProgressFactory = Callable[[str, int], Callable[[int, int], None]]
 
 
+def engines_publish_kv_events(router: str) -> bool:
+    """Whether ``router``'s shipped deployment has its engines publish KV
+    events (a router class says so with ``engines_publish_kv_events = True``;
+    Dynamo's vLLM workers do by default, see docs/tokenpilot.md)."""
+    return bool(getattr(ROUTERS.get(router), "engines_publish_kv_events", False))
+
+
 @dataclass
 class SimSettings:
     profile: EngineProfile
@@ -28,15 +35,24 @@ class SimSettings:
     router_kwargs: dict[str, object] = field(default_factory=dict)
     admission_kwargs: dict[str, dict[str, object]] = field(default_factory=dict)  # per policy
     control_period_s: float = 5.0
-    kv_events: bool = False
+    #: engines publish KV events (BlockStored/BlockRemoved) to the routers:
+    #: True / False for every run; None (default) each router's shipped
+    #: deployment (:func:`engines_publish_kv_events`)
+    kv_events: bool | None = None
     #: latency of the live request path (zero: the idealised path)
     path_latency: PathLatency = field(default_factory=PathLatency)
+
+    def kv_events_for(self, router: str) -> bool:
+        if self.kv_events is None:
+            return engines_publish_kv_events(router)
+        return self.kv_events
 
     def pool_config(self, router: str) -> PoolConfig:
         return PoolConfig(profile=self.profile, n_instances=self.instances, router=router,
                           router_kwargs=dict(self.router_kwargs), n_routers=self.routers,
                           scrape_interval_s=self.scrape_interval_s, seed=self.seed,
-                          kv_events=self.kv_events, path_latency=self.path_latency)
+                          kv_events=self.kv_events_for(router),
+                          path_latency=self.path_latency)
 
 
 @dataclass
@@ -48,6 +64,7 @@ class PolicyRun:
     preemptions: int
     admission: str | None = None  # None: no admission layer (routers only)
     admission_report: dict[str, Any] | None = None
+    kv_events: bool = False  # the engines published KV events to the router
 
     @property
     def label(self) -> str:
@@ -61,6 +78,7 @@ class PolicyRun:
         out.update(self.summary)
         if self.admission_report is not None:
             out["admission_report"] = self.admission_report
+        out["kv_events"] = self.kv_events
         out["preemptions"] = self.preemptions
         out["wall_s"] = self.wall_s
         out["sim_requests_per_wall_s"] = (len(self.records) / self.wall_s
@@ -86,7 +104,8 @@ def run_policies(requests: Sequence[TraceRequest], policies: Sequence[str],
         records, pool = run_pool(requests, cfg, settings.slo, progress=cb)
         wall = time.perf_counter() - t0
         summary = summarize(records, settings.slo, busy_s=pool.busy_s())
-        runs.append(PolicyRun(name, summary, records, wall, pool.preemptions()))
+        runs.append(PolicyRun(name, summary, records, wall, pool.preemptions(),
+                              kv_events=cfg.kv_events))
     return runs
 
 
@@ -113,5 +132,6 @@ def _run_with_admission(requests: Sequence[TraceRequest], policies: Sequence[str
             summary = summarize(records, settings.slo, busy_s=pool.busy_s())
             report = admission_report(records, driver, settings.slo)
             runs.append(PolicyRun(name, summary, records, wall, pool.preemptions(),
-                                  admission=adm, admission_report=report))
+                                  admission=adm, admission_report=report,
+                                  kv_events=cfg.kv_events))
     return runs

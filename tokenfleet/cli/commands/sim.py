@@ -70,16 +70,25 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                     help="engine profile (see `tokenfleet profiles`)")
     cl.add_argument("--scrape-interval-ms", type=_positive_float("--scrape-interval-ms"),
                     default=100.0, metavar="MS", help="engine metrics scrape interval")
-    cl.add_argument("--kv-events", action="store_true",
-                    help="feed engine KV events (BlockStored/BlockRemoved) to the routers")
+    kv = cl.add_mutually_exclusive_group()
+    kv.add_argument("--kv-events", dest="kv_events", action="store_true", default=None,
+                    help="engines publish KV events (BlockStored/BlockRemoved) to every "
+                         "router: dynamo_kv and tokenpilot use an exact index, llmd_weighted "
+                         "the precise-prefix-cache-scorer (default: each peer's shipped "
+                         "deployment, i.e. on for dynamo_kv only)")
+    kv.add_argument("--no-kv-events", dest="kv_events", action="store_false",
+                    help="no engine publishes KV events, not even for dynamo_kv (ablation: "
+                         "Dynamo's --no-kv-events approximate mode)")
     cl.add_argument("--routers", type=_positive_int("--routers"), default=1, metavar="N",
                     help="independent router replicas (each with its own accounting)")
     pol = p.add_argument_group("policies and output")
     pol.add_argument("--policy", action="append", metavar="NAME",
                      help="router policy; repeat to compare (default: the peer routers)")
     pol.add_argument("--admission", action="append", metavar="NAME",
-                     help="admission policy in front of the router (fcfs, strict_priority, "
-                          "llmd_flow_control, slomax); repeat to compare")
+                     help="admission policy in front of the router: fcfs, strict_priority, "
+                          "llmd (llm-d's default legacy admission controller), "
+                          "llmd_flow_control (llm-d's experimental flow control, behind "
+                          "its flowControl feature gate), slomax; repeat to compare")
     pol.add_argument("--control-period-s", type=_positive_float("--control-period-s"),
                      default=5.0, metavar="S", help="admission controller period (default 5)")
     pol.add_argument("--slo", metavar="FILE", help="per-tier SLO file (YAML)")
@@ -92,8 +101,10 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                     help="simulate a multi-DC scenario (sites, deployments, RTTs, tenants, "
                          "workload, timeline), e.g. examples/scenarios/hotspot.yaml")
     fl.add_argument("--fleet", action="append", metavar="NAME",
-                    help="DC-selection policy with --topology (none, nearest, least_loaded, "
-                         "fleetmind); repeat to compare (default: all)")
+                    help="DC-selection policy with --topology: none, nearest, least_loaded "
+                         "(naive strawman), skylb (SkyLB/SkyServe: local first, spill to the "
+                         "nearest exact-version region over a load threshold), fleetmind; "
+                         "repeat to compare (default: all)")
 
 
 def register(sub: Any) -> None:
@@ -268,8 +279,11 @@ def _describe(args: argparse.Namespace, load: float | None, rate_label: str = ""
            or f"synthetic:{args.synthetic or 'mixed'}")
     rate = rate_label or (f"load {load}" if load else (
         f"rate x{args.rate_scale}" if args.rate_scale else "as recorded"))
+    kv = {None: "KV events: shipped defaults", True: "KV events: on",
+          False: "KV events: off"}[getattr(args, "kv_events", None)]
     return (f"{Path(src).name} | {args.instances} x {args.profile} | {rate} | "
-            f"scrape {args.scrape_interval_ms:g} ms | routers {args.routers} | seed {args.seed}")
+            f"scrape {args.scrape_interval_ms:g} ms | routers {args.routers} | {kv} | "
+            f"seed {args.seed}")
 
 
 # -- commands -------------------------------------------------------------------
@@ -398,7 +412,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
         if getattr(args, flag, None):
             raise ConfigError(f"--{flag.replace('_', '-')} does not apply with --topology: the "
                               "scenario file defines the workload and each DC's router")
-    names = args.fleet or ["none", "nearest", "least_loaded", "fleetmind"]
+    names = args.fleet or ["none", "nearest", "least_loaded", "skylb", "fleetmind"]
     for n in names:
         FLEET.get(n)
     sc = load_scenario(args.topology)

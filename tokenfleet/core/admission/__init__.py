@@ -44,6 +44,7 @@ def _load_builtins() -> None:
     # Imported for their registration side effect.
     from tokenfleet.core.admission import (  # noqa: F401
         fcfs,
+        llmd,
         llmd_flow_control,
         slomax,
         strict_priority,

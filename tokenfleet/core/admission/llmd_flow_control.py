@@ -1,16 +1,27 @@
-"""``llmd_flow_control``: llm-d / Gateway API Inference Extension flow control.
+"""``llmd_flow_control``: llm-d / Gateway API Inference Extension flow control
+(EXPERIMENTAL upstream: behind the EPP's ``flowControl`` feature gate).
 
-Modelled on the public description and source of the EPP flow controller
-(kubernetes-sigs/gateway-api-inference-extension):
+llm-d does not run this by default. ``cmd/epp/runner/runner.go``
+(``initAdmissionControl``) builds the flow controller only when the
+``flowControl`` feature gate (``pkg/epp/flowcontrol/config.go``:
+``FeatureGate = "flowControl"``) is on and logs "Experimental Flow Control
+layer is disabled, using legacy admission control" otherwise; the shipped
+default is ``llmd`` (``tokenfleet/core/admission/llmd.py``). This policy is
+what an operator gets after turning the gate on, modelled on
+kubernetes-sigs/gateway-api-inference-extension:
 
-- ``pkg/epp/saturationdetector/framework/plugins/utilizationdetector``
-  (README.md, detector.go, defaults in ``pkg/epp/saturationdetector/config.go``):
-  each endpoint scores ``max(waiting / queueDepthThreshold,
-  kv_usage / kvCacheUtilThreshold)`` with defaults 5 and 0.8; an endpoint
-  whose metrics are older than ``metricsStalenessThreshold`` (200 ms) scores
-  1.0; pool saturation is the unweighted mean of the endpoint scores. As a
-  scheduling filter it drops endpoints above ``threshold * (1 + headroom)``
-  (headroom 0) and fails open when that would drop every endpoint.
+- Saturation detector
+  (``pkg/epp/saturationdetector/framework/plugins/utilizationdetector/detector.go``,
+  defaults in ``pkg/epp/saturationdetector/config.go``): each endpoint scores
+  ``max(waiting / queueDepthThreshold, kv_usage / kvCacheUtilThreshold)``
+  with defaults 5 and 0.8; an endpoint whose metrics are older than
+  ``metricsStalenessThreshold`` (200 ms) scores 1.0; pool saturation is the
+  unweighted mean of the endpoint scores.
+- The detector is registered as a flow-control plugin
+  (``cmd/epp/runner/register.go``, the "flow control" group) and handed to the
+  flow controller as its ``SaturationDetector``; it is not in the default
+  scheduling profile, so it does not filter endpoints per dispatch. The
+  router sees every endpoint (``instance_ids=None``).
 - ``pkg/epp/flowcontrol/controller/internal/processor.go`` (dispatchCycle):
   priority bands are served highest first, FCFS within a band (the default
   ``global-strict-fairness`` + ``fcfs-ordering`` policies); when saturation
@@ -19,10 +30,10 @@ Modelled on the public description and source of the EPP flow controller
 - Dispatch rate: a cycle dispatches at most one request; cycles run on every
   enqueue and on a 1 ms ticker (``Run``), so we allow one queued dispatch per
   1 ms slot (``dispatch_tick_s``) besides the one an arrival may trigger.
-- Shedding: only the lowest, "sheddable" band (negative priority) is
-  rejected at arrival while the pool is saturated, as the pre-flow-control
-  EPP admission did; other bands wait in the gateway queue until the client
-  gives up.
+- Shedding: ``FlowControlAdmissionController.Admit`` in
+  ``pkg/epp/requestcontrol/admission.go`` rejects a sheddable request
+  (priority < 0) at once while the pool is saturated; other bands wait in the
+  gateway queue until the client gives up.
 
 The saturation signal reads only scraped metrics, never the gateway's own
 dispatch accounting, so between two scrapes it cannot see what it just
@@ -60,6 +71,18 @@ def endpoint_score(inst: InstanceLoad, now_s: float, queue_threshold: float,
     return max(m.num_waiting / queue_threshold, m.kv_usage / kv_threshold)
 
 
+def pool_saturation(instances: Sequence[InstanceLoad], now_s: float,
+                    queue_threshold: float = 5.0, kv_threshold: float = 0.8,
+                    staleness_s: float = 0.2) -> float:
+    """The utilization detector's ``Saturation``: mean endpoint score over the
+    ready endpoints, 1.0 when there are none."""
+    insts = [i for i in instances if i.view.ready]
+    if not insts:
+        return 1.0
+    return sum(endpoint_score(i, now_s, queue_threshold, kv_threshold, staleness_s)
+               for i in insts) / len(insts)
+
+
 @ADMISSION.register("llmd_flow_control")
 class LlmdFlowControlAdmission(BaseAdmission):
     name = "llmd_flow_control"
@@ -76,6 +99,8 @@ class LlmdFlowControlAdmission(BaseAdmission):
         self.queue_threshold = float(queue_depth_threshold)
         self.kv_threshold = kv_cache_util_threshold
         self.staleness_s = metrics_staleness_s
+        # The detector's Filter headroom; kept for config compatibility, unused
+        # here because the detector is not a scheduling filter by default.
         self.headroom = headroom
         self.usage_limit = usage_limit
         self._order = sorted(self.bands, key=lambda t: -self.bands[t])
@@ -83,19 +108,8 @@ class LlmdFlowControlAdmission(BaseAdmission):
         self._last_slot = -1
 
     def saturation(self, snap: AdmissionSnapshot) -> float:
-        insts = [i for i in snap.instances if i.view.ready]
-        if not insts:
-            return 1.0
-        return sum(endpoint_score(i, snap.now_s, self.queue_threshold, self.kv_threshold,
-                                  self.staleness_s) for i in insts) / len(insts)
-
-    def _filter(self, snap: AdmissionSnapshot) -> tuple[str, ...] | None:
-        q_max = self.queue_threshold * (1 + self.headroom)
-        kv_max = min(1.0, self.kv_threshold * (1 + self.headroom))
-        ok = [i.view.instance_id for i in snap.instances
-              if snap.now_s - i.view.metrics.scraped_at_s <= self.staleness_s
-              and i.view.metrics.num_waiting <= q_max and i.view.metrics.kv_usage <= kv_max]
-        return tuple(ok) if ok else None  # fail open
+        return pool_saturation(snap.instances, snap.now_s, self.queue_threshold,
+                               self.kv_threshold, self.staleness_s)
 
     def _sheddable(self, tier: str) -> bool:
         return self.bands.get(tier, 0) < 0
@@ -108,7 +122,7 @@ class LlmdFlowControlAdmission(BaseAdmission):
             return AdmissionDecision(QUEUE, reason=f"saturated ({sat:.2f})")
         if any(len(q) for q in snap.queues.values()):
             return AdmissionDecision(QUEUE, reason="gateway queue not empty")
-        return AdmissionDecision(ADMIT, instance_ids=self._filter(snap), reason=f"sat {sat:.2f}")
+        return AdmissionDecision(ADMIT, reason=f"sat {sat:.2f}")
 
     def next_action(self, snap: AdmissionSnapshot) -> Action | None:
         slot = int(snap.now_s / self.dispatch_tick_s)
@@ -122,8 +136,7 @@ class LlmdFlowControlAdmission(BaseAdmission):
             if head is None:
                 continue
             self._last_slot = slot
-            return Action(DISPATCH, tier, head.request.request_id,
-                          instance_ids=self._filter(snap))
+            return Action(DISPATCH, tier, head.request.request_id)
         return None
 
     def band_order(self) -> Sequence[str]:

@@ -22,6 +22,7 @@ from tokenfleet.core.fleet.policies import (
     BaseSelector,
     DCSelector,
     FleetMind,
+    SkyLB,
     PolicyContractError,
     candidates_for,
     select_dc,
@@ -47,7 +48,7 @@ from tokenfleet.core.fleet.topology import (
 )
 
 __all__ = [
-    "FLEET", "BaseSelector", "DCSelector", "FleetMind", "PolicyContractError",
+    "FLEET", "BaseSelector", "DCSelector", "FleetMind", "PolicyContractError", "SkyLB",
     "candidates_for", "select_dc", "compliant", "data_region", "may_cross_region",
     "DCDecision", "DCView", "FleetCompletion", "FleetFirstToken", "FleetSnapshot",
     "PoolAccounting", "PoolCosts", "PoolView", "Datacenter", "Deployment", "FleetSettings",

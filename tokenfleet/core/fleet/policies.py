@@ -10,7 +10,12 @@ a :class:`FleetSnapshot` and the pre-filtered candidates in, a
                   serve the exact version.
 ``least_loaded``  naive spill: the least-loaded DC serving the model *name*,
                   ignoring RTT, version and home. Residency is still enforced:
-                  no selector can opt out of it (see ``select_dc``).
+                  no selector can opt out of it (see ``select_dc``). A
+                  strawman, kept for reference.
+``skylb``         the best peer: local first, and only when the local pool is
+                  over its load threshold, spill to the nearest DC that serves
+                  the exact version and has room (SkyLB / SkyServe; see
+                  :class:`SkyLB`).
 ``fleetmind``     predicted-TTFT spill with load ceilings and the plan's spill
                   shares (see :class:`FleetMind`).
 """
@@ -180,6 +185,82 @@ class LeastLoaded(BaseSelector):
         assert best is not None  # candidates all have a pool for the model
         return DCDecision(dc=best.name, spilled=best.name != home,
                           reason=f"least_loaded:{best_load:.2f}")
+
+
+# ---------------------------------------------------------------------------
+@FLEET.register("skylb")
+class SkyLB(BaseSelector):
+    """Locality-first cross-region spill, as SkyLB and SkyServe do it.
+
+    Sources: SkyLB (Xia et al., "SkyLB: A Locality-Aware Cross-Region Load
+    Balancer for LLM Inference", arXiv:2505.24095): one load balancer per
+    region serves its own region's traffic on local replicas and forwards a
+    request to another region's load balancer only when the local replicas
+    are saturated (its "selective pushing" checks pending requests before
+    pushing more), so traffic stays local until local capacity runs out.
+    SkyServe (skypilot-org/skypilot ``sky/serve/load_balancing_policies.py``,
+    default ``least_load``) picks by the load balancer's own in-flight
+    accounting. Here, per request:
+
+    * *local* is the request's home DC (where its region's balancer sits),
+      else the candidate nearest to where it entered;
+    * the local pool is *over threshold* when its load with this request
+      added (``PoolView.load``: the gateway's own dispatched work per
+      instance plus its standing queue, the same signal FleetMind reads)
+      exceeds ``load_threshold`` (default: that DC's configured
+      ``load_ceiling``);
+    * only then does it spill, to the *nearest* (RTT from the origin)
+      candidate that serves the exact model version and stays under its
+      spill-in ceiling with this request added; if none has room the request
+      stays local (it waits in the local queue rather than travelling to a
+      full region).
+
+    Residency and permissions come from ``select_dc``'s filter like every
+    selector's. What it does not do, compared with FleetMind: price queues,
+    prefix-cache reuse and RTT in predicted seconds against the SLO, learn a
+    per-pool correction, or move replicas (no planner).
+    """
+
+    name = "skylb"
+    exact_version = True
+
+    def __init__(self, *, load_threshold: float | None = None, **_shared: object) -> None:
+        if load_threshold is not None and not load_threshold > 0:
+            raise ValueError("load_threshold must be > 0")
+        self.load_threshold = load_threshold
+
+    def threshold(self, dc: DCView) -> float:
+        return dc.load_ceiling if self.load_threshold is None else self.load_threshold
+
+    def select(self, request: RequestInfo, origin: str, home: str | None,
+               fleet: FleetSnapshot, candidates: Sequence[DCView]) -> DCDecision:
+        now = fleet.now_s
+        by_rtt = sorted(candidates, key=lambda c: (fleet.rtt(origin, c.name), c.name))
+        local = next((c for c in candidates if c.name == home), None)
+
+        def load_with(c: DCView) -> float:
+            pool = c.pool_for(request.model, request.model_version)
+            assert pool is not None  # candidates serve the exact version
+            _, _, work_s = fleet.estimate(pool, request)
+            return pool.load(now, work_s)
+
+        if local is not None:
+            local_load = load_with(local)
+            if local_load <= self.threshold(local):
+                return DCDecision(local.name, spilled=False, reason=f"local:{local_load:.2f}")
+        for c in by_rtt:
+            if c is local:
+                continue
+            remote = load_with(c)
+            if remote <= min(self.threshold(c), c.spill_in_ceiling):
+                return DCDecision(c.name, spilled=c.name != home,
+                                  reason=f"spill:{remote:.2f}" if local is not None
+                                  else "failover")
+        if local is not None:
+            return DCDecision(local.name, spilled=False, reason="local:no-room-elsewhere")
+        # no home here at all and every candidate is full: the nearest one
+        return DCDecision(by_rtt[0].name, spilled=by_rtt[0].name != home,
+                          reason="failover:full")
 
 
 # ---------------------------------------------------------------------------

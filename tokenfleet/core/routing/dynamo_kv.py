@@ -135,6 +135,13 @@ class DynamoKVRouter(BaseRouter):
     """
 
     name = "dynamo_kv"
+    #: Dynamo's shipped deployment has the engines publish KV events: the
+    #: router's ``KvRouterConfig::default`` has ``use_kv_events: true``
+    #: (``lib/llm/src/kv_router/config.rs``) and the vLLM worker creates a
+    #: ZMQ ``kv_events_config`` whenever prefix caching is on
+    #: (``create_kv_events_config`` in ``components/src/dynamo/vllm/args.py``).
+    #: The simulator turns engine events on for it unless told otherwise.
+    engines_publish_kv_events = True
 
     def __init__(
         self,

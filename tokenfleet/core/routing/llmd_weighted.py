@@ -10,6 +10,7 @@ from tokenfleet.core.routing.base import ROUTERS, BaseRouter, eligible
 from tokenfleet.core.types import (
     BLOCK_SIZE_TOKENS,
     InstanceView,
+    KVEvent,
     PoolSnapshot,
     RequestInfo,
     RouteDecision,
@@ -73,6 +74,71 @@ class _PrefixIndexer:
         return res
 
 
+class _PreciseIndex:
+    """The precise-prefix-cache-scorer's view: which pod holds which block,
+    exactly as the engines' KV events (BlockStored / BlockRemoved /
+    AllBlocksCleared) report it (llm-d-kv-cache-manager ``kvevents.Pool``
+    feeding ``kvblock.Index``). Nothing is inserted at routing time
+    (speculative indexing is off by default upstream)."""
+
+    def __init__(self) -> None:
+        self._pods: dict[int, set[str]] = {}
+        self._held: dict[str, set[int]] = {}
+
+    def stored(self, pod: str, hashes: Sequence[int]) -> None:
+        held = self._held.setdefault(pod, set())
+        for h in hashes:
+            held.add(h)
+            self._pods.setdefault(h, set()).add(pod)
+
+    def removed(self, pod: str, hashes: Sequence[int]) -> None:
+        held = self._held.get(pod)
+        for h in hashes:
+            if held is not None:
+                held.discard(h)
+            pods = self._pods.get(h)
+            if pods is not None:
+                pods.discard(pod)
+                if not pods:
+                    del self._pods[h]
+
+    def cleared(self, pod: str) -> None:
+        self.removed(pod, list(self._held.pop(pod, ())))
+
+    def longest_prefix(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Upstream ``LongestPrefixScorer``: consecutive blocks from block 0
+        per pod; only pods holding the first block appear."""
+        if not hashes:
+            return {}
+        active = set(self._pods.get(hashes[0], ()))
+        scores = {pod: 1 for pod in active}
+        for h in hashes[1:]:
+            if not active:
+                break
+            active &= self._pods.get(h, set())
+            for pod in active:
+                scores[pod] += 1
+        return scores
+
+
+def normalized_precise_scores(pods: Sequence[str], raw: dict[str, int]) -> dict[str, float]:
+    """Upstream ``indexedScoresToNormalizedScoredPods``: min-max over the pods
+    the index returned (all 1.0 when they tie), 0 for pods it did not return."""
+    if not raw:
+        return {p: 0.0 for p in pods}
+    lo, hi = min(raw.values()), max(raw.values())
+    out = {}
+    for p in pods:
+        v = raw.get(p)
+        if v is None:
+            out[p] = 0.0
+        elif lo == hi:
+            out[p] = 1.0
+        else:
+            out[p] = (v - lo) / (hi - lo)
+    return out
+
+
 @ROUTERS.register("llmd_weighted")
 class LlmdWeightedRouter(BaseRouter):
     """llm-d / Gateway API Inference Extension endpoint picker, default profile.
@@ -101,6 +167,18 @@ class LlmdWeightedRouter(BaseRouter):
 
     The picker takes the highest total; ties go to a random best pod
     (upstream shuffles, then stable-sorts by score).
+
+    With engine KV events the prefix term is llm-d's
+    ``precise-prefix-cache-scorer`` instead (llm-d/llm-d-inference-scheduler
+    ``pkg/plugins/scorer/precise_prefix_cache.go`` and ``utils.go``;
+    llm-d/llm-d-kv-cache-manager ``pkg/kvcache/kvblock_scorer.go``), the
+    scorer of llm-d's precise-prefix-cache-aware guide, with the same 3/2/2
+    weights: an index fed only by the engines' events, the longest run of
+    prompt blocks from block 0 each pod holds, min-max normalised over the
+    pods that hold at least the first block (a single holder scores 1, pods
+    holding nothing 0). ``prefix_scorer``: ``"auto"`` (default) switches to
+    it on the first engine event, as a deployment whose engines publish
+    events is configured with it; ``"approximate"`` / ``"precise"`` force one.
     """
 
     name = "llmd_weighted"
@@ -115,8 +193,14 @@ class LlmdWeightedRouter(BaseRouter):
         lru_capacity_per_server: int = DEFAULT_LRU_CAPACITY_PER_SERVER,
         auto_tune: bool = True,
         block_size_tokens: int = BLOCK_SIZE_TOKENS,
+        prefix_scorer: str = "auto",
         seed: int = 0,
     ) -> None:
+        if prefix_scorer not in ("auto", "approximate", "precise"):
+            raise ValueError("prefix_scorer must be 'auto', 'approximate' or 'precise'")
+        self.prefix_scorer = prefix_scorer
+        self._events_seen = False
+        self._precise = _PreciseIndex()
         self.prefix_weight = prefix_weight
         self.queue_weight = queue_weight
         self.kv_weight = kv_weight
@@ -127,24 +211,40 @@ class LlmdWeightedRouter(BaseRouter):
         self._index = _PrefixIndexer()
         self._rng = random.Random(seed)
 
+    @property
+    def precise(self) -> bool:
+        """True when the prefix term is the precise (KV-event) scorer."""
+        if self.prefix_scorer == "auto":
+            return self._events_seen
+        return self.prefix_scorer == "precise"
+
     def index_entries(self, instance_id: str) -> int:
         return self._index.entries(instance_id)
+
+    def _prefix_terms(self, request: RequestInfo, candidates: Sequence[InstanceView]
+                      ) -> tuple[dict[str, float], dict[str, int]]:
+        """(prefix score in [0, 1], matched blocks) per candidate."""
+        ids = [inst.instance_id for inst in candidates]
+        if self.precise:
+            matched = self._precise.longest_prefix(request.block_hashes)
+            return normalized_precise_scores(ids, matched), matched
+        hashes = request.block_hashes[: self.max_prefix_blocks]
+        matched = self._index.match_longest_prefix(hashes)
+        n = len(hashes)
+        return {i: (matched.get(i, 0) / n if n else 0.0) for i in ids}, matched
 
     def scores(self, request: RequestInfo,
                candidates: Sequence[InstanceView]) -> dict[str, float]:
         """Weighted total per candidate (exposed for tests and explanations)."""
-        hashes = request.block_hashes[: self.max_prefix_blocks]
-        return self._totals(candidates, self._index.match_longest_prefix(hashes),
-                            len(hashes))
+        return self._totals(candidates, self._prefix_terms(request, candidates)[0])
 
-    def _totals(self, candidates: Sequence[InstanceView], matched: dict[str, int],
-                total_blocks: int) -> dict[str, float]:
+    def _totals(self, candidates: Sequence[InstanceView],
+                prefix_scores: dict[str, float]) -> dict[str, float]:
         waits = [inst.metrics.num_waiting for inst in candidates]
         min_wait, max_wait = min(waits), max(waits)
         out: dict[str, float] = {}
         for inst in candidates:
-            prefix = (matched.get(inst.instance_id, 0) / total_blocks
-                      if total_blocks else 0.0)
+            prefix = prefix_scores.get(inst.instance_id, 0.0)
             if max_wait == min_wait:
                 queue = 1.0
             else:
@@ -157,17 +257,18 @@ class LlmdWeightedRouter(BaseRouter):
 
     def route(self, request: RequestInfo, pool: PoolSnapshot) -> RouteDecision:
         candidates = eligible(request, pool)
-        hashes = request.block_hashes[: self.max_prefix_blocks]
-        matched = self._index.match_longest_prefix(hashes)
-        totals = self._totals(candidates, matched, len(hashes))
+        prefix_scores, matched = self._prefix_terms(request, candidates)
+        totals = self._totals(candidates, prefix_scores)
         best_score = max(totals.values())
         best = [inst for inst in candidates if totals[inst.instance_id] == best_score]
         chosen = self._rng.choice(best)
 
-        capacity = self.lru_capacity_per_server
-        if self.auto_tune and chosen.kv_capacity_tokens > 0:
-            capacity = chosen.kv_capacity_tokens // self.block_size_tokens
-        self._index.add(hashes, chosen.instance_id, capacity)
+        if not self.precise:  # the approximate scorer learns from its own picks
+            capacity = self.lru_capacity_per_server
+            if self.auto_tune and chosen.kv_capacity_tokens > 0:
+                capacity = chosen.kv_capacity_tokens // self.block_size_tokens
+            self._index.add(request.block_hashes[: self.max_prefix_blocks],
+                            chosen.instance_id, capacity)
         cached_blocks = matched.get(chosen.instance_id, 0)
         return RouteDecision(
             instance_id=chosen.instance_id,
@@ -175,3 +276,17 @@ class LlmdWeightedRouter(BaseRouter):
                                        cached_blocks * self.block_size_tokens),
             reason=f"score:{best_score:.3f}",
         )
+
+    def on_kv_event(self, event: KVEvent) -> None:
+        """Engine KV events feed the precise scorer's index. Inferred hints
+        (``exact=False``) are not engine events and are ignored, as the
+        upstream kvevents pool only subscribes to the engines."""
+        if not event.exact or self.prefix_scorer == "approximate":
+            return
+        self._events_seen = True
+        if event.kind == "stored":
+            self._precise.stored(event.instance_id, event.block_hashes)
+        elif event.kind == "removed":
+            self._precise.removed(event.instance_id, event.block_hashes)
+        elif event.kind == "cleared":
+            self._precise.cleared(event.instance_id)
