@@ -182,6 +182,7 @@ class EngineInstance:
         budget = self.profile.max_num_batched_tokens
         batch: list[EngineRequest] = []
         p_new = 0
+        p_seqs = 0  # prefill chunks: each samples (computes logits) at one position
         p_pairs = 0.0
         p_ctx = 0
         d_seqs = 0
@@ -213,6 +214,7 @@ class EngineInstance:
                 c = req.computed_tokens
                 self._cache_blocks(req, c + q)
                 p_new += q
+                p_seqs += 1
                 p_pairs += q * c + q * (q + 1) / 2
                 p_ctx += c
             else:
@@ -248,6 +250,7 @@ class EngineInstance:
             batch.append(req)
             budget -= q
             p_new += q
+            p_seqs += 1
             p_pairs += q * start + q * (q + 1) / 2
             p_ctx += start
         self._batch = batch
@@ -255,7 +258,7 @@ class EngineInstance:
             self.stepping = False
             return 0.0
         self.stepping = True
-        dur = self.profile.step_time_s(p_new, p_pairs, p_ctx, d_seqs, d_ctx)
+        dur = self.profile.step_time_s(p_new, p_pairs, p_ctx, d_seqs, d_ctx, p_seqs)
         self.counters.steps += 1
         self.counters.busy_s += dur
         return dur
