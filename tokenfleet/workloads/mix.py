@@ -38,7 +38,7 @@ _CLASS_KEYS = {
     "task_type", "slo_class", "max_tokens", "rate_rps", "rate_scale", "start_s", "at_s",
     "count", "skip", "client_timeout_s", "deadline_s", "max_input_tokens",
 }
-_TOP_KEYS = {"name", "description", "seed", "duration_s", "router", "slo", "classes"}
+_TOP_KEYS = {"name", "description", "seed", "duration_s", "load", "router", "slo", "classes"}
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,10 @@ class MixSpec:
     slo: Mapping[str, Any] | None = None
     description: str = ""
     source: str = "<mix>"
+    #: Offered load (``offered_load``) the streams are scaled to when the
+    #: command gives no ``--load``: the mix then keeps its meaning when the
+    #: engine model is recalibrated. None: the classes' rates as written.
+    load: float | None = None
 
 
 # -- parsing ---------------------------------------------------------------------
@@ -135,6 +139,7 @@ def parse_mix(data: Mapping[str, Any], source: str = "<mix>",
         raise ValidationError(source, "classes", "must be a non-empty list of request classes")
     duration = _num(source, "duration_s", data.get("duration_s", 600.0), strict=True)
     seed = _int(source, "seed", data.get("seed", 0))
+    load = None if data.get("load") is None else _num(source, "load", data["load"], strict=True)
     router = data.get("router")
     if router is not None:
         router = _str(source, "router", router)
@@ -206,7 +211,7 @@ def parse_mix(data: Mapping[str, Any], source: str = "<mix>",
         classes.append(spec)
     return MixSpec(name=str(data.get("name", Path(source).stem)), duration_s=duration,
                    classes=tuple(classes), seed=seed, router=router, slo=slo,
-                   description=str(data.get("description", "")), source=source)
+                   description=str(data.get("description", "")), source=source, load=load)
 
 
 def load_mix(path: str | Path) -> MixSpec:

@@ -295,7 +295,10 @@ def run_sim(args: argparse.Namespace) -> int:
         return _run_fleet(args)
     settings = _settings(args)
     policies = _policies(args)
-    reqs = _scaled(_base_requests(args), args, args.load, settings)
+    load = args.load
+    if load is None and not args.rate_scale and getattr(args, "workload", None):
+        load = _mix(args).load  # the mix's own offered load, if it names one
+    reqs = _scaled(_base_requests(args), args, load, settings)
     admissions = list(getattr(args, "admission", None) or [])
     prog, factory = _progress_factory(args.quiet)
     if prog is not None:
@@ -304,12 +307,12 @@ def run_sim(args: argparse.Namespace) -> int:
                                 admissions=admissions)
     else:
         runs = run_policies(reqs, policies, settings, admissions=admissions)
-    title = _describe(args, args.load)
+    title = _describe(args, load)
     _print_table(runs, title)
     if admissions:
         _print_tiers(runs)
     if args.json:
-        data: dict[str, Any] = {"config": vars_for_json(args),
+        data: dict[str, Any] = {"config": {**vars_for_json(args), "load": load},
                                 "runs": [r.as_json() for r in runs]}
         if getattr(args, "workload", None):
             data["workload"] = _workload_facts(args, reqs, settings)
