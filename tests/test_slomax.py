@@ -33,11 +33,11 @@ from tokenfleet.core.admission.strict_priority import StrictPriorityAdmission
 from tokenfleet.core.tiers import SLOConfig, classify
 from tokenfleet.core.types import TIERS, InstanceView, RequestInfo, ScrapedMetrics
 from tokenfleet.engine.profiles import get_profile
+from tokenfleet.errors import ValidationError
 from tokenfleet.sim.admission import run_pool_with_admission
 from tokenfleet.sim.cluster import PoolConfig, run_pool
 from tokenfleet.sim.metrics import summarize
 from tokenfleet.sim.records import RequestRecord
-from tokenfleet.errors import ValidationError
 from tokenfleet.workloads.mix import build_mix, load_mix, missing_traces, parse_mix
 from tokenfleet.workloads.trace import TraceRequest
 
