@@ -105,7 +105,7 @@ class _InstState:
                  "pending", "inflight", "mean_work_base_s", "since_scrape_s", "since_scrape_kv",
                  "scrape_seen_s", "scrape_prev_s", "scraped_done_at_s", "eng_busy_until_s",
                  "last_queries", "last_hits", "scraped_load", "free_kv_tokens", "cap_tokens",
-                 "spec_discount_tokens", "infl_factor", "infl_wait_s", "decode_step_s",
+                 "infl_factor", "infl_wait_s", "decode_step_s",
                  "last_dispatch_s", "stamp", "slot", "pos",
                  "last_running", "last_kappa")
 
@@ -134,10 +134,6 @@ class _InstState:
         self.scraped_load = 0  # running + waiting at the last scrape
         self.free_kv_tokens = 0.0
         self.cap_tokens = inst.kv_capacity_tokens or inst.profile.kv_capacity_tokens
-        # A speculative holder is still prefilling: we get admitted alongside its
-        # last chunk, so that chunk is not reusable yet (vLLM hashes full blocks
-        # only once computed).
-        self.spec_discount_tokens = inst.profile.max_num_batched_tokens // 2
         self.infl_factor = 1.0
         self.infl_wait_s = 0.0
         self.decode_step_s = 0.01
@@ -463,15 +459,16 @@ class TokenPilotRouter(BaseRouter):
 
     def _expected_hits(self, confirmed: dict[str, int], spec: dict[str, int],
                        max_cached: int) -> dict[str, int]:
-        """Instance id -> cached tokens we expect: confirmed, or speculative minus a chunk."""
+        """Instance id -> cached tokens we expect, from confirmed or speculative entries."""
         out: dict[str, int] = {}
         realize = self.hit_realization
         for iid, blocks in confirmed.items():
             out[iid] = blocks * BLOCK_SIZE_TOKENS
+        # A speculative holder may still be prefilling; vLLM V1 caches blocks as
+        # they are scheduled, so a request admitted after the holder's chunks
+        # reuses them all (docs/engine-model.md, section 5): no discount.
         for iid, blocks in spec.items():
-            st = self._states.get(iid)
-            discount = st.spec_discount_tokens if st is not None else 4096
-            c = blocks * BLOCK_SIZE_TOKENS - discount
+            c = blocks * BLOCK_SIZE_TOKENS
             if c > out.get(iid, 0):
                 out[iid] = c
         for iid, c in out.items():

@@ -32,8 +32,8 @@ from typing import Iterable, Mapping, Sequence
 from tokenfleet.core.prefix_index import PrefixIndex
 
 #: Speculative entries keep every 4th probe: they only need to be right to
-#: within a chunk (their last chunk is discounted anyway) and are written on
-#: the routing path, where every dictionary operation counts.
+#: within a few probes (2,048 tokens) and are written on the routing path,
+#: where every dictionary operation counts.
 _SPEC_EVERY = 4
 
 #: Above this many holders of a prompt's first probe, narrow the set walking
