@@ -8,6 +8,7 @@ Hand-built snapshots drive single decisions; small runs of the real simulator
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -481,6 +482,35 @@ def test_replicas_do_not_herd(test_routers: object) -> None:
     assert naive4 > 1.3 * tp4, (tp4, naive4)
     assert tp4 <= 1.15 * lr4, (tp4, lr4)
     assert tp4 < 1.75 * tp1, (tp1, tp4)
+
+
+def test_replicas_keep_a_conversation_together_without_herding_on_its_system_prompt() -> None:
+    """Chat sessions share 4 system prompts. Blind to where another replica
+    sent a conversation's earlier turns (no KV events), a replica ranks
+    instances by rendezvous order; keyed by the prompt's first 512 tokens that
+    is the system prompt's, so every replica sent every conversation of a
+    popular system prompt to one instance. Keyed by the conversation
+    (``prompt_cache_key``, else ``session``), replicas agree per conversation
+    and conversations spread."""
+    from tokenfleet.workloads.scaling import scale_to_load
+    from tokenfleet.workloads.synthetic import generate
+
+    reqs = list(scale_to_load(generate("chat", 2000, 3, 10.0), 0.8, PROFILE, 8))
+
+    def shape(routers: int, **kw: object) -> tuple[float, float]:
+        cfg = PoolConfig(profile=PROFILE, n_instances=8, router="tokenpilot",
+                         n_routers=routers, router_kwargs=kw)
+        recs, _ = run_pool(reqs, cfg, SLOConfig())
+        counts = Counter(r.instance_id for r in recs).values()
+        tpots = sorted(t for r in recs if (t := r.tpot_s) is not None)
+        return max(counts) / (len(recs) / 8), tpots[len(tpots) // 2]
+
+    share4, tpot4 = shape(4)
+    share1, tpot1 = shape(1)
+    assert share4 <= 1.6 and share1 <= 1.6
+    assert tpot4 <= 1.15 * tpot1
+    old_share4, old_tpot4 = shape(4, conversation_keys=False)  # system-prompt families
+    assert old_share4 > 2.5 and old_tpot4 > 1.5 * tpot4
 
 
 # -- the acceptance trace (slow) ------------------------------------------------------------

@@ -23,7 +23,10 @@ corrects itself.
 Near-ties (a window that widens when scraped load shows router replicas we
 cannot see) are broken towards the prompt family's rendezvous-hash instance
 when blind routing there has been finding caches other replicas filled, and
-towards the instance with fewest of our own requests in flight otherwise.
+towards the instance with fewest of our own requests in flight otherwise. A
+request that names its conversation (``prompt_cache_key``, else ``session``)
+is its own family, so replicas agree on each conversation's instance instead
+of sending every conversation that shares a system prompt to one instance.
 
 Decision cost: one walk over ``prompt blocks / stride`` probe hashes plus a
 few dozen bytecodes per instance; everything that changes only on a scrape
@@ -32,6 +35,7 @@ or a dispatch is precomputed then.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from collections import OrderedDict
@@ -63,6 +67,11 @@ _MASK64 = (1 << 64) - 1
 #: hashing: 32 x 16 = 512 tokens, enough to tell system prompts apart while a
 #: conversation's next turn keeps the same key.
 _FAMILY_BLOCKS = 32
+
+
+def _conversation_key(name: str) -> int:
+    """A rendezvous key every replica computes alike (no per-process str salt)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 16
 
 
 def _family_key(block_hashes: Sequence[int]) -> int:
@@ -166,6 +175,7 @@ class TokenPilotRouter(BaseRouter):
         kv_safety: float = 0.95,
         ghost_threshold: float = 0.05,
         rendezvous_share: float = 0.25,
+        conversation_keys: bool = True,
         full_scan_max: int = 256,
         refresh_per_call: int = 16,
         sample_size: int = 64,
@@ -183,6 +193,7 @@ class TokenPilotRouter(BaseRouter):
         self.kv_safety = kv_safety
         self.ghost_threshold = ghost_threshold
         self._rendezvous_cut = int(round(64 * rendezvous_share))
+        self.conversation_keys = conversation_keys
         self.full_scan_max = full_scan_max
         self.refresh_per_call = max(1, refresh_per_call)
         self.sample_size = sample_size
@@ -281,6 +292,9 @@ class TokenPilotRouter(BaseRouter):
         n_in = request.input_tokens
         max_cached = max(0, (n_in - 1) // BLOCK_SIZE_TOKENS * BLOCK_SIZE_TOKENS)
         key = _family_key(hashes)
+        conv = request.prompt_cache_key or request.session
+        if conv and self.conversation_keys:
+            key = _conversation_key(conv)
         hits = self._expected_hits(confirmed, spec, max_cached) if confirmed or spec else None
         model = request.model
         version = request.model_version
