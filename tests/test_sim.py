@@ -146,6 +146,7 @@ def test_cli_rejects_malformed_trace_line(tmp_path: Path, capsys: pytest.Capture
     (["--policy", "no_such_router"], "no_such_router"),
     (["--profile", "no_such_profile"], "no_such_profile"),
     (["--load", "-0.5"], "--load"),
+    (["--routers", "4", "--shared-state-ms", "-5"], "--shared-state-ms must be >= 0"),
 ])
 def test_cli_bad_arguments(argv: list[str], needle: str,
                            capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,6 +22,7 @@ from tokenfleet.core.tokenpilot import LogRatioCorrector, OutputLengthModel, Pre
 from tokenfleet.core.types import (
     BLOCK_SIZE_TOKENS,
     CompletionEvent,
+    DispatchAccounting,
     FirstTokenEvent,
     InstanceView,
     KVEvent,
@@ -511,6 +512,69 @@ def test_replicas_keep_a_conversation_together_without_herding_on_its_system_pro
     assert tpot4 <= 1.15 * tpot1
     old_share4, old_tpot4 = shape(4, conversation_keys=False)  # system-prompt families
     assert old_share4 > 2.5 and old_tpot4 > 1.5 * tpot4
+
+
+def test_shared_accounting_shows_other_replicas_queued_prefill() -> None:
+    """Two idle instances; the shared accounting says other replicas queued a
+    16k-token prefill on the one this replica would pick. It picks the other."""
+    r = req(prompt(64))
+    usual = TokenPilotRouter().route(r, PoolSnapshot(now_s=1.0, instances=views(2)))
+    pool = views(2)
+    pool[int(usual.instance_id[1])].accounting = DispatchAccounting(
+        inflight_requests=1, prefill_pending_requests=1, prefill_pending_tokens=16384,
+        prefill_pending_uncached_tokens=16384, inflight_input_tokens=16384,
+        dispatched_total=1)
+    d = TokenPilotRouter().route(r, PoolSnapshot(now_s=1.0, instances=pool))
+    assert d.instance_id != usual.instance_id
+    # accounting that holds only this replica's own dispatch is not counted twice
+    big, small = req(prompt(1024)), req(prompt(64))
+    preds = []
+    for book in (True, False):
+        one = views(1)
+        router = TokenPilotRouter()
+        d = router.route(big, PoolSnapshot(now_s=2.0, instances=one))
+        if book:  # what the driver's accounting records for that dispatch
+            one[0].accounting.on_dispatch(big, d.expected_cached_tokens)
+        preds.append(router.route(small, PoolSnapshot(now_s=2.0, instances=one)).predicted_ttft_s)
+    assert preds[0] == preds[1]
+
+
+def test_replicas_sharing_accounting_route_almost_like_one_router() -> None:
+    """4 replicas, 500 ms scrapes, no prefix reuse. Independent replicas only
+    know their own queues; sharing dispatch accounting (as the live API
+    replicas do through Redis) brings them back near a single router."""
+    reqs = workload(600, rate=rate_for(0.6, 8, 7600), seed=11, p_family=0.0, out=(10, 60))
+
+    def p95(routers: int, shared_s: float | None) -> float:
+        cfg = PoolConfig(profile=PROFILE, n_instances=8, router="tokenpilot", n_routers=routers,
+                         scrape_interval_s=0.5, shared_state_s=shared_s)
+        return percentile(ttfts(run_pool(reqs, cfg, SLOConfig())[0]), 95) or 0.0
+
+    one, independent = p95(1, None), p95(4, None)
+    shared_now, shared_20ms = p95(4, 0.0), p95(4, 0.02)
+    assert shared_20ms < 0.8 * independent, (shared_20ms, independent)
+    assert shared_now <= 1.1 * one, (shared_now, one)
+    assert shared_now <= shared_20ms <= independent
+
+
+def test_shared_accounting_reaches_the_other_replicas_after_the_lag() -> None:
+    from tokenfleet.sim.cluster import SharedAccounting
+
+    pools = [views(2), views(2)]
+    shared = SharedAccounting(pools, lag_s=0.5)
+    r = req(prompt(10))
+    pools[0][1].accounting.on_dispatch(r, 0)  # replica 0 applies its own at once
+    shared.record(1.0, 0, 1, "dispatch", r, 0)
+    shared.catch_up(1, 1.4)
+    assert pools[1][1].accounting.inflight_requests == 0  # not yet
+    shared.catch_up(1, 1.5)
+    assert pools[1][1].accounting.inflight_requests == 1
+    shared.catch_up(0, 9.0)
+    assert pools[0][1].accounting.inflight_requests == 1  # never its own twice
+    shared.record(2.0, 0, 1, "finish", r, 0, got_first=False)
+    shared.catch_up(1, 2.5)
+    assert pools[1][1].accounting.inflight_requests == 0
+    assert pools[1][1].accounting.prefill_pending_uncached_tokens == 0
 
 
 # -- the acceptance trace (slow) ------------------------------------------------------------

@@ -6,7 +6,9 @@ see: its own dispatch accounting and the metrics of the last scrape.
 
 Router replicas: with ``n_routers > 1`` each replica is a separate policy
 object with separate accounting; scraped metrics are shared (they come from
-the engines), accounting is not. Arrivals are spread over replicas with a
+the engines), accounting is not, unless ``shared_state_s`` says the replicas
+share it, as the live API replicas do through Redis: then each sees the
+others' changes that much later. Arrivals are spread over replicas with a
 seeded random draw, as a load balancer in front of them would.
 """
 
@@ -111,6 +113,54 @@ class PoolConfig:
     kv_events: bool = False
     # Latency of the live path (API, broker, worker, relay); zero by default.
     path_latency: PathLatency = field(default_factory=PathLatency)
+    # Router replicas share dispatch accounting, each seeing the others'
+    # dispatches, first tokens and completions this much later (the live API
+    # replicas' Redis accounting, refreshed about every 20 ms). None: every
+    # replica knows only its own (the independent worst case).
+    shared_state_s: float | None = None
+
+
+class SharedAccounting:
+    """The others' accounting changes, delivered to each replica ``lag_s`` late.
+
+    One time-ordered log of (time, replica, instance, change); each replica
+    applies the others' entries once they are ``lag_s`` old, as it would on
+    reading the shared store. Its own changes it applies at once (the live
+    ``AccountingView`` adds this replica's own writes to what it last read).
+    """
+
+    def __init__(self, views: list[list[InstanceView]], lag_s: float) -> None:
+        self.views = views
+        self.lag_s = lag_s
+        self.log: list[tuple[float, int, int, str, RequestInfo, int, bool]] = []
+        self.start = 0  # log index of entry 0 after trimming
+        self.cursor = [0] * len(views)
+
+    def record(self, now: float, replica: int, idx: int, op: str, info: RequestInfo,
+               cached: int, got_first: bool = False) -> None:
+        self.log.append((now, replica, idx, op, info, cached, got_first))
+
+    def catch_up(self, replica: int, now: float) -> None:
+        log, start = self.log, self.start
+        i = self.cursor[replica]
+        horizon = now - self.lag_s
+        views = self.views[replica]
+        while i - start < len(log) and log[i - start][0] <= horizon:
+            _, who, idx, op, info, cached, got_first = log[i - start]
+            if who != replica:
+                acc = views[idx].accounting
+                if op == "dispatch":
+                    acc.on_dispatch(info, cached)
+                elif op == "first":
+                    acc.on_first_token(info, cached)
+                else:
+                    acc.on_finish(info, got_first, cached)
+            i += 1
+        self.cursor[replica] = i
+        low = min(self.cursor)
+        if low - start > 4096:  # every replica is past these entries
+            del log[:low - start]
+            self.start = low
 
 
 class PoolSim:
@@ -145,6 +195,9 @@ class PoolSim:
                 for i, e in enumerate(self.engines)
             ])
         self.by_index = {e.instance_id: i for i, e in enumerate(self.engines)}
+        self._shared: SharedAccounting | None = None
+        if config.shared_state_s is not None and config.n_routers > 1:
+            self._shared = SharedAccounting(self.views, config.shared_state_s)
         self._kv_pending: list[KVEvent] = []
         if config.kv_events:
             for e in self.engines:
@@ -178,6 +231,8 @@ class PoolSim:
         replica = self._rng.randrange(len(self.routers)) if len(self.routers) > 1 else 0
         record.router_replica = replica
         views = self.views[replica]
+        if self._shared is not None:
+            self._shared.catch_up(replica, env.now)
         shown = views if not allowed else [v for v in views if v.instance_id in allowed]
         snap = PoolSnapshot(now_s=env.now, instances=shown, router_id=replica)
         try:
@@ -206,6 +261,9 @@ class PoolSim:
         record.dc = self.cfg.dc
         record.predicted_ttft_s = decision.predicted_ttft_s
         views[idx].accounting.on_dispatch(info, decision.expected_cached_tokens)
+        if self._shared is not None:
+            self._shared.record(env.now, replica, idx, "dispatch", info,
+                                decision.expected_cached_tokens)
         fl = _Flight(trace, info, record, replica, idx, decision.expected_cached_tokens,
                      decision.predicted_ttft_s, eng_req, relay_s=relay_s)
         self._flights[info.request_id] = fl
@@ -274,6 +332,9 @@ class PoolSim:
             fl.record.cached_tokens = er.cached_tokens
             self.views[fl.replica][idx].accounting.on_first_token(
                 fl.info, fl.expected_cached_tokens)
+            if self._shared is not None:
+                self._shared.record(now, fl.replica, idx, "first", fl.info,
+                                    fl.expected_cached_tokens)
             self.routers[fl.replica].on_first_token(FirstTokenEvent(
                 fl.info, engine.instance_id, now, now - (fl.record.dispatched_s or now),
                 fl.predicted_ttft_s))
@@ -297,6 +358,9 @@ class PoolSim:
         rec.status = status
         self.views[fl.replica][fl.instance].accounting.on_finish(
             fl.info, fl.got_first_token, fl.expected_cached_tokens)
+        if self._shared is not None:
+            self._shared.record(now, fl.replica, fl.instance, "finish", fl.info,
+                                fl.expected_cached_tokens, fl.got_first_token)
         self.routers[fl.replica].on_complete(CompletionEvent(
             fl.info, self.engines[fl.instance].instance_id, now, status,
             rec.output_tokens, rec.cached_tokens,

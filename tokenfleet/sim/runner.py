@@ -41,6 +41,8 @@ class SimSettings:
     kv_events: bool | None = None
     #: latency of the live request path (zero: the idealised path)
     path_latency: PathLatency = field(default_factory=PathLatency)
+    #: router replicas share dispatch accounting this late (None: independent)
+    shared_state_s: float | None = None
 
     def kv_events_for(self, router: str) -> bool:
         if self.kv_events is None:
@@ -52,7 +54,7 @@ class SimSettings:
                           router_kwargs=dict(self.router_kwargs), n_routers=self.routers,
                           scrape_interval_s=self.scrape_interval_s, seed=self.seed,
                           kv_events=self.kv_events_for(router),
-                          path_latency=self.path_latency)
+                          path_latency=self.path_latency, shared_state_s=self.shared_state_s)
 
 
 @dataclass

@@ -17,14 +17,15 @@ from tokenfleet.errors import ConfigError, TokenFleetError
 DEFAULT_POLICIES = ["round_robin", "llmd_weighted", "sglang_cache_aware", "dynamo_kv"]
 
 
-def _positive_float(name: str) -> Callable[[str], float]:
+def _positive_float(name: str, allow_zero: bool = False) -> Callable[[str], float]:
     def parse(text: str) -> float:
         try:
             v = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be a number, got '{text}'") from None
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {text}")
+        if not (v >= 0 if allow_zero else v > 0) or v == float("inf"):
+            raise argparse.ArgumentTypeError(
+                f"{name} must be {'>= 0' if allow_zero else '> 0'} and finite, got {text}")
         return v
 
     return parse
@@ -80,7 +81,13 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                     help="no engine publishes KV events, not even for dynamo_kv (ablation: "
                          "Dynamo's --no-kv-events approximate mode)")
     cl.add_argument("--routers", type=_positive_int("--routers"), default=1, metavar="N",
-                    help="independent router replicas (each with its own accounting)")
+                    help="router replicas (each with its own accounting unless "
+                         "--shared-state-ms)")
+    cl.add_argument("--shared-state-ms", type=_positive_float("--shared-state-ms", True),
+                    default=None, metavar="MS",
+                    help="router replicas share dispatch accounting, each seeing the others' "
+                         "changes MS late, as the live API replicas do through Redis "
+                         "(about 20 ms); default: independent replicas")
     pol = p.add_argument_group("policies and output")
     pol.add_argument("--policy", action="append", metavar="NAME",
                      help="router policy; repeat to compare (default: the peer routers)")
@@ -138,6 +145,8 @@ def _settings(args: argparse.Namespace) -> Any:
                        scrape_interval_s=args.scrape_interval_ms / 1000.0,
                        routers=args.routers, seed=args.seed, slo=slo,
                        kv_events=args.kv_events,
+                       shared_state_s=(None if args.shared_state_ms is None
+                                       else args.shared_state_ms / 1000.0),
                        control_period_s=getattr(args, "control_period_s", 5.0))
 
 
@@ -279,10 +288,12 @@ def _describe(args: argparse.Namespace, load: float | None, rate_label: str = ""
            or f"synthetic:{args.synthetic or 'mixed'}")
     rate = rate_label or (f"load {load}" if load else (
         f"rate x{args.rate_scale}" if args.rate_scale else "as recorded"))
+    shared = ("" if getattr(args, "shared_state_ms", None) is None or args.routers == 1
+              else f" sharing state {args.shared_state_ms:g} ms late")
     kv = {None: "KV events: shipped defaults", True: "KV events: on",
           False: "KV events: off"}[getattr(args, "kv_events", None)]
     return (f"{Path(src).name} | {args.instances} x {args.profile} | {rate} | "
-            f"scrape {args.scrape_interval_ms:g} ms | routers {args.routers} | {kv} | "
+            f"scrape {args.scrape_interval_ms:g} ms | routers {args.routers}{shared} | {kv} | "
             f"seed {args.seed}")
 
 

@@ -114,6 +114,7 @@ class _InstState:
                  "pending", "inflight", "mean_work_base_s", "since_scrape_s", "since_scrape_kv",
                  "scrape_seen_s", "scrape_prev_s", "scraped_done_at_s", "eng_busy_until_s",
                  "last_queries", "last_hits", "scraped_load", "free_kv_tokens", "cap_tokens",
+                 "own_uncached_tokens", "pending_token_s", "dispatched",
                  "infl_factor", "infl_wait_s", "decode_step_s",
                  "last_dispatch_s", "stamp", "slot", "pos",
                  "last_running", "last_kappa")
@@ -141,6 +142,12 @@ class _InstState:
         self.last_queries = -1
         self.last_hits = 0
         self.scraped_load = 0  # running + waiting at the last scrape
+        # uncached prompt tokens of our requests with no first token yet: what
+        # our share of the dispatch accounting's prefill_pending_uncached_tokens is
+        self.own_uncached_tokens = 0
+        self.dispatched = 0  # requests we sent here: the accounting shows more if shared
+        # prefill seconds per uncached token of a typical queued prompt
+        self.pending_token_s = prefill.per_token_s + prefill.overhead_s / prefill.chunk_tokens
         self.free_kv_tokens = 0.0
         self.cap_tokens = inst.kv_capacity_tokens or inst.profile.kv_capacity_tokens
         self.infl_factor = 1.0
@@ -229,6 +236,8 @@ class TokenPilotRouter(BaseRouter):
             new = _InstState(inst, models[1], models[2], models[3])
             if st is not None:  # profile changed (redeploy): keep what is in flight
                 new.pending, new.inflight, new.drain_at_s = st.pending, st.inflight, st.drain_at_s
+                new.own_uncached_tokens = st.own_uncached_tokens
+                new.dispatched = st.dispatched
                 self._scraped_total -= st.scraped_load
             self._states[iid] = new
             self.knowledge.set_capacity(iid, new.cap_tokens // BLOCK_SIZE_TOKENS)
@@ -320,6 +329,7 @@ class TokenPilotRouter(BaseRouter):
             instances = self._sample(instances, hits, home)
         stamp = self._stamp = self._stamp + 1
         refresh_budget = self.refresh_per_call
+        seen_elsewhere = 0  # other replicas' requests the shared accounting shows us
         for inst in instances:
             m = inst.metrics
             if not inst.ready or not m.healthy:
@@ -345,6 +355,15 @@ class TokenPilotRouter(BaseRouter):
                 x = now
             x += st.since_scrape_s
             d = st.drain_at_s
+            acc = inst.accounting
+            if acc.dispatched_total > st.dispatched:
+                # Replicas share dispatch accounting (the live API replicas'
+                # Redis view): the others' queued prefill runs before ours too
+                # (FCFS), known as of the last refresh.
+                seen_elsewhere += acc.inflight_requests - len(st.inflight)
+                others = acc.prefill_pending_uncached_tokens - st.own_uncached_tokens
+                if others > 0:
+                    d = (d if d > now else now) + st.kappa.value * others * st.pending_token_s
             q = (d if d > x else x) - now
             c = hits.get(inst.instance_id, 0) if hits else 0
             if c:
@@ -375,8 +394,9 @@ class TokenPilotRouter(BaseRouter):
         if not any_fit:  # nobody has KV headroom: rank by cost plus the KV wait
             best = min(costs)
             fits = [True] * n
-        # Replica estimate: scraped load counts every router, our flights only us.
-        own_total = len(self._flights)
+        # Replica estimate: scraped load counts every router, our flights (plus
+        # what shared accounting shows of the others') only what we can see.
+        own_total = len(self._flights) + (seen_elsewhere if seen_elsewhere > 0 else 0)
         if own_total >= 4:
             ratio = self._scraped_total / own_total
             ratio = 1.0 if ratio < 1.0 else (64.0 if ratio > 64.0 else ratio)
@@ -510,6 +530,8 @@ class TokenPilotRouter(BaseRouter):
         st.pending[rid] = flight
         st.inflight[rid] = flight
         st.drain_at_s = (st.drain_at_s if st.drain_at_s > now else now) + work
+        st.own_uncached_tokens += max(0, request.input_tokens - cached)
+        st.dispatched += 1
         st.last_dispatch_s = now
         if now > st.scrape_seen_s:  # same predicate as the recount in _refresh_scrape
             st.since_scrape_s += work
@@ -531,6 +553,7 @@ class TokenPilotRouter(BaseRouter):
         """Drop a request from the instance's prefill queue and re-anchor the clock."""
         rid = flight.request.request_id
         flight.prefilling = False
+        st.own_uncached_tokens -= max(0, flight.request.input_tokens - flight.cached_tokens)
         after = 0.0
         seen = False
         for other_id, other in st.pending.items():
