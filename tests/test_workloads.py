@@ -335,7 +335,7 @@ def test_detection_limit_and_cache(tmp_path: Path) -> None:
 
 
 # -- synthetic ----------------------------------------------------------------
-@pytest.mark.parametrize("name", ["chat", "longdoc", "mixed", "burst"])
+@pytest.mark.parametrize("name", ["chat", "longdoc", "mixed", "burst", "conversations"])
 def test_synthetic_is_seeded_and_sorted(name: str) -> None:
     a = generate(name, 120, 7, 4.0)
     b = generate(name, 120, 7, 4.0)
@@ -351,7 +351,9 @@ def test_synthetic_is_seeded_and_sorted(name: str) -> None:
 
 
 def test_synthetic_registry_and_arguments() -> None:
-    assert {"chat", "longdoc", "mixed", "burst"} <= set(SYNTHETIC.names())
+    assert {"chat", "longdoc", "mixed", "burst", "conversations"} <= set(SYNTHETIC.names())
+    with pytest.raises(ConfigError, match="burst_share"):
+        generate("conversations", 10, 1, 1.0, burst_share=1.5)
     with pytest.raises(ConfigError, match="rate_rps"):
         generate("chat", 10, 1, 0.0)
     with pytest.raises(ConfigError, match="n_requests"):
@@ -393,6 +395,26 @@ def test_chat_answers_carry_the_block_hashes_the_next_turn_quotes() -> None:
         assert nxt.info.block_hashes[:len(full)] == full
     # the policy-facing RequestInfo knows nothing of the answer
     assert all(not hasattr(r.info, "output_block_hashes") for r in reqs)
+
+
+def test_conversations_are_long_share_app_prompts_and_come_back_in_bursts() -> None:
+    reqs = generate("conversations", 3000, 4, 10.0)
+    by_session: dict[str, list[TraceRequest]] = {}
+    for r in reqs:
+        by_session.setdefault(str(r.info.session), []).append(r)
+    turns = [len(v) for v in by_session.values()]
+    assert max(turns) >= 20 and sum(turns) / len(turns) >= 4
+    gaps = sorted(b.arrival_s - a.arrival_s for v in by_session.values()
+                  for a, b in zip(v, v[1:]))
+    assert gaps[len(gaps) // 4] < 2.0  # a quarter of next turns within 2 s: bursts
+    assert gaps[-len(gaps) // 10] > 30.0  # and a tenth after more than 30 s
+    for v in by_session.values():
+        for prev, nxt in zip(v, v[1:]):
+            quoted = prev.info.block_hashes + prev.output_block_hashes
+            assert nxt.info.block_hashes[:len(quoted)] == quoted
+    # many conversations share each application's system prompt
+    firsts = {v[0].info.block_hashes[0] for v in by_session.values()}
+    assert len(firsts) <= 8 < len(by_session)
 
 
 def test_longdoc_questions_share_the_document() -> None:

@@ -174,6 +174,70 @@ def chat(n_requests: int, seed: int, rate_rps: float, *, model: str = "default",
     return _finish(drafts, n_requests, model, budget)
 
 
+@SYNTHETIC.register("conversations")
+def conversations(n_requests: int, seed: int, rate_rps: float, *, model: str = "default",
+                  max_tokens: int = DEFAULT_MAX_TOKENS["synthetic"], tenant: str = "chat",
+                  n_apps: int = 8, mean_turns: float = 12.0, burst_share: float = 0.6,
+                  burst_gap_s: float = 1.5, think_median_s: float = 30.0,
+                  max_context_tokens: int = 32768) -> list[TraceRequest]:
+    """Long multi-turn conversations whose next turns often come in bursts.
+
+    What agents and tool-using chats send: each session belongs to one of
+    ``n_apps`` applications (system prompts of 500-4000 tokens, popularity
+    1/k), runs a geometric number of turns (mean ``mean_turns``), and each
+    turn's prompt is the previous prompt + its answer + a new message (tool
+    output or user text: lognormal, median 150 tokens), so the engine reuses
+    the answer's KV. A next turn follows at once with probability
+    ``burst_share`` (an exponential gap, mean ``burst_gap_s``: a tool call or
+    a retry) and otherwise after a human think time (lognormal, median
+    ``think_median_s``, sigma 1.2: a heavy tail of minutes). Many sessions
+    share each system prompt, so routing by prompt prefix alone cannot tell
+    conversations apart; each request carries its ``session``.
+    """
+    _check(n_requests, seed, rate_rps)
+    budget = check_budget(max_tokens)
+    if mean_turns < 1 or n_apps < 1 or not 0.0 <= burst_share <= 1.0:
+        raise ConfigError("need mean_turns >= 1, n_apps >= 1 and 0 <= burst_share <= 1")
+    if not burst_gap_s > 0 or not think_median_s > 0:
+        raise ConfigError("burst_gap_s and think_median_s must be > 0")
+    rng = np.random.default_rng(seed)
+    app_ids = [content_id("conv-app", seed, k) for k in range(n_apps)]
+    app_lens = [int(x) for x in rng.integers(500, 4000, size=n_apps)]
+    weights = np.array([1.0 / (k + 1) for k in range(n_apps)])
+    weights /= weights.sum()
+
+    def session(s: int, start_s: float) -> list[_Draft]:
+        k_app = int(rng.choice(n_apps, p=weights))
+        turns = int(rng.geometric(1.0 / mean_turns))
+        segs: list[Segment] = [(app_ids[k_app], app_lens[k_app])]
+        used = app_lens[k_app]
+        t = start_s
+        out: list[_Draft] = []
+        for k in range(turns):
+            msg = _lognormal_int(rng, 150, 1.0, 4, 8000)
+            true_out = _lognormal_int(rng, 180, 0.9, 1, 4000)
+            if used + msg + budget > max_context_tokens:
+                break
+            segs.append((content_id("conv-msg", seed, s, k), msg))
+            used += msg
+            answer = engine_output_tokens(true_out, budget)
+            answer_seg = (content_id("conv-answer", seed, s, k), answer)
+            out.append(_Draft(t, f"conv-{s}-{k}", tuple(segs), true_out, tenant,
+                              session=f"conv-{seed}-{s}", answer=answer_seg))
+            segs.append(answer_seg)
+            used += answer
+            if rng.random() < burst_share:
+                t += float(rng.exponential(burst_gap_s))
+            else:
+                t += float(rng.lognormal(math.log(think_median_s), 1.2))
+        return out
+
+    mean_gap = burst_share * burst_gap_s + (1 - burst_share) * think_median_s * math.exp(0.72)
+    drafts = _sessions(n_requests, rng, rate_rps / mean_turns, 3 * mean_turns * mean_gap,
+                       session)
+    return _finish(drafts, n_requests, model, budget)
+
+
 @SYNTHETIC.register("longdoc")
 def longdoc(n_requests: int, seed: int, rate_rps: float, *, model: str = "default",
             max_tokens: int = DEFAULT_MAX_TOKENS["synthetic"], tenant: str = "docs",
