@@ -33,12 +33,19 @@ from tokenfleet.core.admission.strict_priority import StrictPriorityAdmission
 from tokenfleet.core.tiers import SLOConfig, classify
 from tokenfleet.core.types import TIERS, InstanceView, RequestInfo, ScrapedMetrics
 from tokenfleet.engine.profiles import get_profile
-from tokenfleet.errors import ValidationError
+from tokenfleet.errors import ConfigError, ValidationError
 from tokenfleet.sim.admission import run_pool_with_admission
 from tokenfleet.sim.cluster import PoolConfig, run_pool
 from tokenfleet.sim.metrics import summarize
 from tokenfleet.sim.records import RequestRecord
-from tokenfleet.workloads.mix import build_mix, load_mix, missing_traces, parse_mix
+from tokenfleet.workloads.mix import (
+    build_at_load,
+    build_mix,
+    load_mix,
+    missing_traces,
+    offered_load,
+    parse_mix,
+)
 from tokenfleet.workloads.trace import TraceRequest
 
 PROFILE = get_profile("llama3-8b-h200")
@@ -536,6 +543,17 @@ def test_mix_composes_classes_with_their_own_rules(tmp_path: Path) -> None:
     more = build_mix(spec, 2.0)
     assert sum(r.info.request_id.startswith("job/") for r in more) == 120
     assert sum(r.info.request_id.startswith("chat/") for r in more) > 1.8 * len(by["chat"])
+
+
+def test_a_mix_scaled_to_a_load_offers_that_load(tmp_path: Path) -> None:
+    az, mc = _write_traces(tmp_path)
+    spec = load_mix(_write_mix(tmp_path, az, mc))
+    for target in (0.3, 0.4):
+        reqs, _ = build_at_load(spec, target, PROFILE, 2)
+        assert offered_load(reqs, PROFILE, 2, spec.duration_s) == pytest.approx(target, rel=0.005)
+        assert sum(r.info.request_id.startswith("job/") for r in reqs) == 120  # jobs stay
+    with pytest.raises(ConfigError, match="runs out"):  # the small traces cap it near 0.46
+        build_at_load(spec, 0.8, PROFILE, 2)
 
 
 @pytest.mark.parametrize("bad,field", [
