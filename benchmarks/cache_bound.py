@@ -109,15 +109,17 @@ def main() -> int:
         p95 = {}
         for run in runs:
             pol = run.get("policy")
-            ttft = run.get("ttft_s") or {}
-            if pol in PEERS and "p95" in ttft:
-                p95[pol] = float(ttft["p95"])
-        if p95:
-            best = min(p95, key=lambda k: p95[k])
-            need = 0.85 * p95[best]
-            print(f"best peer p95 {p95[best]:.3f} s ({best}); 15% below it is {need:.3f} s; "
-                  f"the no-future bound is {rows['lru_pooled']:.3f} s "
-                  f"({'below' if rows['lru_pooled'] < need else 'ABOVE'} the target)")
+            if pol in PEERS and run.get("ttft_p95_s") is not None:
+                p95[pol] = float(run["ttft_p95_s"])
+        if not p95:
+            print(f"no peer ({', '.join(sorted(PEERS))}) with a TTFT p95 in {args.against}",
+                  file=sys.stderr)
+            return 2
+        best = min(p95, key=lambda k: p95[k])
+        need = 0.85 * p95[best]
+        print(f"best peer p95 {p95[best]:.3f} s ({best}); 15% below it is {need:.3f} s; "
+              f"the no-future bound is {rows['lru_pooled']:.3f} s "
+              f"({'below' if rows['lru_pooled'] < need else 'ABOVE'} the target)")
     return 0
 
 
