@@ -490,9 +490,9 @@ def test_replicas_keep_a_conversation_together_without_herding_on_its_system_pro
     sent a conversation's earlier turns (no KV events), a replica ranks
     instances by rendezvous order; keyed by the prompt's first 512 tokens that
     is the system prompt's, so every replica sent every conversation of a
-    popular system prompt to one instance. Keyed by the conversation
-    (``prompt_cache_key``, else ``session``), replicas agree per conversation
-    and conversations spread."""
+    popular system prompt to one instance. Keyed by the conversation's
+    ``prompt_cache_key`` (the generator sets one per session, as OpenAI asks
+    clients to), replicas agree per conversation and conversations spread."""
     from tokenfleet.workloads.scaling import scale_to_load
     from tokenfleet.workloads.synthetic import generate
 

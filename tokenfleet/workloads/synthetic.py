@@ -91,6 +91,8 @@ def _finish(drafts: list[_Draft], n_requests: int, model: str,
             task_type=d.task_type,
             model=model,
             session=d.session,
+            # as OpenAI asks clients to do: one cache key per conversation
+            prompt_cache_key=d.session,
             deadline_s=d.deadline_s,
         )
         out.append(make_request(info, d.true_output_tokens, output_block_hashes=output_hashes))

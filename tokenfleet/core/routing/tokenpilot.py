@@ -24,7 +24,8 @@ Near-ties (a window that widens when scraped load shows router replicas we
 cannot see) are broken towards the prompt family's rendezvous-hash instance
 when blind routing there has been finding caches other replicas filled, and
 towards the instance with fewest of our own requests in flight otherwise. A
-request that names its conversation (``prompt_cache_key``, else ``session``)
+request that names its conversation in OpenAI's ``prompt_cache_key`` (the
+field OpenAI asks clients to set so requests sharing a prefix route together)
 is its own family, so replicas agree on each conversation's instance instead
 of sending every conversation that shares a system prompt to one instance.
 
@@ -301,9 +302,8 @@ class TokenPilotRouter(BaseRouter):
         n_in = request.input_tokens
         max_cached = max(0, (n_in - 1) // BLOCK_SIZE_TOKENS * BLOCK_SIZE_TOKENS)
         key = _family_key(hashes)
-        conv = request.prompt_cache_key or request.session
-        if conv and self.conversation_keys:
-            key = _conversation_key(conv)
+        if request.prompt_cache_key and self.conversation_keys:
+            key = _conversation_key(request.prompt_cache_key)
         hits = self._expected_hits(confirmed, spec, max_cached) if confirmed or spec else None
         model = request.model
         version = request.model_version
