@@ -29,8 +29,9 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from tokenfleet.engine.instance import EngineInstance, EngineRequest
 from tokenfleet.engine.profiles import EngineProfile, ModelSpec, get_profile
@@ -67,8 +68,7 @@ def sharegpt_like(n: int, seed: int) -> list[tuple[int, int]]:
     return out
 
 
-def poisson_arrivals(lengths: Sequence[tuple[int, int]], rate_per_s: float,
-                     seed: int) -> list[Req]:
+def poisson_arrivals(lengths: Sequence[tuple[int, int]], rate_per_s: float, seed: int) -> list[Req]:
     rng = random.Random(seed)
     t = 0.0
     reqs = []
@@ -129,8 +129,14 @@ def drive(profile: EngineProfile, reqs: Sequence[Req]) -> Run:
         for fr in res.finished:
             if fr.output_tokens > 1:
                 tpot.append((t - first[fr.request_id]) / (fr.output_tokens - 1))
-    return Run(t - min(r.arrival_s for r in reqs), sum(r.input_tokens for r in reqs),
-               out_tokens, ttft, tpot, eng.counters.preemptions)
+    return Run(
+        t - min(r.arrival_s for r in reqs),
+        sum(r.input_tokens for r in reqs),
+        out_tokens,
+        ttft,
+        tpot,
+        eng.counters.preemptions,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -162,12 +168,23 @@ class AdditiveProfile(EngineProfile):
     Only the combination rule differs.
     """
 
-    def step_time_s(self, prefill_new_tokens: int, prefill_attn_pairs: float,
-                    prefill_ctx_tokens: int, decode_seqs: int, decode_ctx_tokens: int,
-                    prefill_seqs: int | None = None) -> float:
+    def step_time_s(
+        self,
+        prefill_new_tokens: int,
+        prefill_attn_pairs: float,
+        prefill_ctx_tokens: int,
+        decode_seqs: int,
+        decode_ctx_tokens: int,
+        prefill_seqs: int | None = None,
+    ) -> float:
         gemm_s, attn_s, memory_s, comm_s, overhead_s = self.step_parts(
-            prefill_new_tokens, prefill_attn_pairs, prefill_ctx_tokens, decode_seqs,
-            decode_ctx_tokens, prefill_seqs)
+            prefill_new_tokens,
+            prefill_attn_pairs,
+            prefill_ctx_tokens,
+            decode_seqs,
+            decode_ctx_tokens,
+            prefill_seqs,
+        )
         return overhead_s + gemm_s + attn_s + memory_s + comm_s
 
 
@@ -175,13 +192,16 @@ def prof(name: str, **kw: object) -> EngineProfile:
     """A built-in profile with --set trial constants and per-setup knobs applied."""
     p = get_profile(name)
     gpu_kw = {k[4:]: v for k, v in _SET.items() if k.startswith("gpu.")}
-    own_kw = {k: v for k, v in _SET.items()
-              if not k.startswith("gpu.") and not k.startswith("legacy_")}
+    own_kw = {
+        k: v for k, v in _SET.items() if not k.startswith("gpu.") and not k.startswith("legacy_")
+    }
     if _CTX["legacy"]:
-        own_kw["step_overhead_s"] = _SET.get("legacy_step_overhead_s",
-                                             LEGACY["legacy_step_overhead_s"])
-        own_kw["per_seq_overhead_s"] = _SET.get("legacy_per_seq_overhead_s",
-                                                LEGACY["legacy_per_seq_overhead_s"])
+        own_kw["step_overhead_s"] = _SET.get(
+            "legacy_step_overhead_s", LEGACY["legacy_step_overhead_s"]
+        )
+        own_kw["per_seq_overhead_s"] = _SET.get(
+            "legacy_per_seq_overhead_s", LEGACY["legacy_per_seq_overhead_s"]
+        )
     overrides: dict[str, object] = {**own_kw, **kw}
     if gpu_kw:
         overrides["gpu"] = replace(p.gpu, **gpu_kw)  # type: ignore[arg-type]
@@ -193,8 +213,9 @@ def prof(name: str, **kw: object) -> EngineProfile:
 
 def fp8(profile: EngineProfile) -> EngineProfile:
     """FP8 weights, FP8 KV cache and FP8 tensor cores (ModelOpt checkpoints)."""
-    model = replace(profile.model, name=profile.model.name + "-FP8",
-                    bytes_per_param=1.0, kv_bytes_per_elem=1.0)
+    model = replace(
+        profile.model, name=profile.model.name + "-FP8", bytes_per_param=1.0, kv_bytes_per_elem=1.0
+    )
     gpu = replace(profile.gpu, peak_flops=2 * profile.gpu.peak_flops)
     return profile.with_overrides(model=model, gpu=gpu)
 
@@ -232,12 +253,18 @@ class Measurement:
 def _decode_step_ms(profile_name: str, batch: int, mean_ctx: float) -> Callable[[], float]:
     def f() -> float:
         return 1e3 * prof(profile_name).decode_step_time_s(batch, mean_ctx)
+
     return f
 
 
 # The ten ShareGPT prompts of the Lambda run (input_lens / output_lens in its JSON)
-LAMBDA_10 = list(zip([13, 25, 27, 10, 329, 29, 399, 328, 4, 205],
-                     [120, 429, 233, 194, 101, 741, 9, 3, 6, 31]))
+LAMBDA_10 = list(
+    zip(
+        [13, 25, 27, 10, 329, 29, 399, 328, 4, 205],
+        [120, 429, 233, 194, 101, 741, 9, 3, 6, 31],
+        strict=False,
+    )
+)
 
 
 def _lambda_ttft_ms() -> float:
@@ -314,8 +341,11 @@ def _fa3_fwd_ms() -> float:
 def _vidur_allreduce_ms(size_bytes: float) -> Callable[[], float]:
     def f() -> float:
         p = prof("llama3-70b-h100-tp4")
-        return 1e3 * (p.allreduce_latency_s + 2.0 * (p.tp - 1) / p.tp * size_bytes
-                      / p.gpu.interconnect_bytes_per_s)
+        return 1e3 * (
+            p.allreduce_latency_s
+            + 2.0 * (p.tp - 1) / p.tp * size_bytes / p.gpu.interconnect_bytes_per_s
+        )
+
     return f
 
 
@@ -327,6 +357,7 @@ def _trtllm_ratio(isl: int, osl: int, n: int) -> Callable[[], float]:
     capacity / (ISL + OSL), and by the LLM API default batch of 2048.
     Engine efficiency cancels in the ratio; GPU specs do not.
     """
+
     def tput(base: str) -> float:
         p = fp8(prof(base))
         seats = min(2048, p.kv_capacity_tokens // (isl + osl))
@@ -336,163 +367,315 @@ def _trtllm_ratio(isl: int, osl: int, n: int) -> Callable[[], float]:
 
     def f() -> float:
         return tput("llama3-8b-h200") / tput("llama3-8b-h100")
+
     return f
 
 
-LAMBDA_JSON = ("github.com/LambdaLabsML/vllm-benchmark results/prompt_10/1xH100-80GB-SXM/"
-               "Meta-Llama-3-8B-Instruct_tp1_len2048.json")
+LAMBDA_JSON = (
+    "github.com/LambdaLabsML/vllm-benchmark results/prompt_10/1xH100-80GB-SXM/"
+    "Meta-Llama-3-8B-Instruct_tp1_len2048.json"
+)
 LAMBDA_MD = "github.com/LambdaLabsML/vllm-benchmark benchmark_v0.md (v0.6.0 tables)"
 SGL_060 = "github.com/sgl-project/sglang benchmark/benchmark_vllm_060/README.md"
 VIDUR = "github.com/microsoft/vidur data/profiling"
 TRT = "github.com/NVIDIA/TensorRT-LLM docs/source/performance/perf-overview.md"
 VLLM_FA3 = "github.com/vllm-project/vllm pull/12093 (description, Jan 2025)"
 VLLM_SWIZZLE = "github.com/vllm-project/vllm pull/23465 (description, MAIN rows, Aug 2025)"
-FA3_BENCH = ("github.com/pytorch/benchmark commit ff65cb6 (tritonbench flash_attention, "
-             "flash_v3 tflops, H100)")
+FA3_BENCH = (
+    "github.com/pytorch/benchmark commit ff65cb6 (tritonbench flash_attention, "
+    "flash_v3 tflops, H100)"
+)
 V06 = "vLLM 0.6.0, multi-step 10"
 NO_CHUNK = "off (V0 default; 2048-token prefill batches)"
 
 MEASUREMENTS: list[Measurement] = [
     Measurement(
-        "decode-8b-h100-b1", "e2e",
+        "decode-8b-h100-b1",
+        "e2e",
         "Llama-3-8B bf16, 1xH100, vLLM 0.6.0 multi-step 10; 1 running request, "
         "context ~615 (last 10-token chunks of the 741-token reply)",
-        "decode step", "ms", 7.05, LAMBDA_JSON, _decode_step_ms("llama3-8b-h100", 1, 615),
-        V06, NO_CHUNK, "H100 SXM", True),
+        "decode step",
+        "ms",
+        7.05,
+        LAMBDA_JSON,
+        _decode_step_ms("llama3-8b-h100", 1, 615),
+        V06,
+        NO_CHUNK,
+        "H100 SXM",
+        True,
+    ),
     Measurement(
-        "decode-8b-h100-b7", "e2e",
+        "decode-8b-h100-b7",
+        "e2e",
         "same run, chunks 2-10: 6-7 running requests, mean context ~140",
-        "decode step", "ms", 7.38, LAMBDA_JSON, _decode_step_ms("llama3-8b-h100", 7, 140),
-        V06, NO_CHUNK, "H100 SXM", True),
+        "decode step",
+        "ms",
+        7.38,
+        LAMBDA_JSON,
+        _decode_step_ms("llama3-8b-h100", 7, 140),
+        V06,
+        NO_CHUNK,
+        "H100 SXM",
+        True,
+    ),
     Measurement(
-        "ttft-8b-h100-10prompts", "e2e",
+        "ttft-8b-h100-10prompts",
+        "e2e",
         "same run: 10 ShareGPT prompts (1369 tokens) sent at once; client-side TTFT, "
         "so it includes HTTP and tokenization",
-        "median TTFT", "ms", 62.19, LAMBDA_JSON, _lambda_ttft_ms, V06, NO_CHUNK, "H100 SXM", True),
+        "median TTFT",
+        "ms",
+        62.19,
+        LAMBDA_JSON,
+        _lambda_ttft_ms,
+        V06,
+        NO_CHUNK,
+        "H100 SXM",
+        True,
+    ),
     Measurement(
-        "prefill-8b-h100", "e2e",
+        "prefill-8b-h100",
+        "e2e",
         "Llama-3.1-8B bf16, 1xH100, SGLang (Aug 2024, triton attention); 1000 random "
         "prompts U[1,8192] tokens, <=8 output, all at t=0",
-        "input throughput", "tok/s", 27670.26,
+        "input throughput",
+        "tok/s",
+        27670.26,
         "github.com/sgl-project/sglang pull/1060 (benchmark comment, H100)",
-        _prefill_throughput, "SGLang ~0.2.12 (Aug 2024)", "on, 8192-token chunks (assumed default)",
+        _prefill_throughput,
+        "SGLang ~0.2.12 (Aug 2024)",
+        "on, 8192-token chunks (assumed default)",
         "H100 SXM",
-        True),
+        True,
+    ),
     Measurement(
-        "sharegpt-8b-h100", "e2e",
+        "sharegpt-8b-h100",
+        "e2e",
         "Llama-3.1-8B bf16, 1xH100, vLLM 0.6.0 multi-step 10; 5000 ShareGPT prompts "
         "at once, max-num-seqs 256, max-seq-len 2048",
-        "output throughput", "tok/s", 8088.35, LAMBDA_MD,
+        "output throughput",
+        "tok/s",
+        8088.35,
+        LAMBDA_MD,
         lambda: (lambda r: r.output_tokens / r.makespan_s)(_sharegpt_offline("llama3-8b-h100")),
-        V06, NO_CHUNK, "H100 SXM", True),
+        V06,
+        NO_CHUNK,
+        "H100 SXM",
+        True,
+    ),
     Measurement(
-        "sharegpt-8b-h100-tpot", "e2e", "same run", "median TPOT", "ms", 25.57, LAMBDA_MD,
+        "sharegpt-8b-h100-tpot",
+        "e2e",
+        "same run",
+        "median TPOT",
+        "ms",
+        25.57,
+        LAMBDA_MD,
         lambda: 1e3 * statistics.median(_sharegpt_offline("llama3-8b-h100").tpot_s),
-        V06, NO_CHUNK, "H100 SXM", True),
+        V06,
+        NO_CHUNK,
+        "H100 SXM",
+        True,
+    ),
     Measurement(
-        "sharegpt-70b-h100-tp4", "e2e",
-        "Llama-3.1-70B bf16, 4xH100 TP4, same harness (SGLang's run of vLLM 0.6.0: "
-        "3700 tok/s)",
-        "output throughput", "tok/s", 3542.88, LAMBDA_MD,
+        "sharegpt-70b-h100-tp4",
+        "e2e",
+        "Llama-3.1-70B bf16, 4xH100 TP4, same harness (SGLang's run of vLLM 0.6.0: 3700 tok/s)",
+        "output throughput",
+        "tok/s",
+        3542.88,
+        LAMBDA_MD,
         lambda: (lambda r: r.output_tokens / r.makespan_s)(
-            _sharegpt_offline("llama3-70b-h100-tp4")), V06, NO_CHUNK, "4x H100 SXM", True),
+            _sharegpt_offline("llama3-70b-h100-tp4")
+        ),
+        V06,
+        NO_CHUNK,
+        "4x H100 SXM",
+        True,
+    ),
     Measurement(
-        "sharegpt-70b-h100-tp4-tpot", "e2e", "same run", "median TPOT", "ms", 61.10,
+        "sharegpt-70b-h100-tp4-tpot",
+        "e2e",
+        "same run",
+        "median TPOT",
+        "ms",
+        61.10,
         LAMBDA_MD,
         lambda: 1e3 * statistics.median(_sharegpt_offline("llama3-70b-h100-tp4").tpot_s),
-        V06, NO_CHUNK, "4x H100 SXM", True),
+        V06,
+        NO_CHUNK,
+        "4x H100 SXM",
+        True,
+    ),
     Measurement(
-        "online-70b-h100-tp4-tpot", "e2e",
+        "online-70b-h100-tp4-tpot",
+        "e2e",
         "Llama-3.1-70B bf16, 4xH100 TP4, vLLM 0.6.0 multi-step 10; 1200 ShareGPT "
         "prompts, Poisson 4 req/s",
-        "median TPOT", "ms", 23.58, SGL_060,
-        lambda: 1e3 * statistics.median(_online_70b_rps4().tpot_s), V06, NO_CHUNK,
-        "4x H100 SXM", True),
+        "median TPOT",
+        "ms",
+        23.58,
+        SGL_060,
+        lambda: 1e3 * statistics.median(_online_70b_rps4().tpot_s),
+        V06,
+        NO_CHUNK,
+        "4x H100 SXM",
+        True,
+    ),
     Measurement(
-        "v1-fa3-throughput-8b", "e2e",
+        "v1-fa3-throughput-8b",
+        "e2e",
         "Llama-3.1-8B-Instruct bf16, vLLM V1 + FA3 (VLLM_USE_V1=1, VLLM_FLASH_ATTN_VERSION=3); "
         "benchmark_throughput 1000 x (2048 in, 128 out), --max-num-batched-tokens 16384. "
         "The PR does not name the GPU; FA3 runs only on Hopper, taken as H100 SXM",
-        "request throughput", "req/s", 14.24, VLLM_FA3, _v1_fa3_throughput,
-        "vLLM V1 (0.6.6/0.7.0 dev, Jan 2025), FA3", "on (V1 always), 16384-token budget",
-        "Hopper, unstated (H100 assumed)"),
+        "request throughput",
+        "req/s",
+        14.24,
+        VLLM_FA3,
+        _v1_fa3_throughput,
+        "vLLM V1 (0.6.6/0.7.0 dev, Jan 2025), FA3",
+        "on (V1 always), 16384-token budget",
+        "Hopper, unstated (H100 assumed)",
+    ),
     Measurement(
-        "v1-serve-8b-h100-ttft", "e2e",
+        "v1-serve-8b-h100-ttft",
+        "e2e",
         "Llama-3-8B-Instruct bf16, 1xH100, vLLM main (V1, FA3) before the PR; vllm bench "
         "serve random 4k in / 2k out, 120 prompts at Poisson 1 req/s; client-side TTFT",
-        "median TTFT", "ms", 141.95, VLLM_SWIZZLE,
+        "median TTFT",
+        "ms",
+        141.95,
+        VLLM_SWIZZLE,
         lambda: 1e3 * statistics.median(_v1_serve_4k_2k().ttft_s),
-        "vLLM V1 main, Aug 2025 (~0.10.1), FA3", "on (V1 always), 8192-token budget",
-        "H100"),
+        "vLLM V1 main, Aug 2025 (~0.10.1), FA3",
+        "on (V1 always), 8192-token budget",
+        "H100",
+    ),
     Measurement(
-        "v1-serve-8b-h100-tpot", "e2e", "same run", "median TPOT", "ms", 11.07, VLLM_SWIZZLE,
+        "v1-serve-8b-h100-tpot",
+        "e2e",
+        "same run",
+        "median TPOT",
+        "ms",
+        11.07,
+        VLLM_SWIZZLE,
         lambda: 1e3 * statistics.median(_v1_serve_4k_2k().tpot_s),
-        "vLLM V1 main, Aug 2025 (~0.10.1), FA3", "on (V1 always), 8192-token budget",
-        "H100"),
+        "vLLM V1 main, Aug 2025 (~0.10.1), FA3",
+        "on (V1 always), 8192-token budget",
+        "H100",
+    ),
     Measurement(
-        "vidur-linear-70b-h100", "component",
+        "vidur-linear-70b-h100",
+        "component",
         "H100, QKV+O+MLP GEMMs of one Llama-70B layer on 4096 tokens, TP1: tests mfu "
         "(GEMM efficiency)",
-        "median time", "ms", 10.0865,
-        VIDUR + "/compute/h100/meta-llama/Llama-2-70b-hf/mlp.csv", _vidur_linear_ms,
-        "cuBLAS via Vidur's profiler (2024)", "n/a", "H100"),
+        "median time",
+        "ms",
+        10.0865,
+        VIDUR + "/compute/h100/meta-llama/Llama-2-70b-hf/mlp.csv",
+        _vidur_linear_ms,
+        "cuBLAS via Vidur's profiler (2024)",
+        "n/a",
+        "H100",
+    ),
     Measurement(
-        "fa3-fwd-h100-8k", "component",
+        "fa3-fwd-h100-8k",
+        "component",
         "H100, FlashAttention-3 forward, batch 2 x 16 heads of 128, 8192 tokens, "
         "non-causal (tritonbench default), 614 TFLOP/s: tests attn_eff (an upper "
         "bound for causal varlen prefill)",
-        "kernel time", "ms", 1e3 * 4.0 * 2 * 16 * 8192 * 8192 * 128 / 614.234e12,
-        FA3_BENCH, _fa3_fwd_ms, "FlashAttention-3 (Jul 2024)", "n/a", "H100"),
+        "kernel time",
+        "ms",
+        1e3 * 4.0 * 2 * 16 * 8192 * 8192 * 128 / 614.234e12,
+        FA3_BENCH,
+        _fa3_fwd_ms,
+        "FlashAttention-3 (Jul 2024)",
+        "n/a",
+        "H100",
+    ),
     Measurement(
-        "vidur-allreduce-64MiB-tp4", "component",
+        "vidur-allreduce-64MiB-tp4",
+        "component",
         "4xH100 DGX, NCCL all-reduce of 64 MiB (a 4096-token prefill's hidden "
         "state): tests the TP bus bandwidth",
-        "median time", "ms", 0.318,
-        VIDUR + "/network/h100_dgx/all_reduce.csv", _vidur_allreduce_ms(67108864.0),
-        "NCCL via Vidur's profiler (2024)", "n/a", "4x H100 DGX"),
+        "median time",
+        "ms",
+        0.318,
+        VIDUR + "/network/h100_dgx/all_reduce.csv",
+        _vidur_allreduce_ms(67108864.0),
+        "NCCL via Vidur's profiler (2024)",
+        "n/a",
+        "4x H100 DGX",
+    ),
     Measurement(
-        "vidur-allreduce-258KiB-tp4", "component",
+        "vidur-allreduce-258KiB-tp4",
+        "component",
         "same file, 264192 bytes (a 16-sequence decode step's hidden state): tests "
         "the per-call latency",
-        "median time", "ms", 0.042,
-        VIDUR + "/network/h100_dgx/all_reduce.csv", _vidur_allreduce_ms(264192.0),
-        "NCCL via Vidur's profiler (2024)", "n/a", "4x H100 DGX"),
+        "median time",
+        "ms",
+        0.042,
+        VIDUR + "/network/h100_dgx/all_reduce.csv",
+        _vidur_allreduce_ms(264192.0),
+        "NCCL via Vidur's profiler (2024)",
+        "n/a",
+        "4x H100 DGX",
+    ),
     Measurement(
-        "trtllm-h200/h100-128-128", "e2e",
+        "trtllm-h200/h100-128-128",
+        "e2e",
         "Llama-3.1-8B FP8, TensorRT-LLM max throughput, ISL/OSL 128/128: 27911 (H200) / "
         "28312 (H100) tok/s; compute-bound, so ~1",
-        "H200/H100 throughput", "x", 27911 / 28312, TRT, _trtllm_ratio(128, 128, 8192),
-        "TensorRT-LLM (perf overview, 2024-25)", "on (trtllm-bench default)",
-        "H200 SXM / H100 SXM"),
+        "H200/H100 throughput",
+        "x",
+        27911 / 28312,
+        TRT,
+        _trtllm_ratio(128, 128, 8192),
+        "TensorRT-LLM (perf overview, 2024-25)",
+        "on (trtllm-bench default)",
+        "H200 SXM / H100 SXM",
+    ),
     Measurement(
-        "trtllm-h200/h100-2048-2048", "e2e",
+        "trtllm-h200/h100-2048-2048",
+        "e2e",
         "same, ISL/OSL 2048/2048: 12194 / 9305 tok/s; bound by KV capacity and HBM",
-        "H200/H100 throughput", "x", 12194 / 9305, TRT, _trtllm_ratio(2048, 2048, 1500),
-        "TensorRT-LLM (perf overview, 2024-25)", "on (trtllm-bench default)",
-        "H200 SXM / H100 SXM"),
+        "H200/H100 throughput",
+        "x",
+        12194 / 9305,
+        TRT,
+        _trtllm_ratio(2048, 2048, 1500),
+        "TensorRT-LLM (perf overview, 2024-25)",
+        "on (trtllm-bench default)",
+        "H200 SXM / H100 SXM",
+    ),
 ]
 
 # Held-out rows, chosen before any fitting (the split was fixed, then --fit was
 # run on the rest). None of them is evaluated by fit(). The reason for each:
 HELD_OUT: dict[str, str] = {
-    "ttft-8b-h100-10prompts":
+    "ttft-8b-h100-10prompts": (
         "client-side TTFT (HTTP + tokenization inside); tests the prefill path of a run "
-        "whose decode rows are in-sample",
-    "sharegpt-70b-h100-tp4-tpot":
-        "second metric of an in-sample run: tests latency where the fit saw throughput",
-    "online-70b-h100-tp4-tpot":
-        "independent source (SGLang's README) and an online arrival pattern the fit "
-        "never sees",
-    "v1-fa3-throughput-8b":
-        "V1 engine, 16k budget, prefill-heavy; GPU unstated, so it must not steer the fit",
-    "v1-serve-8b-h100-ttft":
+        "whose decode rows are in-sample"
+    ),
+    "sharegpt-70b-h100-tp4-tpot": (
+        "second metric of an in-sample run: tests latency where the fit saw throughput"
+    ),
+    "online-70b-h100-tp4-tpot": (
+        "independent source (SGLang's README) and an online arrival pattern the fit never sees"
+    ),
+    "v1-fa3-throughput-8b": (
+        "V1 engine, 16k budget, prefill-heavy; GPU unstated, so it must not steer the fit"
+    ),
+    "v1-serve-8b-h100-ttft": (
         "V1 latency under load: tests prefill interleaved with ~25 decodes; its TPOT "
-        "sibling is in-sample so V1 decode informs the fit",
-    "vidur-allreduce-64MiB-tp4":
-        "bus-bandwidth row; interconnect_bytes_per_s is not fitted, so this row is a "
-        "pure check",
-    "trtllm-h200/h100-2048-2048":
-        "the only KV-capacity-bound H200 evidence; keeps one H200 row out of the fit",
+        "sibling is in-sample so V1 decode informs the fit"
+    ),
+    "vidur-allreduce-64MiB-tp4": (
+        "bus-bandwidth row; interconnect_bytes_per_s is not fitted, so this row is a pure check"
+    ),
+    "trtllm-h200/h100-2048-2048": (
+        "the only KV-capacity-bound H200 evidence; keeps one H200 row out of the fit"
+    ),
 }
 
 
@@ -516,8 +699,7 @@ def _profile_for_device(device: str) -> str:
     raise SystemExit(f"no built-in profile for device '{device}'; pass --extra-profile")
 
 
-def extra_measurements(data: dict[str, Any], profile_name: str | None = None
-                       ) -> list[Measurement]:
+def extra_measurements(data: dict[str, Any], profile_name: str | None = None) -> list[Measurement]:
     """Rows of a gpu_step_times.py JSON file, compared with GPU time.
 
     The script times forward passes without a scheduler, so the model side is
@@ -541,7 +723,13 @@ def extra_measurements(data: dict[str, Any], profile_name: str | None = None
         if phase == "prefill":
             q = int(row["tokens"])
             args: tuple[int, float, int, int, int, int] = (
-                batch * q, batch * q * (q + 1) / 2, 0, 0, 0, batch)
+                batch * q,
+                batch * q * (q + 1) / 2,
+                0,
+                0,
+                0,
+                batch,
+            )
             key = f"gpu-prefill-{batch}x{q}"
             setup = f"{batch} x {q}-token prefill, {spec.name} shape, random weights"
         elif phase == "decode":
@@ -557,10 +745,20 @@ def extra_measurements(data: dict[str, Any], profile_name: str | None = None
             gemm_s, attn_s, memory_s, comm_s, _ = p.step_parts(*args)
             return 1e3 * (max(gemm_s + attn_s, memory_s) + comm_s)
 
-        m = Measurement(key, "gpu", setup, "GPU time", "ms", float(row["median_ms"]), src,
-                        model, f"PyTorch {data.get('torch', '?')} eager"
-                        + (" + CUDA graphs" if row.get("cuda_graph") else ""),
-                        "n/a (one forward pass)", device)
+        m = Measurement(
+            key,
+            "gpu",
+            setup,
+            "GPU time",
+            "ms",
+            float(row["median_ms"]),
+            src,
+            model,
+            f"PyTorch {data.get('torch', '?')} eager"
+            + (" + CUDA graphs" if row.get("cuda_graph") else ""),
+            "n/a (one forward pass)",
+            device,
+        )
         if i % 3 == 2:
             HELD_OUT[key] = "extra GPU row, every third one by position"
         out.append(m)
@@ -574,8 +772,9 @@ def extra_measurements(data: dict[str, Any], profile_name: str | None = None
 Result = tuple[Measurement, float, float]  # (row, model value, relative error)
 
 
-def evaluate(rows: Sequence[Measurement], constants: dict[str, float] | None = None
-             ) -> list[Result]:
+def evaluate(
+    rows: Sequence[Measurement], constants: dict[str, float] | None = None
+) -> list[Result]:
     """Model every row with ``constants`` (``--set`` keys) applied on top of _SET."""
     saved = dict(_SET)
     if constants:
@@ -613,9 +812,14 @@ FIT_PARAMS: dict[str, tuple[float, float]] = {
 }
 
 
-def fit(rows: Sequence[Measurement], start: dict[str, float],
-        params: dict[str, tuple[float, float]] | None = None, rounds: int = 5,
-        step: float = 0.2, log: Callable[[str], None] | None = None) -> dict[str, float]:
+def fit(
+    rows: Sequence[Measurement],
+    start: dict[str, float],
+    params: dict[str, tuple[float, float]] | None = None,
+    rounds: int = 5,
+    step: float = 0.2,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, float]:
     """Coordinate search minimising MARE over the in-sample rows of ``rows``.
 
     Held-out rows are dropped before anything is evaluated, so they cannot
@@ -640,8 +844,10 @@ def fit(rows: Sequence[Measurement], start: dict[str, float],
                 if e < best_err - 1e-12:
                     best, best_err, improved = trial, e, True
         if log:
-            log(f"round {r + 1}: in-sample MARE {best_err:.2%}  "
-                + " ".join(f"{k}={v:.4g}" for k, v in best.items()))
+            log(
+                f"round {r + 1}: in-sample MARE {best_err:.2%}  "
+                + " ".join(f"{k}={v:.4g}" for k, v in best.items())
+            )
         if not improved:
             step /= 2
     return best
@@ -658,12 +864,16 @@ def _parse_set(items: list[str]) -> dict[str, float]:
 
 
 def _print_table(results: Sequence[Result]) -> None:
-    print(f"{'measurement':28} {'kind':9} {'split':8} {'metric':26} {'published':>10} "
-          f"{'model':>10} {'error':>7}")
+    print(
+        f"{'measurement':28} {'kind':9} {'split':8} {'metric':26} {'published':>10} "
+        f"{'model':>10} {'error':>7}"
+    )
     for m, value, err in results:
         split = "held-out" if is_held_out(m) else "in"
-        print(f"{m.key:28} {m.kind:9} {split:8} {m.metric + ' [' + m.unit + ']':26} "
-              f"{m.published:10.4g} {value:10.4g} {err:+7.1%}")
+        print(
+            f"{m.key:28} {m.kind:9} {split:8} {m.metric + ' [' + m.unit + ']':26} "
+            f"{m.published:10.4g} {value:10.4g} {err:+7.1%}"
+        )
 
 
 def summary(results: Sequence[Result]) -> dict[str, float]:
@@ -682,16 +892,33 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--only", help="run one measurement by key")
     ap.add_argument("--json", help="also write the table to this file")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="trial constant for every profile, e.g. mfu=0.5 or "
-                         "gpu.interconnect_bytes_per_s=3.3e11")
-    ap.add_argument("--variant", choices=["roofline", "additive"], default="roofline",
-                    help="step-time combination rule (additive is the alternative)")
-    ap.add_argument("--fit", action="store_true",
-                    help="coordinate search of the constants on the in-sample rows")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="trial constant for every profile, e.g. mfu=0.5 or "
+        "gpu.interconnect_bytes_per_s=3.3e11",
+    )
+    ap.add_argument(
+        "--variant",
+        choices=["roofline", "additive"],
+        default="roofline",
+        help="step-time combination rule (additive is the alternative)",
+    )
+    ap.add_argument(
+        "--fit",
+        action="store_true",
+        help="coordinate search of the constants on the in-sample rows",
+    )
     ap.add_argument("--rounds", type=int, default=5, help="rounds of --fit")
-    ap.add_argument("--extra", action="append", default=[], metavar="FILE",
-                    help="add rows from a benchmarks/gpu_step_times.py JSON file")
+    ap.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="add rows from a benchmarks/gpu_step_times.py JSON file",
+    )
     ap.add_argument("--extra-profile", help="profile for --extra rows (default: by device)")
     args = ap.parse_args(argv)
     _SET.update(_parse_set(args.set))
@@ -702,14 +929,17 @@ def main(argv: list[str] | None = None) -> int:
             rows += extra_measurements(json.load(fh), args.extra_profile)
     rows = [m for m in rows if args.only in (None, m.key)]
     if not rows:
-        print(f"no measurement '{args.only}'; keys: {[m.key for m in MEASUREMENTS]}",
-              file=sys.stderr)
+        print(
+            f"no measurement '{args.only}'; keys: {[m.key for m in MEASUREMENTS]}", file=sys.stderr
+        )
         return 2
     t0 = time.perf_counter()
     if args.fit:
         base = get_profile("llama3-8b-h100")
-        start = {k: float(_SET.get(k, LEGACY[k] if k in LEGACY else getattr(base, k)))
-                 for k in FIT_PARAMS}
+        start = {
+            k: float(_SET.get(k, LEGACY[k] if k in LEGACY else getattr(base, k)))
+            for k in FIT_PARAMS
+        }
         fitted = fit(rows, start, rounds=args.rounds, log=print)
         _SET.update(fitted)
         print("fitted: " + " ".join(f"--set {k}={v:.4g}" for k, v in fitted.items()) + "\n")
@@ -719,21 +949,45 @@ def main(argv: list[str] | None = None) -> int:
     n_in = sum(1 for r in results if not is_held_out(r[0]))
     n_out = len(results) - n_in
     worst = max(results, key=lambda o: abs(o[2]))
-    print(f"\nin-sample MARE {mares.get('in_sample', float('nan')):.1%} over {n_in} rows "
-          f"(e2e {mares.get('in_sample_e2e', float('nan')):.1%}); "
-          f"held-out MARE {mares.get('held_out', float('nan')):.1%} over {n_out} rows "
-          f"(e2e {mares.get('held_out_e2e', float('nan')):.1%}); "
-          f"all {mares['all']:.1%}; worst {worst[0].key} {worst[2]:+.1%} "
-          f"({time.perf_counter() - t0:.1f}s, variant {_VARIANT})")
+    print(
+        f"\nin-sample MARE {mares.get('in_sample', float('nan')):.1%} over {n_in} rows "
+        f"(e2e {mares.get('in_sample_e2e', float('nan')):.1%}); "
+        f"held-out MARE {mares.get('held_out', float('nan')):.1%} over {n_out} rows "
+        f"(e2e {mares.get('held_out_e2e', float('nan')):.1%}); "
+        f"all {mares['all']:.1%}; worst {worst[0].key} {worst[2]:+.1%} "
+        f"({time.perf_counter() - t0:.1f}s, variant {_VARIANT})"
+    )
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"variant": _VARIANT, "set": _SET, "mare": mares, "rows": [
-                {"key": m.key, "kind": m.kind, "held_out": is_held_out(m),
-                 "held_out_reason": HELD_OUT.get(m.key, ""), "setup": m.setup,
-                 "metric": m.metric, "unit": m.unit, "published": m.published, "model": v,
-                 "rel_error": e, "source": m.source, "engine": m.engine,
-                 "chunked_prefill": m.chunked, "gpu": m.gpu, "legacy": m.legacy}
-                for m, v, e in results]}, fh, indent=2)
+            json.dump(
+                {
+                    "variant": _VARIANT,
+                    "set": _SET,
+                    "mare": mares,
+                    "rows": [
+                        {
+                            "key": m.key,
+                            "kind": m.kind,
+                            "held_out": is_held_out(m),
+                            "held_out_reason": HELD_OUT.get(m.key, ""),
+                            "setup": m.setup,
+                            "metric": m.metric,
+                            "unit": m.unit,
+                            "published": m.published,
+                            "model": v,
+                            "rel_error": e,
+                            "source": m.source,
+                            "engine": m.engine,
+                            "chunked_prefill": m.chunked,
+                            "gpu": m.gpu,
+                            "legacy": m.legacy,
+                        }
+                        for m, v, e in results
+                    ],
+                },
+                fh,
+                indent=2,
+            )
     return 0
 
 

@@ -27,8 +27,9 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 FORMAT = "tokenfleet-gpu-step-times/1"
 
@@ -66,17 +67,30 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--out", default="gpu_step_times.json", help="JSON file to write")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    ap.add_argument("--tiny", action="store_true",
-                    help="a 2-layer toy shape and small sweeps (smoke test)")
-    ap.add_argument("--prefill", type=_parse_ints, default=None,
-                    help="prefill lengths, comma-separated (default 1024..32768)")
-    ap.add_argument("--batches", type=_parse_ints, default=None,
-                    help="decode batch sizes (default 1,2,4,...,256)")
+    ap.add_argument(
+        "--tiny", action="store_true", help="a 2-layer toy shape and small sweeps (smoke test)"
+    )
+    ap.add_argument(
+        "--prefill",
+        type=_parse_ints,
+        default=None,
+        help="prefill lengths, comma-separated (default 1024..32768)",
+    )
+    ap.add_argument(
+        "--batches",
+        type=_parse_ints,
+        default=None,
+        help="decode batch sizes (default 1,2,4,...,256)",
+    )
     ap.add_argument("--ctx", type=int, default=None, help="decode context (default 2048)")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per point")
     ap.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs")
-    ap.add_argument("--budget-s", type=float, default=270.0,
-                    help="skip remaining points once this much time has passed")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=270.0,
+        help="skip remaining points once this much time has passed",
+    )
     return ap
 
 
@@ -86,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch.nn.functional as F  # type: ignore[import-not-found]
 
     shape = TINY if args.tiny else LLAMA31_8B
-    prefill_lens = args.prefill or ([64, 128] if args.tiny else
-                                    [1024, 2048, 4096, 8192, 16384, 32768])
+    prefill_lens = args.prefill or (
+        [64, 128] if args.tiny else [1024, 2048, 4096, 8192, 16384, 32768]
+    )
     batches = args.batches or ([1, 2] if args.tiny else [1, 2, 4, 8, 16, 32, 64, 128, 256])
     ctx = args.ctx or (128 if args.tiny else 2048)
     repeats = args.repeats or (2 if args.tiny else 5)
@@ -103,11 +118,17 @@ def main(argv: list[str] | None = None) -> int:
     def w(*size: int) -> Any:
         return torch.empty(*size, device=dev, dtype=dtype).normal_(0.0, 0.02)
 
-    layers = [dict(qkv=w((nh + 2 * nkv) * d, h), o=w(h, nh * d),
-                   gate_up=w(2 * shape.intermediate_size, h), down=w(h, shape.intermediate_size),
-                   n1=torch.ones(h, device=dev, dtype=dtype),
-                   n2=torch.ones(h, device=dev, dtype=dtype))
-              for _ in range(shape.n_layers)]
+    layers = [
+        dict(
+            qkv=w((nh + 2 * nkv) * d, h),
+            o=w(h, nh * d),
+            gate_up=w(2 * shape.intermediate_size, h),
+            down=w(h, shape.intermediate_size),
+            n1=torch.ones(h, device=dev, dtype=dtype),
+            n2=torch.ones(h, device=dev, dtype=dtype),
+        )
+        for _ in range(shape.n_layers)
+    ]
     emb = w(shape.vocab_size, h)
     head = w(shape.vocab_size, h)
     norm_f = torch.ones(h, device=dev, dtype=dtype)
@@ -116,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     def rope(x: Any, pos: Any) -> Any:  # x: [B, heads, T, d]; pos: [T] or [B, 1, 1]
         f = pos.to(torch.float32)[..., None] * inv
         cos, sin = f.cos().to(x.dtype), f.sin().to(x.dtype)
-        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
     def rms(x: Any, weight: Any) -> Any:
@@ -146,10 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         return rms(x[:, -1], norm_f) @ head.t()  # logits of the sampled position only
 
     def make_decode(bsz: int) -> tuple[Callable[[], Any], Any]:
-        kc = [torch.empty(bsz, nkv, ctx + 1, d, device=dev, dtype=dtype).normal_()
-              for _ in layers]
-        vc = [torch.empty(bsz, nkv, ctx + 1, d, device=dev, dtype=dtype).normal_()
-              for _ in layers]
+        kc = [torch.empty(bsz, nkv, ctx + 1, d, device=dev, dtype=dtype).normal_() for _ in layers]
+        vc = [torch.empty(bsz, nkv, ctx + 1, d, device=dev, dtype=dtype).normal_() for _ in layers]
         ids = torch.zeros(bsz, 1, dtype=torch.long, device=dev)
         pos = torch.full((bsz, 1, 1), ctx, dtype=torch.long, device=dev)  # [B, 1, 1]
         scale = 1.0 / math.sqrt(d)
@@ -161,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                 q, k, v = y.split([nh * d, nkv * d, nkv * d], dim=-1)
                 q = rope(q.view(bsz, 1, nh, d).transpose(1, 2), pos)  # [B, nh, 1, d]
                 k = rope(k.view(bsz, 1, nkv, d).transpose(1, 2), pos)
-                kc[i][:, :, ctx:ctx + 1] = k  # write this token's KV
-                vc[i][:, :, ctx:ctx + 1] = v.view(bsz, 1, nkv, d).transpose(1, 2)
+                kc[i][:, :, ctx : ctx + 1] = k  # write this token's KV
+                vc[i][:, :, ctx : ctx + 1] = v.view(bsz, 1, nkv, d).transpose(1, 2)
                 qg = q.view(bsz, nkv, group, d)  # grouped queries read each KV head once
                 s = (qg @ kc[i].transpose(-1, -2)) * scale  # [B, nkv, group, ctx+1]
                 a = torch.softmax(s.float(), dim=-1).to(dtype) @ vc[i]  # [B, nkv, group, d]
@@ -205,17 +224,26 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             ids = torch.randint(0, shape.vocab_size, (1, t), device=dev)
             try:
-                timed(lambda: prefill(ids), 1)  # warm-up (kernel selection)
+                timed(lambda ids=ids: prefill(ids), 1)  # warm-up (kernel selection)
                 sync()
-                ms = timed(lambda: prefill(ids), repeats)
+                ms = timed(lambda ids=ids: prefill(ids), repeats)
             except RuntimeError as e:  # out of memory on a smaller GPU
                 skipped.append(f"prefill {t}: {str(e).splitlines()[0][:80]}")
                 if cuda:
                     torch.cuda.empty_cache()
                 continue
-            rows.append(dict(phase="prefill", batch=1, tokens=t, ctx=0,
-                             median_ms=statistics.median(ms), min_ms=min(ms),
-                             repeats=repeats, cuda_graph=False))
+            rows.append(
+                dict(
+                    phase="prefill",
+                    batch=1,
+                    tokens=t,
+                    ctx=0,
+                    median_ms=statistics.median(ms),
+                    min_ms=min(ms),
+                    repeats=repeats,
+                    cuda_graph=False,
+                )
+            )
             print(f"prefill {t:6d} tokens: {statistics.median(ms):9.3f} ms", flush=True)
         for bsz in batches:
             if time.perf_counter() - t_start > args.budget_s:
@@ -244,11 +272,19 @@ def main(argv: list[str] | None = None) -> int:
             fn()
             sync()
             ms = timed(fn, max(repeats, 10 if cuda else repeats))
-            rows.append(dict(phase="decode", batch=bsz, tokens=bsz, ctx=ctx,
-                             median_ms=statistics.median(ms), min_ms=min(ms),
-                             repeats=len(ms), cuda_graph=graphed))
-            print(f"decode batch {bsz:4d} ctx {ctx}: {statistics.median(ms):9.3f} ms",
-                  flush=True)
+            rows.append(
+                dict(
+                    phase="decode",
+                    batch=bsz,
+                    tokens=bsz,
+                    ctx=ctx,
+                    median_ms=statistics.median(ms),
+                    min_ms=min(ms),
+                    repeats=len(ms),
+                    cuda_graph=graphed,
+                )
+            )
+            print(f"decode batch {bsz:4d} ctx {ctx}: {statistics.median(ms):9.3f} ms", flush=True)
             del step, cache, fn, g
             if cuda:
                 torch.cuda.empty_cache()
@@ -256,14 +292,21 @@ def main(argv: list[str] | None = None) -> int:
     model = {k: v for k, v in asdict(shape).items() if k != "intermediate_size"}
     model["n_params"] = float(shape.n_params)
     device_name = torch.cuda.get_device_name(dev) if cuda else "cpu"
-    out = dict(format=FORMAT, device=device_name, torch=torch.__version__,
-               dtype=str(dtype).replace("torch.", ""), tiny=args.tiny,
-               intermediate_size=shape.intermediate_size, model=model, rows=rows,
-               skipped=skipped, wall_s=time.perf_counter() - t_start)
+    out = dict(
+        format=FORMAT,
+        device=device_name,
+        torch=torch.__version__,
+        dtype=str(dtype).replace("torch.", ""),
+        tiny=args.tiny,
+        intermediate_size=shape.intermediate_size,
+        model=model,
+        rows=rows,
+        skipped=skipped,
+        wall_s=time.perf_counter() - t_start,
+    )
     with open(args.out, "w") as fh:
         json.dump(out, fh, indent=2)
-    print(f"wrote {args.out}: {len(rows)} rows, {len(skipped)} skipped, "
-          f"{out['wall_s']:.0f}s")
+    print(f"wrote {args.out}: {len(rows)} rows, {len(skipped)} skipped, {out['wall_s']:.0f}s")
     return 0
 
 

@@ -9,7 +9,7 @@ while the others sit near zero.
 
     .venv/bin/python benchmarks/herding.py                                  # conversations
     .venv/bin/python benchmarks/herding.py --trace ../shared/traces/mooncake_synthetic.jsonl
-    .venv/bin/python benchmarks/herding.py --shared-state-ms 20             # replicas share accounting
+    .venv/bin/python benchmarks/herding.py --shared-state-ms 20   # replicas share accounting
 """
 
 from __future__ import annotations
@@ -74,49 +74,73 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default="out/bench/herding.png")
     args = ap.parse_args(argv)
     profile = get_profile("llama3-8b-h200")
-    base = (load_workload(args.trace) if args.trace
-            else generate("conversations", args.requests, 0, 10.0))
+    base = (
+        load_workload(args.trace)
+        if args.trace
+        else generate("conversations", args.requests, 0, 10.0)
+    )
     reqs = list(scale_to_load(base, args.load, profile, args.instances))
     policies = args.policy or ["tokenpilot", "dynamo_kv"]
     shared = None if args.shared_state_ms is None else args.shared_state_ms / 1000.0
     results: dict[tuple[str, int], list[list[float]]] = {}
-    print(f"{'policy':12} {'routers':>7} {'TTFT p50':>9} {'p95':>7} {'TPOT p50':>9} "
-          f"{'goodput':>8} {'busiest share':>13} {'queue max/mean':>14}")
+    print(
+        f"{'policy':12} {'routers':>7} {'TTFT p50':>9} {'p95':>7} {'TPOT p50':>9} "
+        f"{'goodput':>8} {'busiest share':>13} {'queue max/mean':>14}"
+    )
     for pol in policies:
         for n in (1, args.routers):
-            cfg = PoolConfig(profile=profile, n_instances=args.instances, router=pol,
-                             n_routers=n, kv_events=engines_publish_kv_events(pol),
-                             shared_state_s=shared if n > 1 else None)
+            cfg = PoolConfig(
+                profile=profile,
+                n_instances=args.instances,
+                router=pol,
+                n_routers=n,
+                kv_events=engines_publish_kv_events(pol),
+                shared_state_s=shared if n > 1 else None,
+            )
             summary, samples = run(reqs, cfg)
             results[(pol, n)] = samples
-            totals = [sum(col) for col in zip(*samples)]
+            totals = [sum(col) for col in zip(*samples, strict=False)]
             mean_q = statistics.mean(totals) or 1e-9
-            print(f"{pol:12} {n:>7} {summary['ttft_p50_s']:9.3f} {summary['ttft_p95_s']:7.3f} "
-                  f"{summary['tpot_p50_s'] * 1e3:7.1f}ms {summary['goodput_tok_s']:8.0f} "
-                  f"{max(totals) / sum(totals) if sum(totals) else 0:13.1%} "
-                  f"{max(totals) / mean_q:14.2f}", flush=True)
-    plot(results, policies, args.routers, Path(args.plot),
-         f"{Path(args.trace).name if args.trace else 'conversations'}, load {args.load}"
-         + ("" if shared is None else f", shared state {args.shared_state_ms:g} ms"))
+            print(
+                f"{pol:12} {n:>7} {summary['ttft_p50_s']:9.3f} {summary['ttft_p95_s']:7.3f} "
+                f"{summary['tpot_p50_s'] * 1e3:7.1f}ms {summary['goodput_tok_s']:8.0f} "
+                f"{max(totals) / sum(totals) if sum(totals) else 0:13.1%} "
+                f"{max(totals) / mean_q:14.2f}",
+                flush=True,
+            )
+    plot(
+        results,
+        policies,
+        args.routers,
+        Path(args.plot),
+        f"{Path(args.trace).name if args.trace else 'conversations'}, load {args.load}"
+        + ("" if shared is None else f", shared state {args.shared_state_ms:g} ms"),
+    )
     print(f"plot: {args.plot}")
     return 0
 
 
-def plot(results: dict[tuple[str, int], list[list[float]]], policies: list[str], n: int,
-         path: Path, title: str) -> None:
+def plot(
+    results: dict[tuple[str, int], list[list[float]]],
+    policies: list[str],
+    n: int,
+    path: Path,
+    title: str,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(len(policies), 2, figsize=(11, 3.2 * len(policies)),
-                             sharex=True, sharey=True, squeeze=False)
+    fig, axes = plt.subplots(
+        len(policies), 2, figsize=(11, 3.2 * len(policies)), sharex=True, sharey=True, squeeze=False
+    )
     for row, pol in enumerate(policies):
         for col, routers in enumerate((1, n)):
             ax = axes[row][col]
             samples = results[(pol, routers)]
-            for i, series in enumerate(zip(*samples)):
+            for i, series in enumerate(zip(*samples, strict=False)):
                 ax.plot(range(len(series)), series, linewidth=0.8, label=f"i{i}")
             ax.set_title(f"{pol}, {routers} router{'s' if routers > 1 else ''}", fontsize=10)
             ax.grid(True, alpha=0.3)

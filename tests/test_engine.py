@@ -9,8 +9,8 @@ preemption, and block accounting. They run in well under a second.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import pytest
 
@@ -33,9 +33,13 @@ class Trace:
     now_s: float = 0.0
 
 
-def drive(eng: EngineInstance, arrivals: list[tuple[float, EngineRequest]],
-          check: Callable[[EngineInstance], None] | None = None,
-          trace: Trace | None = None, max_steps: int = 200_000) -> Trace:
+def drive(
+    eng: EngineInstance,
+    arrivals: list[tuple[float, EngineRequest]],
+    check: Callable[[EngineInstance], None] | None = None,
+    trace: Trace | None = None,
+    max_steps: int = 200_000,
+) -> Trace:
     """Add requests at their times and step the engine until it is idle."""
     tr = trace or Trace()
     pending = sorted(arrivals, key=lambda a: a[0])
@@ -63,10 +67,10 @@ def drive(eng: EngineInstance, arrivals: list[tuple[float, EngineRequest]],
     return tr
 
 
-def req(rid: str, input_tokens: int, output_tokens: int,
-        hashes: tuple[int, ...] | None = None) -> EngineRequest:
-    return EngineRequest(rid, input_tokens, output_tokens,
-                         hashes if hashes is not None else ())
+def req(
+    rid: str, input_tokens: int, output_tokens: int, hashes: tuple[int, ...] | None = None
+) -> EngineRequest:
+    return EngineRequest(rid, input_tokens, output_tokens, hashes if hashes is not None else ())
 
 
 def chain(tag: int, n: int) -> tuple[int, ...]:
@@ -95,7 +99,7 @@ def test_prefill_time_grows_with_uncached_tokens() -> None:
     for n in (128, 1024, 4096, 16384, 65536):
         tr = drive(EngineInstance("e", H200_8B), [(0.0, req("r", n, 1))])
         ttft.append(tr.first_s["r"])
-    assert all(a < b for a, b in zip(ttft, ttft[1:])), ttft
+    assert all(a < b for a, b in zip(ttft, ttft[1:], strict=False)), ttft
     # compute-bound at scale, and attention makes it superlinear: 16x tokens
     # from 4096 to 65536 costs more than 16x
     assert ttft[4] / ttft[2] > 16
@@ -163,8 +167,11 @@ def test_max_num_seqs_caps_the_running_set() -> None:
     p = H200_8B.with_overrides(max_num_seqs=4)
     eng = EngineInstance("e", p)
     seen = []
-    drive(eng, [(0.0, req(f"r{i}", 50, 20)) for i in range(10)],
-          check=lambda e: seen.append(len(e.running)))
+    drive(
+        eng,
+        [(0.0, req(f"r{i}", 50, 20)) for i in range(10)],
+        check=lambda e: seen.append(len(e.running)),
+    )
     assert max(seen) == 4
 
 
@@ -176,8 +183,8 @@ def test_decode_step_time_grows_with_batch_and_context(name: str) -> None:
     p = get_profile(name)
     by_batch = [p.decode_step_time_s(b, 1024) for b in (1, 8, 64, 256)]
     by_ctx = [p.decode_step_time_s(32, c) for c in (128, 2048, 32768)]
-    assert all(x < y for x, y in zip(by_batch, by_batch[1:])), by_batch
-    assert all(x < y for x, y in zip(by_ctx, by_ctx[1:])), by_ctx
+    assert all(x < y for x, y in zip(by_batch, by_batch[1:], strict=False)), by_batch
+    assert all(x < y for x, y in zip(by_ctx, by_ctx[1:], strict=False)), by_ctx
     # memory-bound: 256 sequences cost far less than 256 single-sequence steps
     assert by_batch[-1] < 10 * by_batch[0]
 
@@ -372,16 +379,20 @@ def test_decode_growth_past_kv_preempts_and_recomputes() -> None:
 
 def test_block_accounting_returns_to_zero_after_everything_finishes() -> None:
     rng = random.Random(5)
-    eng = EngineInstance("e", H200_8B.with_overrides(max_num_batched_tokens=1024),
-                         kv_capacity_blocks=300)
+    eng = EngineInstance(
+        "e", H200_8B.with_overrides(max_num_batched_tokens=1024), kv_capacity_blocks=300
+    )
     arrivals = []
     for i in range(150):
         prefix = chain(rng.randrange(6), rng.randint(5, 60))
         own = tuple(90_000_000 + i * 1000 + j for j in range(rng.randint(0, 30)))
         hashes = prefix + own
-        arrivals.append((rng.uniform(0, 2.0),
-                         req(f"r{i}", len(hashes) * BLOCK + rng.randint(0, 15),
-                             rng.randint(1, 600), hashes)))
+        arrivals.append(
+            (
+                rng.uniform(0, 2.0),
+                req(f"r{i}", len(hashes) * BLOCK + rng.randint(0, 15), rng.randint(1, 600), hashes),
+            )
+        )
     doomed = {f"r{i}" for i in rng.sample(range(150), 20)}
     aborted = []
 
@@ -389,8 +400,7 @@ def test_block_accounting_returns_to_zero_after_everything_finishes() -> None:
         assert_accounting(e)
         for rid in list(doomed):
             r = e.by_id.get(rid)
-            if r is not None and (r.generated_tokens > 3 or not r.admitted and
-                                  rng.random() < 0.01):
+            if r is not None and (r.generated_tokens > 3 or not r.admitted and rng.random() < 0.01):
                 e.abort(rid)
                 doomed.discard(rid)
                 aborted.append(rid)
@@ -408,14 +418,16 @@ def test_block_accounting_returns_to_zero_after_everything_finishes() -> None:
 # -- capacity of the built-in profiles -------------------------------------------
 
 
-@pytest.mark.parametrize("name, low, high", [
-    ("llama3-8b-h200", 0.7e6, 0.9e6),
-    ("llama3-8b-h100", 0.35e6, 0.5e6),
-    ("llama3-70b-h200-tp4", 0.9e6, 1.4e6),
-    ("llama3-70b-h100-tp4", 0.35e6, 0.6e6),
-])
-def test_builtin_kv_capacity_is_physically_sensible(name: str, low: float,
-                                                    high: float) -> None:
+@pytest.mark.parametrize(
+    "name, low, high",
+    [
+        ("llama3-8b-h200", 0.7e6, 0.9e6),
+        ("llama3-8b-h100", 0.35e6, 0.5e6),
+        ("llama3-70b-h200-tp4", 0.9e6, 1.4e6),
+        ("llama3-70b-h100-tp4", 0.35e6, 0.6e6),
+    ],
+)
+def test_builtin_kv_capacity_is_physically_sensible(name: str, low: float, high: float) -> None:
     p: EngineProfile = get_profile(name)
     assert low <= p.kv_capacity_tokens <= high
     # what the KV pool and the weights take fits in the memory vLLM may use
@@ -426,8 +438,7 @@ def test_builtin_kv_capacity_is_physically_sensible(name: str, low: float,
 def test_kv_bytes_per_token_match_the_llama_configs() -> None:
     # 2 (K and V) x layers x KV heads x head dim x 2 bytes (bf16)
     assert get_profile("llama3-8b-h200").model.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
-    assert get_profile("llama3-70b-h200-tp4").model.kv_bytes_per_token == \
-        2 * 80 * 8 * 128 * 2
+    assert get_profile("llama3-70b-h200-tp4").model.kv_bytes_per_token == 2 * 80 * 8 * 128 * 2
 
 
 def test_every_builtin_profile_can_serve_a_long_request() -> None:

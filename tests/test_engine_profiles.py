@@ -21,8 +21,9 @@ H200_8B = get_profile("llama3-8b-h200")
 
 
 def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"_tf_bench_{name}",
-                                                  ROOT / "benchmarks" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(
+        f"_tf_bench_{name}", ROOT / "benchmarks" / f"{name}.py"
+    )
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up while building
@@ -80,8 +81,9 @@ def test_a_cached_prefix_saves_its_gemm_and_attention_time() -> None:
     saved = p.prefill_time_s(u + c) - p.prefill_time_s(u, cached_tokens=c)
     gemm = 2 * m.linear_params_per_token * c / (p.gpu.peak_flops * p.mfu)
     # pairs(u + c fresh) - pairs(u after c cached) = c (c + 1) / 2
-    attn = 4 * m.n_layers * m.n_heads * m.head_dim * c * (c + 1) / 2 / (
-        p.gpu.peak_flops * p.attn_eff)
+    attn = (
+        4 * m.n_layers * m.n_heads * m.head_dim * c * (c + 1) / 2 / (p.gpu.peak_flops * p.attn_eff)
+    )
     assert saved == pytest.approx(gemm + attn, rel=1e-9)
     # attention has its own efficiency, so pairs cost differ from linear tokens
     assert p.attn_eff != p.mfu
@@ -89,12 +91,15 @@ def test_a_cached_prefix_saves_its_gemm_and_attention_time() -> None:
 
 def test_step_time_is_overhead_plus_roofline_max() -> None:
     p = H200_8B
-    for args in [(8192, 8192 * 8193 / 2, 0, 0, 0), (0, 0.0, 0, 1, 1024),
-                 (0, 0.0, 0, 256, 256 * 2048), (512, 512 * 513 / 2, 0, 64, 64 * 1000)]:
+    for args in [
+        (8192, 8192 * 8193 / 2, 0, 0, 0),
+        (0, 0.0, 0, 1, 1024),
+        (0, 0.0, 0, 256, 256 * 2048),
+        (512, 512 * 513 / 2, 0, 64, 64 * 1000),
+    ]:
         gemm_s, attn_s, memory_s, comm_s, overhead_s = p.step_parts(*args)
         assert comm_s == 0.0
-        assert p.step_time_s(*args) == pytest.approx(
-            overhead_s + max(gemm_s + attn_s, memory_s))
+        assert p.step_time_s(*args) == pytest.approx(overhead_s + max(gemm_s + attn_s, memory_s))
     assert p.step_time_s(0, 0.0, 0, 0, 0) == 0.0
     # prefill is compute-bound, batch-1 decode memory-bound
     g, a, mem, _, _ = p.step_parts(8192, 8192 * 8193 / 2, 0, 0, 0)
@@ -105,7 +110,8 @@ def test_step_time_is_overhead_plus_roofline_max() -> None:
 
 # -- calibration script ----------------------------------------------------------------------
 def test_every_row_states_engine_chunking_and_source_and_a_third_is_held_out(
-        cal: ModuleType) -> None:
+    cal: ModuleType,
+) -> None:
     rows = cal.MEASUREMENTS
     for m in rows:
         assert m.engine and m.chunked and m.source and m.gpu, m.key
@@ -117,8 +123,9 @@ def test_every_row_states_engine_chunking_and_source_and_a_third_is_held_out(
     assert any("V1" in m.engine for m in rows if cal.is_held_out(m))
 
 
-def test_held_out_rows_never_influence_the_fit(cal: ModuleType,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_held_out_rows_never_influence_the_fit(
+    cal: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls = {"held": 0}
 
     def mfu_x10() -> float:
@@ -129,8 +136,9 @@ def test_held_out_rows_never_influence_the_fit(cal: ModuleType,
         return float(10 * cal.prof("llama3-8b-h200").mfu)
 
     def row(key: str, published: float, fn: object) -> object:
-        return cal.Measurement(key, "component", "synthetic", "x", "x", published, "test",
-                               fn, "none", "n/a", "none")
+        return cal.Measurement(
+            key, "component", "synthetic", "x", "x", published, "test", fn, "none", "n/a", "none"
+        )
 
     monkeypatch.setattr(cal, "HELD_OUT", {"h": "test"})
     params = {"mfu": (0.1, 0.95)}
@@ -154,27 +162,65 @@ GPU_JSON = {
     "dtype": "bfloat16",
     "tiny": False,
     "intermediate_size": 14336,
-    "model": {"name": "Llama-3.1-8B-shape", "n_layers": 32, "hidden_size": 4096,
-              "n_heads": 32, "n_kv_heads": 8, "head_dim": 128, "vocab_size": 128256,
-              "max_model_len_tokens": 131072, "n_params": 8.03e9},
+    "model": {
+        "name": "Llama-3.1-8B-shape",
+        "n_layers": 32,
+        "hidden_size": 4096,
+        "n_heads": 32,
+        "n_kv_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "max_model_len_tokens": 131072,
+        "n_params": 8.03e9,
+    },
     "rows": [
-        {"phase": "prefill", "batch": 1, "tokens": 8192, "ctx": 0, "median_ms": 205.0,
-         "min_ms": 204.0, "repeats": 5, "cuda_graph": False},
-        {"phase": "decode", "batch": 1, "tokens": 1, "ctx": 2048, "median_ms": 3.6,
-         "min_ms": 3.5, "repeats": 10, "cuda_graph": True},
-        {"phase": "decode", "batch": 64, "tokens": 64, "ctx": 2048, "median_ms": 7.9,
-         "min_ms": 7.8, "repeats": 10, "cuda_graph": True},
+        {
+            "phase": "prefill",
+            "batch": 1,
+            "tokens": 8192,
+            "ctx": 0,
+            "median_ms": 205.0,
+            "min_ms": 204.0,
+            "repeats": 5,
+            "cuda_graph": False,
+        },
+        {
+            "phase": "decode",
+            "batch": 1,
+            "tokens": 1,
+            "ctx": 2048,
+            "median_ms": 3.6,
+            "min_ms": 3.5,
+            "repeats": 10,
+            "cuda_graph": True,
+        },
+        {
+            "phase": "decode",
+            "batch": 64,
+            "tokens": 64,
+            "ctx": 2048,
+            "median_ms": 7.9,
+            "min_ms": 7.8,
+            "repeats": 10,
+            "cuda_graph": True,
+        },
     ],
 }
 
 
-def test_calibration_ingests_gpu_step_times_json(cal: ModuleType, tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_calibration_ingests_gpu_step_times_json(
+    cal: ModuleType,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     monkeypatch.setattr(cal, "HELD_OUT", dict(cal.HELD_OUT))
     rows = cal.extra_measurements(GPU_JSON)
-    assert [m.key for m in rows] == ["gpu-prefill-1x8192", "gpu-decode-b1-ctx2048",
-                                     "gpu-decode-b64-ctx2048"]
+    assert [m.key for m in rows] == [
+        "gpu-prefill-1x8192",
+        "gpu-decode-b1-ctx2048",
+        "gpu-decode-b64-ctx2048",
+    ]
     assert [cal.is_held_out(m) for m in rows] == [False, False, True]
     got = {m.key: m.model() for m in rows}
     # GPU part only: the 8k prefill near 0.2 s, batch-1 decode ~ weights / bandwidth

@@ -58,8 +58,13 @@ COSTS = PoolCosts(get_profile(PROFILE_70B))
 # helpers
 # ---------------------------------------------------------------------------
 def dep(version: str, n: int = 1, ready: bool = True) -> dict[str, Any]:
-    return {"model": "m", "version": version, "profile": PROFILE_70B, "instances": n,
-            "ready": ready}
+    return {
+        "model": "m",
+        "version": version,
+        "profile": PROFILE_70B,
+        "instances": n,
+        "ready": ready,
+    }
 
 
 def base_topology() -> dict[str, Any]:
@@ -67,37 +72,57 @@ def base_topology() -> dict[str, Any]:
     return {
         "name": "t",
         # a peer router inside each DC keeps these tests independent of TokenPilot tuning
-        "settings": {"long_cycle_s": 20, "prewarm_s": 10, "scrape_interval_s": 0.5,
-                     "gpu_budget": 20, "default_router": "sglang_cache_aware"},
+        "settings": {
+            "long_cycle_s": 20,
+            "prewarm_s": 10,
+            "scrape_interval_s": 0.5,
+            "gpu_budget": 20,
+            "default_router": "sglang_cache_aware",
+        },
         "datacenters": {
             "A": {"region": "r1", "entry": True},
             "B": {"region": "r1", "gpus": 4, "load_ceiling": 0.7, "deployments": [dep("2")]},
             "C": {"region": "r2", "gpus": 8, "load_ceiling": 0.7, "deployments": [dep("2")]},
-            "D": {"region": "r3", "gpus": 8, "load_ceiling": 0.7,
-                  "deployments": [dep("1", 2)]},
+            "D": {"region": "r3", "gpus": 8, "load_ceiling": 0.7, "deployments": [dep("1", 2)]},
         },
         "rtt_ms": {"A": {"B": 4, "C": 30, "D": 75}, "B": {"C": 30, "D": 75}, "C": {"D": 80}},
-        "tenants": {"acme": {"home": "B"},
-                    "bank": {"home": "B", "allowed_regions": ["r1"],
-                             "allow_cross_region": False},
-                    "local": {"home": "D"}},
+        "tenants": {
+            "acme": {"home": "B"},
+            "bank": {"home": "B", "allowed_regions": ["r1"], "allow_cross_region": False},
+            "local": {"home": "D"},
+        },
     }
 
 
-def docs(name: str, tenant: str, load: float, version: str, seed: int,
-         **extra: Any) -> dict[str, Any]:
+def docs(
+    name: str, tenant: str, load: float, version: str, seed: int, **extra: Any
+) -> dict[str, Any]:
     """Document QA at ``load`` x the home deployment's capacity estimate."""
-    s = {"name": name, "tenant": tenant, "generator": "longdoc", "load": load,
-         "seed": seed, "model": "m", "version": version,
-         "options": {"max_tokens": 48, "min_doc_tokens": 1000, "max_doc_tokens": 4000,
-                     "question_gap_s": 10.0}}
+    s = {
+        "name": name,
+        "tenant": tenant,
+        "generator": "longdoc",
+        "load": load,
+        "seed": seed,
+        "model": "m",
+        "version": version,
+        "options": {
+            "max_tokens": 48,
+            "min_doc_tokens": 1000,
+            "max_doc_tokens": 4000,
+            "question_gap_s": 10.0,
+        },
+    }
     s.update(extra)
     return s
 
 
-def scenario(duration_s: float, streams: list[dict[str, Any]],
-             events: list[dict[str, Any]] | None = None,
-             mutate: Any = None) -> Any:
+def scenario(
+    duration_s: float,
+    streams: list[dict[str, Any]],
+    events: list[dict[str, Any]] | None = None,
+    mutate: Any = None,
+) -> Any:
     data = base_topology()
     data["workload"] = {"duration_s": duration_s, "streams": streams}
     if events:
@@ -119,22 +144,42 @@ def views(t: Topology, ready: dict[str, int] | None = None) -> dict[str, DCView]
             n = dp.instances if dp.ready else 0
             if ready is not None and d.name in ready:
                 n = ready[d.name]
-            v.pools[dp.key] = PoolView(d.name, dp.model, dp.version, COSTS,
-                                       ready_instances=n)
+            v.pools[dp.key] = PoolView(d.name, dp.model, dp.version, COSTS, ready_instances=n)
         out[d.name] = v
     return out
 
 
 def snapshot(t: Topology, vs: dict[str, DCView], now_s: float = 100.0) -> FleetSnapshot:
-    return FleetSnapshot(now_s=now_s, dcs=vs, topology=t, rtt_s=dict(t.rtt_s),
-                         prefix=PrefixIndex(), outputs=OutputLengthModel())
+    return FleetSnapshot(
+        now_s=now_s,
+        dcs=vs,
+        topology=t,
+        rtt_s=dict(t.rtt_s),
+        prefix=PrefixIndex(),
+        outputs=OutputLengthModel(),
+    )
 
 
-def req(rid: str = "r1", tenant: str = "acme", version: str = "2", tokens: int = 4000,
-        region: str | None = None, cross: bool = True) -> RequestInfo:
-    return RequestInfo(request_id=rid, arrival_s=100.0, input_tokens=tokens, max_tokens=64,
-                       tenant=tenant, model="m", model_version=version, region=region,
-                       allow_cross_region=cross, tier="interactive")
+def req(
+    rid: str = "r1",
+    tenant: str = "acme",
+    version: str = "2",
+    tokens: int = 4000,
+    region: str | None = None,
+    cross: bool = True,
+) -> RequestInfo:
+    return RequestInfo(
+        request_id=rid,
+        arrival_s=100.0,
+        input_tokens=tokens,
+        max_tokens=64,
+        tenant=tenant,
+        model="m",
+        model_version=version,
+        region=region,
+        allow_cross_region=cross,
+        tier="interactive",
+    )
 
 
 def overload(pool: PoolView, now_s: float, queue_s: float) -> None:
@@ -168,29 +213,39 @@ def _set(path: str, value: Any) -> Any:
             del cur[keys[-1]]
         else:
             cur[keys[-1]] = value
+
     return mutate
 
 
 _DELETE = object()
 
 
-@pytest.mark.parametrize("mutate, field", [
-    (_set("datacenters.B.deployments.0.instances", -1), "datacenters.B.deployments[0].instances"),
-    (_set("datacenters.B.deployments.0.profile", "gpt-9"), "datacenters.B.deployments[0].profile"),
-    (_set("datacenters.B.region", _DELETE), "datacenters.B.region"),
-    (_set("datacenters.B.colour", "blue"), "datacenters.B.colour"),
-    (_set("datacenters.B.load_ceiling", -0.5), "datacenters.B.load_ceiling"),
-    (_set("datacenters.B.gpus", 2), "datacenters.B.gpus"),
-    (_set("datacenters.A.deployments", [dep("2")]), "datacenters.A.deployments"),
-    (_set("rtt_ms.C", {}), "rtt_ms.C.D"),
-    (_set("rtt_ms.B.C", -3), "rtt_ms.B.C"),
-    (_set("rtt_ms.C", {"D": 80, "B": 31}), "rtt_ms.C.B"),
-    (_set("tenants.acme.home", "Z"), "tenants.acme.home"),
-    (_set("tenants.bank.allowed_regions", ["r1", "mars"]), "tenants.bank.allowed_regions[1]"),
-    (_set("tenants.bank.allowed_regions", ["r2"]), "tenants.bank.allowed_regions"),
-    (_set("settings.gpu_budget", 12), "settings.gpu_budget"),
-    (_set("settings.long_cycle_s", 0), "settings.long_cycle_s"),
-])
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (
+            _set("datacenters.B.deployments.0.instances", -1),
+            "datacenters.B.deployments[0].instances",
+        ),
+        (
+            _set("datacenters.B.deployments.0.profile", "gpt-9"),
+            "datacenters.B.deployments[0].profile",
+        ),
+        (_set("datacenters.B.region", _DELETE), "datacenters.B.region"),
+        (_set("datacenters.B.colour", "blue"), "datacenters.B.colour"),
+        (_set("datacenters.B.load_ceiling", -0.5), "datacenters.B.load_ceiling"),
+        (_set("datacenters.B.gpus", 2), "datacenters.B.gpus"),
+        (_set("datacenters.A.deployments", [dep("2")]), "datacenters.A.deployments"),
+        (_set("rtt_ms.C", {}), "rtt_ms.C.D"),
+        (_set("rtt_ms.B.C", -3), "rtt_ms.B.C"),
+        (_set("rtt_ms.C", {"D": 80, "B": 31}), "rtt_ms.C.B"),
+        (_set("tenants.acme.home", "Z"), "tenants.acme.home"),
+        (_set("tenants.bank.allowed_regions", ["r1", "mars"]), "tenants.bank.allowed_regions[1]"),
+        (_set("tenants.bank.allowed_regions", ["r2"]), "tenants.bank.allowed_regions"),
+        (_set("settings.gpu_budget", 12), "settings.gpu_budget"),
+        (_set("settings.long_cycle_s", 0), "settings.long_cycle_s"),
+    ],
+)
 def test_topology_errors_name_the_bad_field(mutate: Any, field: str) -> None:
     data = copy.deepcopy(base_topology())
     mutate(data)
@@ -205,13 +260,16 @@ def test_scenario_errors_name_the_bad_field() -> None:
         scenario(30, [docs("s", "acme", 1.0, "2", 1, generator="nope")])
     assert exc.value.field == "workload.streams[0].generator"
     with pytest.raises(ValidationError) as exc:
-        scenario(30, [docs("s", "acme", 1.0, "2", 1)],
-                 events=[{"at_s": 5, "kind": "meteor", "dc": "C"}])
+        scenario(
+            30, [docs("s", "acme", 1.0, "2", 1)], events=[{"at_s": 5, "kind": "meteor", "dc": "C"}]
+        )
     assert exc.value.field == "events[0].kind"
     with pytest.raises(ValidationError) as exc:
-        scenario(30, [docs("s", "acme", 1.0, "2", 1)],
-                 events=[{"at_s": 5, "kind": "rollout", "dc": "D", "model": "m",
-                          "to_version": "1"}])
+        scenario(
+            30,
+            [docs("s", "acme", 1.0, "2", 1)],
+            events=[{"at_s": 5, "kind": "rollout", "dc": "D", "model": "m", "to_version": "1"}],
+        )
     assert exc.value.field == "events[0].to_version"
 
 
@@ -233,19 +291,31 @@ def fleet_case(draw: Any) -> tuple[dict[str, Any], RequestInfo, str | None, dict
             dcs[name] = {"region": region, "entry": True}
             continue
         versions = draw(st.lists(st.sampled_from(["1", "2"]), unique=True, max_size=2))
-        deps = [{"model": "m", "version": v, "profile": PROFILE_70B,
-                 "instances": draw(st.integers(0, 2)), "ready": draw(st.booleans())}
-                for v in versions]
-        dcs[name] = {"region": region, "gpus": 16, "deployments": deps,
-                     "load_ceiling": draw(st.floats(0.1, 1.5)),
-                     "reserve_local": draw(st.floats(0.0, 0.5))}
+        deps = [
+            {
+                "model": "m",
+                "version": v,
+                "profile": PROFILE_70B,
+                "instances": draw(st.integers(0, 2)),
+                "ready": draw(st.booleans()),
+            }
+            for v in versions
+        ]
+        dcs[name] = {
+            "region": region,
+            "gpus": 16,
+            "deployments": deps,
+            "load_ceiling": draw(st.floats(0.1, 1.5)),
+            "reserve_local": draw(st.floats(0.0, 0.5)),
+        }
     servable = [k for k, v in dcs.items() if v.get("deployments")]
     if not servable:
         first = names[-1]
         dcs[first] = {"region": dcs[first]["region"], "gpus": 4, "deployments": [dep("2")]}
         servable = [first]
-    rtt = {a: {b: draw(st.integers(0, 150)) for b in names[i + 1:]}
-           for i, a in enumerate(names[:-1])}
+    rtt = {
+        a: {b: draw(st.integers(0, 150)) for b in names[i + 1 :]} for i, a in enumerate(names[:-1])
+    }
     home = draw(st.one_of(st.none(), st.sampled_from(servable)))
     allowed_dcs = draw(st.one_of(st.none(), st.lists(st.sampled_from(names), unique=True)))
     present = sorted({v["region"] for v in dcs.values()})
@@ -264,21 +334,31 @@ def fleet_case(draw: Any) -> tuple[dict[str, Any], RequestInfo, str | None, dict
         tenant["allowed_regions"] = allowed_regions
     data = {"name": "prop", "datacenters": dcs, "rtt_ms": rtt, "tenants": {"t": tenant}}
     request = RequestInfo(
-        request_id=f"q{draw(st.integers(0, 10_000))}", arrival_s=50.0,
-        input_tokens=draw(st.integers(16, 20_000)), max_tokens=64, tenant="t", model="m",
+        request_id=f"q{draw(st.integers(0, 10_000))}",
+        arrival_s=50.0,
+        input_tokens=draw(st.integers(16, 20_000)),
+        max_tokens=64,
+        tenant="t",
+        model="m",
         model_version=draw(st.sampled_from(["", "1", "2"])),
         region=draw(st.one_of(st.none(), st.sampled_from(REGIONS))),
-        allow_cross_region=draw(st.booleans()), tier="interactive")
+        allow_cross_region=draw(st.booleans()),
+        tier="interactive",
+    )
     origin = draw(st.sampled_from(names))
     signals = {
-        name: {"queue_s": draw(st.floats(0.0, 30.0)), "work": draw(st.floats(0.0, 5.0)),
-               "waiting": draw(st.integers(0, 50)), "share": draw(st.floats(0.0, 1.0))}
-        for name in names}
+        name: {
+            "queue_s": draw(st.floats(0.0, 30.0)),
+            "work": draw(st.floats(0.0, 5.0)),
+            "waiting": draw(st.integers(0, 50)),
+            "share": draw(st.floats(0.0, 1.0)),
+        }
+        for name in names
+    }
     return data, request, home, {"origin": origin, "signals": signals}
 
 
-def oracle_may_serve(data: dict[str, Any], request: RequestInfo, home: str | None,
-                     dc: str) -> bool:
+def oracle_may_serve(data: dict[str, Any], request: RequestInfo, home: str | None, dc: str) -> bool:
     """A third, independent statement of the residency rule (the tests' own)."""
     site = data["datacenters"][dc]
     if site.get("entry"):
@@ -309,8 +389,9 @@ def test_no_policy_can_violate_residency(case: Any) -> None:
             pool.waiting = sig["waiting"]
             pool.scraped_at_s = now - 0.2
             if pool.ready_instances:
-                pool.accounting.on_dispatch(now - 1.0, sig["work"], sig["work"] * 1.2,
-                                            pool.ready_instances)
+                pool.accounting.on_dispatch(
+                    now - 1.0, sig["work"], sig["work"] * 1.2, pool.ready_instances
+                )
                 pool.accounting.drain_at_s = now + sig["queue_s"]
     snap = snapshot(t, vs, now)
     for policy in FLEET.names():
@@ -329,9 +410,13 @@ def test_no_policy_can_violate_residency(case: Any) -> None:
             assert pool.version == request.model_version
         tenant = data["tenants"]["t"]
         pinned = not (tenant["allow_cross_region"] and request.allow_cross_region)
-        if policy == "fleetmind" and pinned and home is not None \
-                and oracle_may_serve(data, request, home, home) \
-                and vs[home].pool_for("m", request.model_version) is not None:
+        if (
+            policy == "fleetmind"
+            and pinned
+            and home is not None
+            and oracle_may_serve(data, request, home, home)
+            and vs[home].pool_for("m", request.model_version) is not None
+        ):
             assert d.dc == home, "pinned requests never spill"
 
 
@@ -342,16 +427,23 @@ def test_a_selector_cannot_escape_the_filter() -> None:
         def __init__(self, **_: object) -> None:
             pass
 
-        def select(self, request: RequestInfo, origin: str, home: str | None,
-                   fleet: FleetSnapshot, candidates: Any) -> DCDecision:
+        def select(
+            self,
+            request: RequestInfo,
+            origin: str,
+            home: str | None,
+            fleet: FleetSnapshot,
+            candidates: Any,
+        ) -> DCDecision:
             return DCDecision(dc="C")  # outside the bank tenant's region
 
     FLEET.add("rogue_test", Rogue)
     try:
         t = topo()
         with pytest.raises(PolicyContractError, match="not among the compliant"):
-            select_dc(FLEET.create("rogue_test"), req(tenant="bank"), "A", "B",
-                      snapshot(t, views(t)))
+            select_dc(
+                FLEET.create("rogue_test"), req(tenant="bank"), "A", "B", snapshot(t, views(t))
+            )
     finally:
         FLEET.remove("rogue_test")
 
@@ -386,8 +478,9 @@ def test_fleetmind_spills_when_home_queues_and_remote_meets_slo() -> None:
     d = select_dc(fleetmind(), req(), "A", "B", snapshot(t, vs))
     assert (d.dc, d.spilled) == ("C", True)
     # never to D: it serves version 1 only
-    assert all(select_dc(fleetmind(), req(f"r{i}"), "A", "B", snapshot(t, vs)).dc != "D"
-               for i in range(50))
+    assert all(
+        select_dc(fleetmind(), req(f"r{i}"), "A", "B", snapshot(t, vs)).dc != "D" for i in range(50)
+    )
 
 
 def test_fleetmind_does_not_spill_into_a_dc_above_its_ceiling() -> None:
@@ -451,8 +544,12 @@ def busy(pool: PoolView, now_s: float, load: float) -> None:
     acc = pool.accounting
     n = 50
     for k in range(n):
-        acc.on_dispatch(now_s - 5.0 + k * 5.0 / n, 0.01,
-                        load * 5.0 * pool.ready_instances / n, pool.ready_instances)
+        acc.on_dispatch(
+            now_s - 5.0 + k * 5.0 / n,
+            0.01,
+            load * 5.0 * pool.ready_instances / n,
+            pool.ready_instances,
+        )
     acc.drain_at_s = now_s
 
 
@@ -470,16 +567,19 @@ def test_skylb_keeps_local_until_the_load_threshold() -> None:
     d = select_dc(skylb(), req(), "A", "B", snapshot(t, vs))
     assert (d.dc, d.spilled) == ("C", True)
     # an explicit threshold overrides the DC's ceiling
-    d = select_dc(FLEET.create("skylb", load_threshold=5.0), req(), "A", "B",
-                  snapshot(t, vs))
+    d = select_dc(FLEET.create("skylb", load_threshold=5.0), req(), "A", "B", snapshot(t, vs))
     assert d.dc == "B"
 
 
 def test_skylb_spills_only_to_the_exact_version_nearest_first() -> None:
     data = base_topology()
     # E: a second version-2 site, farther from A than C
-    data["datacenters"]["E"] = {"region": "r4", "gpus": 8, "load_ceiling": 0.7,
-                                "deployments": [dep("2")]}
+    data["datacenters"]["E"] = {
+        "region": "r4",
+        "gpus": 8,
+        "load_ceiling": 0.7,
+        "deployments": [dep("2")],
+    }
     data["rtt_ms"]["A"]["E"] = 60
     data["rtt_ms"]["B"]["E"] = 55
     data["rtt_ms"]["C"]["E"] = 40
@@ -487,8 +587,7 @@ def test_skylb_spills_only_to_the_exact_version_nearest_first() -> None:
     t = topo(data)
     vs = views(t)
     overload(vs["B"].pools[("m", "2")], 100.0, queue_s=3.0)
-    picks = {select_dc(skylb(), req(f"r{i}"), "A", "B", snapshot(t, vs)).dc
-             for i in range(30)}
+    picks = {select_dc(skylb(), req(f"r{i}"), "A", "B", snapshot(t, vs)).dc for i in range(30)}
     assert picks == {"C"}  # nearest version-2 site; never D (version 1 only)
     # C full: the next nearest exact-version site, still never D
     busy(vs["C"].pools[("m", "2")], 100.0, 1.5)
@@ -499,8 +598,7 @@ def test_skylb_spills_only_to_the_exact_version_nearest_first() -> None:
     d = select_dc(skylb(), req(), "A", "B", snapshot(t, vs))
     assert (d.dc, d.spilled) == ("B", False)
     # D (version 1, idle) is the obvious least-loaded site, and skylb never uses it
-    assert select_dc(FLEET.create("least_loaded"), req(), "A", "B",
-                     snapshot(t, vs)).dc == "D"
+    assert select_dc(FLEET.create("least_loaded"), req(), "A", "B", snapshot(t, vs)).dc == "D"
 
 
 def test_skylb_respects_residency() -> None:
@@ -534,8 +632,14 @@ def test_cli_help_lists_the_peers(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["sim", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    for name in ("skylb", "fleetmind", "least_loaded", "llmd", "llmd_flow_control",
-                 "--no-kv-events"):
+    for name in (
+        "skylb",
+        "fleetmind",
+        "least_loaded",
+        "llmd",
+        "llmd_flow_control",
+        "--no-kv-events",
+    ):
         assert name in out
 
 
@@ -544,26 +648,42 @@ def test_cli_help_lists_the_peers(capsys: pytest.CaptureFixture[str]) -> None:
 # ---------------------------------------------------------------------------
 def planner(budget_used: int = 16) -> tuple[Planner, dict[tuple[str, str, str], int]]:
     replicas = {("B", "m", "2"): 1, ("C", "m", "2"): 2, ("D", "m", "1"): 2}
-    p = Planner(initial=Plan(0, 0.0, replicas, {"B": 1.0, "C": 1.0, "D": 1.0}),
-                rtt_s=topo().rtt)
+    p = Planner(initial=Plan(0, 0.0, replicas, {"B": 1.0, "C": 1.0, "D": 1.0}), rtt_s=topo().rtt)
     return p, replicas
 
 
-def pools(b_demand: float, c_demand: float, d_load: float = 0.1,
-          replicas: dict[tuple[str, str, str], int] | None = None) -> list[PoolStats]:
+def pools(
+    b_demand: float,
+    c_demand: float,
+    d_load: float = 0.1,
+    replicas: dict[tuple[str, str, str], int] | None = None,
+) -> list[PoolStats]:
     r = replicas or {("B", "m", "2"): 1, ("C", "m", "2"): 2, ("D", "m", "1"): 2}
-    return [PoolStats("B", "m", "2", 4, r[("B", "m", "2")], r[("B", "m", "2")], b_demand,
-                      0.9, 1.2),
-            PoolStats("C", "m", "2", 4, r[("C", "m", "2")], r[("C", "m", "2")], c_demand,
-                      c_demand, 0.5),
-            PoolStats("D", "m", "1", 4, r.get(("D", "m", "1"), 0), r.get(("D", "m", "1"), 0),
-                      0.05, 0.05, d_load)]
+    return [
+        PoolStats("B", "m", "2", 4, r[("B", "m", "2")], r[("B", "m", "2")], b_demand, 0.9, 1.2),
+        PoolStats(
+            "C", "m", "2", 4, r[("C", "m", "2")], r[("C", "m", "2")], c_demand, c_demand, 0.5
+        ),
+        PoolStats(
+            "D",
+            "m",
+            "1",
+            4,
+            r.get(("D", "m", "1"), 0),
+            r.get(("D", "m", "1"), 0),
+            0.05,
+            0.05,
+            d_load,
+        ),
+    ]
 
 
 def dcs(c_att: float = 1.0, c_spilled: int = 0, free: int = 0) -> dict[str, DCStats]:
-    return {"B": DCStats("B", 100, 95, 0, 0.9, 0, 0.7, 0.7),
-            "C": DCStats("C", 100, int(round(100 * c_att)), c_spilled, 0.9, free, 0.7, 0.7),
-            "D": DCStats("D", 50, 50, 0, 0.9, 0, 0.7, 0.7)}
+    return {
+        "B": DCStats("B", 100, 95, 0, 0.9, 0, 0.7, 0.7),
+        "C": DCStats("C", 100, int(round(100 * c_att)), c_spilled, 0.9, free, 0.7, 0.7),
+        "D": DCStats("D", 50, 50, 0, 0.9, 0, 0.7, 0.7),
+    }
 
 
 def test_planner_does_nothing_when_spill_room_suffices() -> None:
@@ -626,14 +746,18 @@ def test_no_rollback_without_spilled_in_traffic() -> None:
 # ---------------------------------------------------------------------------
 def test_wan_rtt_is_added_to_ttft() -> None:
     def only_c(origin: str) -> Any:
-        return scenario(40, [docs("s", "far", 0.35, "2", 3, origin=origin)],
-                        mutate=lambda d: d["tenants"].update({"far": {"home": "C"}}))
+        return scenario(
+            40,
+            [docs("s", "far", 0.35, "2", 3, origin=origin)],
+            mutate=lambda d: d["tenants"].update({"far": {"home": "C"}}),
+        )
 
     near = run_fleets(only_c("C"), ["none"])[0]
     far = run_fleets(only_c("A"), ["none"])[0]
     assert len(near.records) == len(far.records) > 20
-    diffs = sorted((f.ttft_s or 0) - (n.ttft_s or 0)
-                   for n, f in zip(near.records, far.records))
+    diffs = sorted(
+        (f.ttft_s or 0) - (n.ttft_s or 0) for n, f in zip(near.records, far.records, strict=False)
+    )
     med = diffs[len(diffs) // 2]
     assert med == pytest.approx(0.030, abs=0.002)  # one round trip A<->C
     assert all(r.dc == "C" for r in far.records)
@@ -645,9 +769,11 @@ def hot_streams(load_b: float = 2.6) -> list[dict[str, Any]]:
     ``load`` is relative to the capacity estimate; with the vLLM-V1-calibrated
     engine (faster prefill) a replica alone meets its SLO for 78% of requests
     at 2.2 and 54% at 2.6, so 2.6 is the hotspot (2.2 was, before)."""
-    return [docs("acme", "acme", load_b, "2", 21),
-            docs("bank", "bank", 0.3, "2", 22),
-            docs("local", "local", 0.3, "1", 23, origin="D")]
+    return [
+        docs("acme", "acme", load_b, "2", 21),
+        docs("bank", "bank", 0.3, "2", 22),
+        docs("local", "local", 0.3, "1", 23, origin="D"),
+    ]
 
 
 def test_fleet_policies_on_a_small_hotspot() -> None:
@@ -658,8 +784,11 @@ def test_fleet_policies_on_a_small_hotspot() -> None:
     assert fm.residency_violations == 0 and fm.version_mismatches == 0
     assert none.version_mismatches == 0 and none.spill_fraction == 0.0
     assert naive.version_mismatches > 0  # version-2 work to D, version-1 work to B/C
-    wrong = [r for r in naive.records
-             if (r.dc == "D") != (r.tenant == "local") and r.dc in ("B", "C", "D")]
+    wrong = [
+        r
+        for r in naive.records
+        if (r.dc == "D") != (r.tenant == "local") and r.dc in ("B", "C", "D")
+    ]
     assert len(wrong) == naive.version_mismatches
     assert all(r.status == "rejected" for r in wrong)  # the endpoints refuse the version
     # bank never leaves its region, whatever the policy
@@ -678,16 +807,19 @@ def test_fleet_policies_on_a_small_hotspot() -> None:
 def test_plans_prewarm_with_a_delay() -> None:
     # C serves nothing, so B's excess has nowhere to go until the planner moves
     # one of D's two under-used version-1 replicas to version 2
-    sc = scenario(70, hot_streams(2.4),
-                  mutate=lambda d: d["datacenters"]["C"].update(gpus=0, deployments=[]))
+    sc = scenario(
+        70, hot_streams(2.4), mutate=lambda d: d["datacenters"]["C"].update(gpus=0, deployments=[])
+    )
     fm = run_fleets(sc, ["fleetmind"])[0]
     assert fm.plans, "the planner should act"
     first = fm.plans[0]
     assert first["at_s"] == 20.0 and first["kind"] == "plan"
     assert {(a["kind"], a["dc"], a["version"]) for a in first["actions"]} >= {
-        ("remove", "D", "1"), ("add", "D", "2")}
+        ("remove", "D", "1"),
+        ("add", "D", "2"),
+    }
     ts = fm.timeseries
-    ready_d = dict(zip(ts["t"], ts["ready"]["D"]))
+    ready_d = dict(zip(ts["t"], ts["ready"]["D"], strict=False))
     # the new replica prewarms for 10 s: D has one ready replica less until then
     assert ready_d[15.0] == 2 and ready_d[25.0] == 1 and ready_d[35.0] == 2
     v2_at_d = [r for r in fm.records if r.dc == "D" and r.request_id.startswith("acme")]
@@ -696,10 +828,11 @@ def test_plans_prewarm_with_a_delay() -> None:
 
 
 def test_timeline_events_unready_rollout_and_spike() -> None:
-    events = [{"at_s": 10, "kind": "endpoints_unready", "dc": "B", "duration_s": 10},
-              {"at_s": 5, "kind": "rollout", "dc": "D", "model": "m", "to_version": "2"},
-              {"at_s": 25, "kind": "latency_spike", "dc": "C", "extra_ms": 3000,
-               "duration_s": 10}]
+    events = [
+        {"at_s": 10, "kind": "endpoints_unready", "dc": "B", "duration_s": 10},
+        {"at_s": 5, "kind": "rollout", "dc": "D", "model": "m", "to_version": "2"},
+        {"at_s": 25, "kind": "latency_spike", "dc": "C", "extra_ms": 3000, "duration_s": 10},
+    ]
     sc = scenario(40, [docs("acme", "acme", 0.7, "2", 31)], events)
     none, fm = run_fleets(sc, ["none", "fleetmind"])
     kinds = [e["kind"] for e in fm.timeline]
@@ -721,8 +854,12 @@ def test_timeline_events_unready_rollout_and_spike() -> None:
 
 def test_degraded_remote_is_rolled_back_within_one_long_cycle() -> None:
     events = [{"at_s": 30, "kind": "slowdown", "dc": "C", "factor": 4.0}]
-    sc = scenario(80, hot_streams() + [docs("c", "cl", 0.5, "2", 24, origin="C")],
-                  events, mutate=lambda d: d["tenants"].update({"cl": {"home": "C"}}))
+    sc = scenario(
+        80,
+        hot_streams() + [docs("c", "cl", 0.5, "2", 24, origin="C")],
+        events,
+        mutate=lambda d: d["tenants"].update({"cl": {"home": "C"}}),
+    )
     fm = run_fleets(sc, ["fleetmind"])[0]
     assert fm.rollbacks, "a rollback event must be recorded"
     rb = fm.rollbacks[0]
@@ -743,14 +880,36 @@ def test_cli_topology_writes_fleet_json(tmp_path: Path) -> None:
     f = tmp_path / "topo.yaml"
     f.write_text(yaml.safe_dump(data))
     out = tmp_path / "out.json"
-    rc = main(["sim", "--topology", str(f), "--fleet", "none", "--fleet", "fleetmind",
-               "--json", str(out), "--plot", str(tmp_path / "plots"), "--quiet"])
+    rc = main(
+        [
+            "sim",
+            "--topology",
+            str(f),
+            "--fleet",
+            "none",
+            "--fleet",
+            "fleetmind",
+            "--json",
+            str(out),
+            "--plot",
+            str(tmp_path / "plots"),
+            "--quiet",
+        ]
+    )
     assert rc == 0
     res = json.loads(out.read_text())
     assert [r["fleet"] for r in res["runs"]] == ["none", "fleetmind"]
     for r in res["runs"]:
-        assert {"per_dc", "spill_fraction", "residency_violations", "version_mismatches",
-                "plans", "rollbacks", "timeline", "timeseries"} <= set(r)
+        assert {
+            "per_dc",
+            "spill_fraction",
+            "residency_violations",
+            "version_mismatches",
+            "plans",
+            "rollbacks",
+            "timeline",
+            "timeseries",
+        } <= set(r)
         assert set(r["per_dc"]["B"]) >= {"goodput_tok_s", "slo_attainment"}
     assert (tmp_path / "plots" / "fleet_load.png").exists()
     assert (tmp_path / "plots" / "fleet_spill.png").exists()
@@ -782,15 +941,16 @@ def test_shipped_scenarios_describe_the_hotspot() -> None:
 def test_hotspot_short_run_meets_the_goodput_bar() -> None:
     sc = load_scenario(HOTSPOT).with_duration(120.0)
     runs = {r.policy: r for r in run_fleets(sc, ["none", "fleetmind"])}
-    assert runs["fleetmind"].summary["goodput_tok_s"] >= 1.3 * runs["none"].summary[
-        "goodput_tok_s"]
+    assert runs["fleetmind"].summary["goodput_tok_s"] >= 1.3 * runs["none"].summary["goodput_tok_s"]
     assert runs["fleetmind"].residency_violations == runs["fleetmind"].version_mismatches == 0
 
 
 @pytest.mark.slow
 def test_acceptance_hotspot_and_degraded() -> None:
-    runs = {r.policy: r for r in run_fleets(load_scenario(HOTSPOT),
-                                            ["none", "least_loaded", "fleetmind"])}
+    runs = {
+        r.policy: r
+        for r in run_fleets(load_scenario(HOTSPOT), ["none", "least_loaded", "fleetmind"])
+    }
     fm, none, naive = runs["fleetmind"], runs["none"], runs["least_loaded"]
     assert fm.summary["goodput_tok_s"] >= 1.3 * none.summary["goodput_tok_s"]
     assert fm.summary["slo_attainment"] >= naive.summary["slo_attainment"] + 0.10
@@ -799,7 +959,7 @@ def test_acceptance_hotspot_and_degraded() -> None:
     assert deg.rollbacks and deg.rollbacks[0]["dc"] == "C"
     assert deg.rollbacks[0]["at_s"] <= 150 + 60
     sp = deg.timeseries["spill"]
-    to_c = dict(zip(sp["t"], sp["to"]["C"]))
+    to_c = dict(zip(sp["t"], sp["to"]["C"], strict=False))
     before = [v for t, v in to_c.items() if 90 <= t < 150]
     after = [v for t, v in to_c.items() if 210 <= t < 270]
     assert sum(after) / len(after) < 0.25 * sum(before) / len(before)

@@ -28,16 +28,28 @@ from tokenfleet.core.types import (
 from tokenfleet.engine.profiles import get_profile
 
 PROFILE = get_profile("llama3-8b-h200")
-PEERS = ["round_robin", "random", "least_requests", "sglang_cache_aware",
-         "llmd_weighted", "dynamo_kv"]
+PEERS = [
+    "round_robin",
+    "random",
+    "least_requests",
+    "sglang_cache_aware",
+    "llmd_weighted",
+    "dynamo_kv",
+]
 _ids = itertools.count()
 
 
 def make_instances(n: int, **kwargs: object) -> list[InstanceView]:
-    return [InstanceView(instance_id=f"i{k}", profile=PROFILE,
-                         kv_capacity_tokens=PROFILE.kv_capacity_tokens, index=k,
-                         **kwargs)  # type: ignore[arg-type]
-            for k in range(n)]
+    return [
+        InstanceView(
+            instance_id=f"i{k}",
+            profile=PROFILE,
+            kv_capacity_tokens=PROFILE.kv_capacity_tokens,
+            index=k,
+            **kwargs,
+        )  # type: ignore[arg-type]
+        for k in range(n)
+    ]
 
 
 def chain(*segments: tuple[int, int]) -> tuple[int, ...]:
@@ -55,11 +67,17 @@ def chain(*segments: tuple[int, int]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def req(hashes: tuple[int, ...], extra_tokens: int = 0, model: str = "default",
-        rid: str | None = None) -> RequestInfo:
-    return RequestInfo(request_id=rid or f"r{next(_ids)}", arrival_s=0.0,
-                       input_tokens=16 * len(hashes) + extra_tokens, max_tokens=64,
-                       block_hashes=hashes, model=model)
+def req(
+    hashes: tuple[int, ...], extra_tokens: int = 0, model: str = "default", rid: str | None = None
+) -> RequestInfo:
+    return RequestInfo(
+        request_id=rid or f"r{next(_ids)}",
+        arrival_s=0.0,
+        input_tokens=16 * len(hashes) + extra_tokens,
+        max_tokens=64,
+        block_hashes=hashes,
+        model=model,
+    )
 
 
 def dispatch(router: object, request: RequestInfo, pool: PoolSnapshot) -> RouteDecision:
@@ -70,11 +88,21 @@ def dispatch(router: object, request: RequestInfo, pool: PoolSnapshot) -> RouteD
 
 
 def finish(router: DynamoKVRouter, request: RequestInfo, instance_id: str) -> None:
-    router.on_first_token(FirstTokenEvent(request=request, instance_id=instance_id,
-                                          now_s=0.0, ttft_s=0.1))
-    router.on_complete(CompletionEvent(request=request, instance_id=instance_id,
-                                       now_s=0.0, status="completed", output_tokens=10,
-                                       cached_tokens=0, ttft_s=0.1, e2e_s=1.0))
+    router.on_first_token(
+        FirstTokenEvent(request=request, instance_id=instance_id, now_s=0.0, ttft_s=0.1)
+    )
+    router.on_complete(
+        CompletionEvent(
+            request=request,
+            instance_id=instance_id,
+            now_s=0.0,
+            status="completed",
+            output_tokens=10,
+            cached_tokens=0,
+            ttft_s=0.1,
+            e2e_s=1.0,
+        )
+    )
 
 
 # --------------------------------------------------------------------------
@@ -121,8 +149,7 @@ def test_instance_going_unready_loses_its_cached_prompt(name: str) -> None:
 def test_ties_on_an_empty_pool_spread_over_instances(name: str) -> None:
     pool = PoolSnapshot(now_s=0.0, instances=make_instances(8))
     router = ROUTERS.create(name, seed=0)
-    chosen = [dispatch(router, req(chain((100 + k, 4))), pool).instance_id
-              for k in range(16)]
+    chosen = [dispatch(router, req(chain((100 + k, 4))), pool).instance_id for k in range(16)]
     assert len(set(chosen)) >= 5, chosen
     assert chosen.count("i0") <= 4, chosen
 
@@ -154,7 +181,7 @@ def test_random_is_seeded_and_covers_the_pool() -> None:
 
 def test_least_requests_picks_fewest_inflight() -> None:
     insts = make_instances(3)
-    for inst, n in zip(insts, (3, 1, 2)):
+    for inst, n in zip(insts, (3, 1, 2), strict=False):
         inst.accounting.inflight_requests = n
     pool = PoolSnapshot(now_s=0.0, instances=insts)
     router = ROUTERS.create("least_requests", seed=0)
@@ -210,14 +237,15 @@ def test_sglang_falls_back_to_smallest_tree_below_threshold() -> None:
 @pytest.mark.parametrize(
     ("home_load", "other_load", "imbalanced"),
     [
-        (100, 10, True),    # diff 90 > 64 and 100 > 1.5 * 10
+        (100, 10, True),  # diff 90 > 64 and 100 > 1.5 * 10
         (300, 210, False),  # diff 90 > 64 but 300 <= 315: only abs holds
-        (60, 10, False),    # 60 > 15 but diff 50 <= 64: only rel holds
-        (74, 10, False),    # diff exactly 64: not strictly greater
+        (60, 10, False),  # 60 > 15 but diff 50 <= 64: only rel holds
+        (74, 10, False),  # diff exactly 64: not strictly greater
     ],
 )
 def test_sglang_imbalance_rule_needs_both_conditions(
-        home_load: int, other_load: int, imbalanced: bool) -> None:
+    home_load: int, other_load: int, imbalanced: bool
+) -> None:
     insts = make_instances(2)
     pool = PoolSnapshot(now_s=0.0, instances=insts)
     router = SGLangCacheAwareRouter(seed=0)
@@ -225,8 +253,7 @@ def test_sglang_imbalance_rule_needs_both_conditions(
     home = dispatch(router, req(prompt), pool).instance_id
     other = "i1" if home == "i0" else "i0"
     for inst in insts:
-        inst.accounting.inflight_requests = (home_load if inst.instance_id == home
-                                             else other_load)
+        inst.accounting.inflight_requests = home_load if inst.instance_id == home else other_load
     d = router.route(req(prompt), pool)
     if imbalanced:
         assert d.instance_id == other
@@ -240,8 +267,7 @@ def test_sglang_imbalance_rule_needs_both_conditions(
 
 def test_sglang_tree_eviction_is_bounded_and_leaf_first() -> None:
     pool = PoolSnapshot(now_s=0.0, instances=make_instances(1))
-    router = SGLangCacheAwareRouter(seed=0, max_tree_size_tokens=10 * 16,
-                                    eviction_interval_s=0)
+    router = SGLangCacheAwareRouter(seed=0, max_tree_size_tokens=10 * 16, eviction_interval_s=0)
     a = chain((1, 8))
     dispatch(router, req(a), pool)
     dispatch(router, req(chain((2, 4))), pool)
@@ -252,8 +278,7 @@ def test_sglang_tree_eviction_is_bounded_and_leaf_first() -> None:
 
 def test_sglang_eviction_runs_on_its_interval() -> None:
     insts = make_instances(1)
-    router = SGLangCacheAwareRouter(seed=0, max_tree_size_tokens=10 * 16,
-                                    eviction_interval_s=120.0)
+    router = SGLangCacheAwareRouter(seed=0, max_tree_size_tokens=10 * 16, eviction_interval_s=120.0)
     router.route(req(chain((1, 8))), PoolSnapshot(now_s=0.0, instances=insts))
     router.route(req(chain((2, 8))), PoolSnapshot(now_s=60.0, instances=insts))
     assert router.tree_size_tokens("i0") == 16 * 16
@@ -334,13 +359,13 @@ def test_llmd_uses_the_precise_prefix_scorer_once_engines_publish_events() -> No
     assert router.precise
     # longest prefix 8 vs 2, min-max normalised over the holders: i1 1.0, i2 0.0;
     # i0 holds nothing: 0. Queue and KV terms are equal (2 + 2).
-    assert router.scores(req(prompt), insts) == pytest.approx(
-        {"i0": 4.0, "i1": 7.0, "i2": 4.0})
+    assert router.scores(req(prompt), insts) == pytest.approx({"i0": 4.0, "i1": 7.0, "i2": 4.0})
     d = router.route(req(prompt), pool)
     assert (d.instance_id, d.expected_cached_tokens) == ("i1", 8 * 16)
     # routing adds nothing to the precise index (speculative indexing is off)
     assert router.scores(req(chain((9, 4))), insts) == pytest.approx(
-        {"i0": 4.0, "i1": 4.0, "i2": 4.0})
+        {"i0": 4.0, "i1": 4.0, "i2": 4.0}
+    )
     # evictions reach it: i1 loses blocks 4.., so its run is 4 blocks
     router.on_kv_event(KVEvent(instance_id="i1", kind="removed", block_hashes=prompt[4:8]))
     d = router.route(req(prompt), pool)
@@ -350,8 +375,7 @@ def test_llmd_uses_the_precise_prefix_scorer_once_engines_publish_events() -> No
     assert router.scores(req(prompt), insts)["i2"] == pytest.approx(7.0)
     # inferred hints (not engine events) never switch the scorer
     fresh = LlmdWeightedRouter(seed=0)
-    fresh.on_kv_event(KVEvent(instance_id="i0", kind="stored", block_hashes=prompt,
-                              exact=False))
+    fresh.on_kv_event(KVEvent(instance_id="i0", kind="stored", block_hashes=prompt, exact=False))
     assert not fresh.precise
 
 
@@ -370,8 +394,7 @@ def test_engines_publish_kv_events_for_dynamo_on_shipped_defaults() -> None:
     _, pool = run_pool(reqs, settings.pool_config("llmd_weighted"), SLOConfig())
     llmd = pool.routers[0]
     assert isinstance(llmd, LlmdWeightedRouter) and not llmd.precise  # llm-d's default
-    runs = {r.policy: r for r in run_policies(reqs, ["dynamo_kv", "llmd_weighted"],
-                                              settings)}
+    runs = {r.policy: r for r in run_policies(reqs, ["dynamo_kv", "llmd_weighted"], settings)}
     assert runs["dynamo_kv"].as_json()["kv_events"] is True
     assert runs["llmd_weighted"].as_json()["kv_events"] is False
     # --kv-events: every peer gets them, llm-d then scores precisely
@@ -392,12 +415,30 @@ def test_a_dynamo_dc_in_the_fleet_sim_gets_kv_events() -> None:
     data = {
         "name": "t",
         "settings": {"default_router": "dynamo_kv"},
-        "datacenters": {"A": {"region": "r1", "gpus": 2, "deployments": [
-            {"model": "m", "version": "1", "profile": "llama3-8b-h200", "instances": 2}]}},
+        "datacenters": {
+            "A": {
+                "region": "r1",
+                "gpus": 2,
+                "deployments": [
+                    {"model": "m", "version": "1", "profile": "llama3-8b-h200", "instances": 2}
+                ],
+            }
+        },
         "tenants": {"t": {"home": "A"}},
-        "workload": {"duration_s": 5, "streams": [
-            {"name": "s", "tenant": "t", "generator": "chat", "rate_rps": 4, "seed": 1,
-             "model": "m", "version": "1"}]},
+        "workload": {
+            "duration_s": 5,
+            "streams": [
+                {
+                    "name": "s",
+                    "tenant": "t",
+                    "generator": "chat",
+                    "rate_rps": 4,
+                    "seed": 1,
+                    "model": "m",
+                    "version": "1",
+                }
+            ],
+        },
     }
     sc = scenario_from_mapping(data, "<test>")
     from tokenfleet.sim.fleet import build_workload
@@ -431,8 +472,7 @@ def test_dynamo_picks_min_cost_and_tracks_active_load() -> None:
 
     router2 = DynamoKVRouter(seed=0)
     home2 = dispatch(router2, r1, pool).instance_id
-    router2.on_first_token(FirstTokenEvent(request=r1, instance_id=home2,
-                                           now_s=0.1, ttft_s=0.1))
+    router2.on_first_token(FirstTokenEvent(request=r1, instance_id=home2, now_s=0.1, ttft_s=0.1))
     # home2: prefill 32/16 = 2, decode 12 -> 14 < 20
     d = router2.route(r2, pool)
     assert d.instance_id == home2
@@ -456,8 +496,7 @@ def test_dynamo_follows_kv_events() -> None:
     assert (d.instance_id, d.expected_cached_tokens) == ("i1", 160)
     finish(router, r, "i1")
 
-    router.on_kv_event(KVEvent(instance_id="i1", kind="removed",
-                               block_hashes=prompt[5:]))
+    router.on_kv_event(KVEvent(instance_id="i1", kind="removed", block_hashes=prompt[5:]))
     r = req(prompt)
     d = router.route(r, pool)  # i1: 80/16 + 10 = 15 < 20
     assert (d.instance_id, d.expected_cached_tokens) == ("i1", 80)

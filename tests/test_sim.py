@@ -21,8 +21,9 @@ from tokenfleet.workloads.trace import TraceRequest
 PROFILE = get_profile("llama3-8b-h200")
 
 
-def burst(n: int, outputs: list[int], seed: int = 1, spacing_s: float = 0.002,
-          prefixes: int = 5) -> list[TraceRequest]:
+def burst(
+    n: int, outputs: list[int], seed: int = 1, spacing_s: float = 0.002, prefixes: int = 5
+) -> list[TraceRequest]:
     """n requests with shared prefixes arriving close together."""
     rng = random.Random(seed)
     out = []
@@ -31,9 +32,13 @@ def burst(n: int, outputs: list[int], seed: int = 1, spacing_s: float = 0.002,
         shared = tuple(10_000 * (p + 1) + j for j in range(rng.randint(20, 200)))
         own = tuple(10_000_000 + i * 1000 + j for j in range(rng.randint(5, 100)))
         hashes = shared + own
-        info = RequestInfo(request_id=f"r{i}", arrival_s=i * spacing_s,
-                           input_tokens=len(hashes) * 16 + 7, max_tokens=1024,
-                           block_hashes=hashes)
+        info = RequestInfo(
+            request_id=f"r{i}",
+            arrival_s=i * spacing_s,
+            input_tokens=len(hashes) * 16 + 7,
+            max_tokens=1024,
+            block_hashes=hashes,
+        )
         out.append(TraceRequest(info, outputs[i]))
     return out
 
@@ -47,8 +52,9 @@ def test_same_seed_same_result() -> None:
     reqs = burst(150, [random.Random(i).randint(50, 400) for i in range(150)])
     a, _ = run(reqs, "random", seed=3)
     b, _ = run(reqs, "random", seed=3)
-    assert [(r.instance_id, r.first_token_s, r.finish_s) for r in a] == \
-           [(r.instance_id, r.first_token_s, r.finish_s) for r in b]
+    assert [(r.instance_id, r.first_token_s, r.finish_s) for r in a] == [
+        (r.instance_id, r.first_token_s, r.finish_s) for r in b
+    ]
     c, _ = run(reqs, "random", seed=4)
     assert [r.instance_id for r in a] != [r.instance_id for r in c]
 
@@ -64,10 +70,14 @@ def test_no_policy_can_read_true_output_length(policy: str) -> None:
     b_out = [random.Random(i).randint(300, 1000) for i in range(n)]
     ra, _ = run(burst(n, a_out, spacing_s=0.01), policy, seed=7)
     rb, _ = run(burst(n, b_out, spacing_s=0.01), policy, seed=7)
-    first_done = min(min(r.finish_s for r in ra if r.finish_s),
-                     min(r.finish_s for r in rb if r.finish_s))
-    before = [(x.instance_id, y.instance_id) for x, y in zip(ra, rb)
-              if x.arrival_s < first_done]
+    first_done = min(
+        min(r.finish_s for r in ra if r.finish_s), min(r.finish_s for r in rb if r.finish_s)
+    )
+    before = [
+        (x.instance_id, y.instance_id)
+        for x, y in zip(ra, rb, strict=False)
+        if x.arrival_s < first_done
+    ]
     assert len(before) >= 50, "scenario must route many requests before any completes"
     assert all(x == y for x, y in before)
 
@@ -131,27 +141,43 @@ def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     return rc, err
 
 
-def test_cli_rejects_malformed_trace_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_rejects_malformed_trace_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     p = tmp_path / "bad.jsonl"
     good = {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}
     p.write_text(json.dumps(good) + "\n" + "{not json\n")
-    rc, err = _cli(capsys, "sim", "--trace", str(p), "--trace-format", "mooncake",
-                   "--policy", "round_robin", "--quiet")
+    rc, err = _cli(
+        capsys,
+        "sim",
+        "--trace",
+        str(p),
+        "--trace-format",
+        "mooncake",
+        "--policy",
+        "round_robin",
+        "--quiet",
+    )
     assert rc == 2
     assert f"{p}:2" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--policy", "no_such_router"], "no_such_router"),
-    (["--profile", "no_such_profile"], "no_such_profile"),
-    (["--load", "-0.5"], "--load"),
-    (["--routers", "4", "--shared-state-ms", "-5"], "--shared-state-ms must be >= 0"),
-])
-def test_cli_bad_arguments(argv: list[str], needle: str,
-                           capsys: pytest.CaptureFixture[str]) -> None:
-    rc, err = _cli(capsys, "sim", "--synthetic", "chat", "--synthetic-requests", "20",
-                   "--quiet", *argv)
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--policy", "no_such_router"], "no_such_router"),
+        (["--profile", "no_such_profile"], "no_such_profile"),
+        (["--load", "-0.5"], "--load"),
+        (["--routers", "4", "--shared-state-ms", "-5"], "--shared-state-ms must be >= 0"),
+    ],
+)
+def test_cli_bad_arguments(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, err = _cli(
+        capsys, "sim", "--synthetic", "chat", "--synthetic-requests", "20", "--quiet", *argv
+    )
     assert rc == 2
     assert needle in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
@@ -167,15 +193,29 @@ def test_results_do_not_depend_on_python_hash_seed(tmp_path: Path) -> None:
     outs = []
     for seed in ("1", "2"):
         out = tmp_path / f"run{seed}.json"
-        cmd = [sys.executable, "-m", "tokenfleet.cli.main", "sim", "--synthetic", "chat",
-               "--synthetic-requests", "150", "--instances", "4", "--load", "0.9",
-               "--quiet", "--json", str(out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tokenfleet.cli.main",
+            "sim",
+            "--synthetic",
+            "chat",
+            "--synthetic-requests",
+            "150",
+            "--instances",
+            "4",
+            "--load",
+            "0.9",
+            "--quiet",
+            "--json",
+            str(out),
+        ]
         for p in policies:
             cmd += ["--policy", p]
         env = {**__import__("os").environ, "PYTHONHASHSEED": seed}
         subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
         outs.append(json.loads(out.read_text())["runs"])
-    for a, b in zip(*outs):
+    for a, b in zip(*outs, strict=False):
         assert a["policy"] == b["policy"]
         for key in ("ttft_p50_s", "ttft_p95_s", "throughput_tok_s", "prefix_hit_ratio"):
             assert a[key] == b[key], (a["policy"], key)
@@ -215,30 +255,40 @@ def test_path_latency_delays_engine_arrival_and_client_tokens() -> None:
     fixed = PathLatency(dispatch_min_s=0.010, relay_min_s=0.003)
     late, _ = run(reqs, "round_robin", path_latency=fixed)
     # requests 0.5 s apart never queue: each TTFT grows by exactly the two latencies
-    for a, b in zip(ideal, late):
+    for a, b in zip(ideal, late, strict=False):
         assert a.request_id == b.request_id and a.instance_id == b.instance_id
         assert b.first_token_s - b.arrival_s == pytest.approx(
-            a.first_token_s - a.arrival_s + 0.013, abs=1e-9)
+            a.first_token_s - a.arrival_s + 0.013, abs=1e-9
+        )
         assert b.finish_s - b.first_token_s == pytest.approx(a.finish_s - a.first_token_s)
     zero, _ = run(reqs, "round_robin", path_latency=PathLatency())
-    assert [(r.first_token_s, r.finish_s) for r in zero] == \
-           [(r.first_token_s, r.finish_s) for r in ideal]
+    assert [(r.first_token_s, r.finish_s) for r in zero] == [
+        (r.first_token_s, r.finish_s) for r in ideal
+    ]
     # exponential tails: seeded, at least the minimum, different per request
-    jitter = PathLatency(dispatch_min_s=0.004, dispatch_tail_s=0.006, relay_min_s=0.001,
-                         relay_tail_s=0.003)
+    jitter = PathLatency(
+        dispatch_min_s=0.004, dispatch_tail_s=0.006, relay_min_s=0.001, relay_tail_s=0.003
+    )
     x, _ = run(reqs, "round_robin", path_latency=jitter)
     y, _ = run(reqs, "round_robin", path_latency=jitter)
     assert [r.first_token_s for r in x] == [r.first_token_s for r in y]
-    extra = [b.first_token_s - b.arrival_s - (a.first_token_s - a.arrival_s)
-             for a, b in zip(ideal, x)]
+    extra = [
+        b.first_token_s - b.arrival_s - (a.first_token_s - a.arrival_s)
+        for a, b in zip(ideal, x, strict=False)
+    ]
     assert min(extra) >= 0.005 - 1e-9 and len({round(e, 9) for e in extra}) > 30
 
 
 def test_path_latency_request_cancelled_before_reaching_its_engine() -> None:
     from tokenfleet.sim.cluster import PathLatency
 
-    info = RequestInfo(request_id="c0", arrival_s=0.0, input_tokens=4000, max_tokens=64,
-                       block_hashes=tuple(range(250)))
+    info = RequestInfo(
+        request_id="c0",
+        arrival_s=0.0,
+        input_tokens=4000,
+        max_tokens=64,
+        block_hashes=tuple(range(250)),
+    )
     tr = TraceRequest(info, 32, client_timeout_s=0.005)
     recs, pool = run([tr], "round_robin", path_latency=PathLatency(dispatch_min_s=0.050))
     assert recs[0].status == "cancelled" and recs[0].first_token_s is None

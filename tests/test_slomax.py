@@ -25,7 +25,6 @@ from tokenfleet.core.admission import (
     WindowStats,
     kv_reservation_tokens,
 )
-
 from tokenfleet.core.admission.controller import ControllerConfig, SLOMaxController
 from tokenfleet.core.admission.llmd_flow_control import LlmdFlowControlAdmission
 from tokenfleet.core.admission.slomax import SLOMaxAdmission
@@ -54,19 +53,35 @@ REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO.parent / "shared" / "traces"
 
 
-def req(rid: str, input_tokens: int = 1000, max_tokens: int = 512, tier: str = "",
-        arrival_s: float = 0.0, **kw: Any) -> RequestInfo:
-    return RequestInfo(request_id=rid, arrival_s=arrival_s, input_tokens=input_tokens,
-                       max_tokens=max_tokens, tier=tier, **kw)
+def req(
+    rid: str,
+    input_tokens: int = 1000,
+    max_tokens: int = 512,
+    tier: str = "",
+    arrival_s: float = 0.0,
+    **kw: Any,
+) -> RequestInfo:
+    return RequestInfo(
+        request_id=rid,
+        arrival_s=arrival_s,
+        input_tokens=input_tokens,
+        max_tokens=max_tokens,
+        tier=tier,
+        **kw,
+    )
 
 
 def instances(n: int, now_s: float = 0.0) -> list[InstanceLoad]:
     out = []
     for i in range(n):
-        view = InstanceView(instance_id=f"i{i}", profile=PROFILE,
-                            kv_capacity_tokens=PROFILE.kv_capacity_tokens,
-                            max_model_len_tokens=PROFILE.model.max_model_len_tokens,
-                            metrics=ScrapedMetrics(scraped_at_s=now_s), index=i)
+        view = InstanceView(
+            instance_id=f"i{i}",
+            profile=PROFILE,
+            kv_capacity_tokens=PROFILE.kv_capacity_tokens,
+            max_model_len_tokens=PROFILE.model.max_model_len_tokens,
+            metrics=ScrapedMetrics(scraped_at_s=now_s),
+            index=i,
+        )
         out.append(InstanceLoad(view=view))
     return out
 
@@ -86,17 +101,20 @@ def book(inst: InstanceLoad, r: RequestInfo, prefilling: bool = True) -> None:
 
 
 # -- 1. classification ------------------------------------------------------------------
-@pytest.mark.parametrize("info,tier", [
-    (req("a", 500), "interactive"),
-    (req("b", 9000), "long_context"),  # >= 8192 input tokens
-    (req("c", 500, task_type="batch"), "batch"),  # the batch endpoint
-    (req("d", 30000, task_type="batch"), "batch"),  # batch wins over length
-    (req("e", 500, slo_class="batch"), "batch"),  # tenant's declared class
-    (req("f", 500, max_tokens=32768), "long_context"),  # huge output budget holds KV
-    (req("g", 500, slo_class="long_context"), "long_context"),
-    (req("h", 20000, slo_class="interactive"), "long_context"),  # no chat limit fits
-    (req("i", 20000, tier="interactive"), "interactive"),  # explicit tier wins
-])
+@pytest.mark.parametrize(
+    "info,tier",
+    [
+        (req("a", 500), "interactive"),
+        (req("b", 9000), "long_context"),  # >= 8192 input tokens
+        (req("c", 500, task_type="batch"), "batch"),  # the batch endpoint
+        (req("d", 30000, task_type="batch"), "batch"),  # batch wins over length
+        (req("e", 500, slo_class="batch"), "batch"),  # tenant's declared class
+        (req("f", 500, max_tokens=32768), "long_context"),  # huge output budget holds KV
+        (req("g", 500, slo_class="long_context"), "long_context"),
+        (req("h", 20000, slo_class="interactive"), "long_context"),  # no chat limit fits
+        (req("i", 20000, tier="interactive"), "interactive"),  # explicit tier wins
+    ],
+)
 def test_classification_rules(info: RequestInfo, tier: str) -> None:
     assert classify(info, SLO) == tier
 
@@ -149,7 +167,8 @@ def test_long_context_capped_per_instance_then_queued_then_rejected_early() -> N
     limit = SLO.slo_for("long_context").ttft_limit_s(30000)
     assert limit is not None
     assert d3.retry_after_s == pytest.approx(
-        d3.predicted_wait_s + pol._own_s(late, PROFILE) - limit, rel=1e-6)
+        d3.predicted_wait_s + pol._own_s(late, PROFILE) - limit, rel=1e-6
+    )
     assert d3.retry_after_s > 0
 
 
@@ -288,9 +307,11 @@ def test_strict_priority_serves_higher_tiers_first() -> None:
 
 
 def test_registry_names_and_duplicates() -> None:
-    assert {"fcfs", "strict_priority", "llmd", "llmd_flow_control",
-            "slomax"} <= set(ADMISSION.names())
+    assert {"fcfs", "strict_priority", "llmd", "llmd_flow_control", "slomax"} <= set(
+        ADMISSION.names()
+    )
     from tokenfleet.errors import DuplicateNameError
+
     with pytest.raises(DuplicateNameError):
         ADMISSION.add("slomax", SLOMaxAdmission)
 
@@ -306,8 +327,14 @@ def _kv_pressure_workload(n: int = 160, seed: int = 3) -> list[TraceRequest]:
         elif tier_roll < 0.7:
             info = req(f"l{i}", rng.randint(9000, 20000), 1024, arrival_s=i * 0.02)
         else:
-            info = req(f"b{i}", rng.randint(500, 4000), 1024, arrival_s=0.0,
-                       task_type="batch", deadline_s=600.0)
+            info = req(
+                f"b{i}",
+                rng.randint(500, 4000),
+                1024,
+                arrival_s=0.0,
+                task_type="batch",
+                deadline_s=600.0,
+            )
         out.append(TraceRequest(info, rng.randint(200, 1024)))
     out.sort(key=lambda r: r.info.arrival_s)
     return out
@@ -315,8 +342,9 @@ def _kv_pressure_workload(n: int = 160, seed: int = 3) -> list[TraceRequest]:
 
 def test_no_preemption_over_a_whole_run_even_where_fcfs_preempts() -> None:
     reqs = _kv_pressure_workload()
-    cfg = PoolConfig(profile=PROFILE, n_instances=2, router="round_robin",
-                     kv_capacity_blocks=4000)  # 64k tokens of KV per instance
+    cfg = PoolConfig(
+        profile=PROFILE, n_instances=2, router="round_robin", kv_capacity_blocks=4000
+    )  # 64k tokens of KV per instance
     fcfs, pool_fcfs, _ = run_pool_with_admission(reqs, cfg, SLO, "fcfs")
     assert pool_fcfs.preemptions() > 0, "scenario must put the KV cache under pressure"
     recs, pool, _ = run_pool_with_admission(reqs, cfg, SLO, "slomax")
@@ -334,8 +362,9 @@ def _plant(share: float, load: float) -> float:
 
 
 def _window(att: float, share: float = 0.5) -> WindowStats:
-    w = WindowStats(period_s=5.0, batch_remaining=1000, batch_deadline_s=1e9,
-                    batch_finished=round(40 * share))
+    w = WindowStats(
+        period_s=5.0, batch_remaining=1000, batch_deadline_s=1e9, batch_finished=round(40 * share)
+    )
     w.tiers["interactive"] = TierWindow(finished=1000, met=round(1000 * att), completed=1000)
     return w
 
@@ -354,8 +383,8 @@ def test_controller_converges_after_a_load_step_without_oscillating() -> None:
         assert max(tail) - min(tail) < 0.04, f"still moving: {tail}"
         att = _plant(tail[-1], load)
         assert target - ctl.cfg.band - 0.01 <= att <= 1.0, att
-        moves = [b - a for a, b in zip(tail, tail[1:]) if abs(b - a) > 1e-12]
-        reversals = sum(1 for a, b in zip(moves, moves[1:]) if (a > 0) != (b > 0))
+        moves = [b - a for a, b in zip(tail, tail[1:], strict=False) if abs(b - a) > 1e-12]
+        reversals = sum(1 for a, b in zip(moves, moves[1:], strict=False) if (a > 0) != (b > 0))
         assert reversals <= 1, f"sustained oscillation: {tail}"
 
     settled(shares[:60], 0.6)
@@ -379,8 +408,7 @@ def test_controller_state_round_trips_for_the_beat_task() -> None:
 def test_controller_protects_the_batch_deadline() -> None:
     """Behind schedule, batch grows even while interactive is slightly short."""
     ctl = SLOMaxController(ControllerConfig(batch_share=0.3))
-    w = WindowStats(period_s=5.0, batch_remaining=5000, batch_deadline_s=100.0,
-                    batch_finished=10)
+    w = WindowStats(period_s=5.0, batch_remaining=5000, batch_deadline_s=100.0, batch_finished=10)
     w.tiers["interactive"] = TierWindow(finished=100, met=94, completed=100)
     before = ctl.batch.value
     ctl.update(w, now_s=0.0)
@@ -388,11 +416,28 @@ def test_controller_protects_the_batch_deadline() -> None:
 
 
 # -- 5. goodput accounting ---------------------------------------------------------------------
-def rec(rid: str, tier: str, status: str, *, arrival: float = 0.0, first: float | None = None,
-        finish: float | None = None, out: int = 0, inp: int = 100, waste: float = 0.0,
-        deadline: float | None = None) -> RequestRecord:
-    r = RequestRecord(request_id=rid, tenant="t", tier=tier, arrival_s=arrival,
-                      input_tokens=inp, max_tokens=1024, deadline_s=deadline)
+def rec(
+    rid: str,
+    tier: str,
+    status: str,
+    *,
+    arrival: float = 0.0,
+    first: float | None = None,
+    finish: float | None = None,
+    out: int = 0,
+    inp: int = 100,
+    waste: float = 0.0,
+    deadline: float | None = None,
+) -> RequestRecord:
+    r = RequestRecord(
+        request_id=rid,
+        tenant="t",
+        tier=tier,
+        arrival_s=arrival,
+        input_tokens=inp,
+        max_tokens=1024,
+        deadline_s=deadline,
+    )
     r.status, r.first_token_s, r.finish_s, r.output_tokens = status, first, finish, out
     r.dispatched_s = arrival if status != "rejected" else None
     r.wasted_gpu_s = waste
@@ -414,8 +459,17 @@ def test_goodput_strict_rule_on_a_hand_computed_example() -> None:
         rec("b_timeout", "batch", "timed_out", finish=100.0, deadline=100.0),
     ]
     s = summarize(records, SLO, duration_s=100.0)
-    assert [r.slo_met for r in records] == [True, False, False, False, False, False,
-                                            True, False, False]
+    assert [r.slo_met for r in records] == [
+        True,
+        False,
+        False,
+        False,
+        False,
+        False,
+        True,
+        False,
+        False,
+    ]
     assert s["goodput_tok_s"] == pytest.approx((101 + 200) / 100.0)
     assert s["throughput_tok_s"] == pytest.approx((101 + 41 + 101 + 200 + 300) / 100.0)
     assert s["slo_attainment"] == pytest.approx(2 / 9)
@@ -430,9 +484,19 @@ def test_goodput_strict_rule_on_a_hand_computed_example() -> None:
 # -- 6. the driver: equivalence, timeouts, waste ------------------------------------------------
 def _chat(n: int, seed: int = 1, spacing_s: float = 0.01) -> list[TraceRequest]:
     rng = random.Random(seed)
-    return [TraceRequest(req(f"r{i}", rng.randint(100, 3000), 1024, arrival_s=i * spacing_s,
-                             block_hashes=tuple(range(i * 1000, i * 1000 + 20))),
-                         rng.randint(20, 400)) for i in range(n)]
+    return [
+        TraceRequest(
+            req(
+                f"r{i}",
+                rng.randint(100, 3000),
+                1024,
+                arrival_s=i * spacing_s,
+                block_hashes=tuple(range(i * 1000, i * 1000 + 20)),
+            ),
+            rng.randint(20, 400),
+        )
+        for i in range(n)
+    ]
 
 
 def test_fcfs_admission_is_exactly_todays_behaviour() -> None:
@@ -441,17 +505,20 @@ def test_fcfs_admission_is_exactly_todays_behaviour() -> None:
     a, _ = run_pool(reqs, cfg, SLO)
     b, _, _ = run_pool_with_admission(reqs, cfg, SLO, "fcfs")
     key = [(r.request_id, r.instance_id, r.first_token_s, r.finish_s, r.status) for r in a]
-    assert key == [(r.request_id, r.instance_id, r.first_token_s, r.finish_s, r.status)
-                   for r in b]
+    assert key == [(r.request_id, r.instance_id, r.first_token_s, r.finish_s, r.status) for r in b]
 
 
 def test_client_timeouts_cancel_and_count_spent_work_as_waste() -> None:
     # A batch job floods one instance; chat clients give up after 0.5 s without
     # a first token. FCFS leaves them behind the job; strict priority serves them.
-    jobs = [TraceRequest(req(f"b{i}", 2000, 1024, task_type="batch", deadline_s=1e4), 800)
-            for i in range(60)]
-    chats = [TraceRequest(req(f"c{i}", 500, 1024, arrival_s=0.01 + 0.001 * i), 100, 0.5)
-             for i in range(10)]
+    jobs = [
+        TraceRequest(req(f"b{i}", 2000, 1024, task_type="batch", deadline_s=1e4), 800)
+        for i in range(60)
+    ]
+    chats = [
+        TraceRequest(req(f"c{i}", 500, 1024, arrival_s=0.01 + 0.001 * i), 100, 0.5)
+        for i in range(10)
+    ]
     cfg = PoolConfig(profile=PROFILE, n_instances=1, router="round_robin")
     recs, _, _ = run_pool_with_admission(jobs + chats, cfg, SLO, "fcfs")
     cancelled = [r for r in recs if r.status == "cancelled"]
@@ -468,8 +535,9 @@ def test_client_timeouts_cancel_and_count_spent_work_as_waste() -> None:
 def test_gateway_queue_cancellation_spends_nothing() -> None:
     # One long-context slot; the second long request waits in the gateway queue
     # and its client gives up there: no waste, no dispatch.
-    slo = SLOConfig.from_mapping({"tiers": {"long_context": {
-        "ttft_s": 30.0, "ttft_per_1k_input_s": 0.1}}})
+    slo = SLOConfig.from_mapping(
+        {"tiers": {"long_context": {"ttft_s": 30.0, "ttft_per_1k_input_s": 0.1}}}
+    )
     a = TraceRequest(req("L1", 60000, 64), 10)
     b = TraceRequest(req("L2", 60000, 64, arrival_s=0.001), 10, 0.2)
     cfg = PoolConfig(profile=PROFILE, n_instances=1, router="round_robin")
@@ -483,8 +551,10 @@ def _write_traces(d: Path) -> tuple[Path, Path]:
     az = d / "chat.csv"
     lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
     for i in range(400):
-        lines.append(f"2023-11-16 18:{i // 60:02d}:{i % 60:02d}.5000000,{200 + (i * 37) % 1500},"
-                     f"{20 + (i * 13) % 200}")
+        lines.append(
+            f"2023-11-16 18:{i // 60:02d}:{i % 60:02d}.5000000,{200 + (i * 37) % 1500},"
+            f"{20 + (i * 13) % 200}"
+        )
     az.write_text("\n".join(lines) + "\n")
     mc = d / "docs.jsonl"
     rows = []
@@ -492,9 +562,16 @@ def _write_traces(d: Path) -> tuple[Path, Path]:
         n_in = 9000 + (i * 977) % 12000
         nb = -(-n_in // 512)
         base = (i % 4) * 100
-        rows.append(json.dumps({"timestamp": i * 2000, "input_length": n_in,
-                                "output_length": 30 + i % 50,
-                                "hash_ids": [base + k for k in range(nb)]}))
+        rows.append(
+            json.dumps(
+                {
+                    "timestamp": i * 2000,
+                    "input_length": n_in,
+                    "output_length": 30 + i % 50,
+                    "hash_ids": [base + k for k in range(nb)],
+                }
+            )
+        )
     mc.write_text("\n".join(rows) + "\n")
     return az, mc
 
@@ -527,11 +604,15 @@ def test_mix_composes_classes_with_their_own_rules(tmp_path: Path) -> None:
     az, mc = _write_traces(tmp_path)
     spec = load_mix(_write_mix(tmp_path, az, mc))
     reqs = build_mix(spec)
-    by = {c: [r for r in reqs if r.info.request_id.startswith(c + "/")]
-          for c in ("chat", "docs", "job")}
+    by = {
+        c: [r for r in reqs if r.info.request_id.startswith(c + "/")]
+        for c in ("chat", "docs", "job")
+    }
     assert len(by["job"]) == 120
-    assert all(r.info.arrival_s == 0.0 and r.info.deadline_s == 50.0
-               and r.info.task_type == "batch" for r in by["job"])
+    assert all(
+        r.info.arrival_s == 0.0 and r.info.deadline_s == 50.0 and r.info.task_type == "batch"
+        for r in by["job"]
+    )
     assert all(r.info.max_tokens == 512 and r.info.tenant == "chat" for r in by["chat"])
     rate = (len(by["chat"]) - 1) / (by["chat"][-1].info.arrival_s - by["chat"][0].info.arrival_s)
     assert rate == pytest.approx(3.0, rel=0.05)
@@ -556,14 +637,17 @@ def test_a_mix_scaled_to_a_load_offers_that_load(tmp_path: Path) -> None:
         build_at_load(spec, 0.8, PROFILE, 2)
 
 
-@pytest.mark.parametrize("bad,field", [
-    ({"classes": []}, "classes"),
-    ({"classes": [{"name": "a"}]}, "classes[0]"),
-    ({"classes": [{"name": "a", "trace": "x.csv", "colour": 1}]}, "classes[0].colour"),
-    ({"classes": [{"name": "a", "trace": "x.csv", "tier": "vip"}]}, "classes[0].tier"),
-    ({"classes": [{"name": "a", "trace": "x.csv", "at_s": 0, "rate_rps": 3}]}, "classes[0]"),
-    ({"duration_s": -1, "classes": [{"name": "a", "trace": "x.csv"}]}, "duration_s"),
-])
+@pytest.mark.parametrize(
+    "bad,field",
+    [
+        ({"classes": []}, "classes"),
+        ({"classes": [{"name": "a"}]}, "classes[0]"),
+        ({"classes": [{"name": "a", "trace": "x.csv", "colour": 1}]}, "classes[0].colour"),
+        ({"classes": [{"name": "a", "trace": "x.csv", "tier": "vip"}]}, "classes[0].tier"),
+        ({"classes": [{"name": "a", "trace": "x.csv", "at_s": 0, "rate_rps": 3}]}, "classes[0]"),
+        ({"duration_s": -1, "classes": [{"name": "a", "trace": "x.csv"}]}, "duration_s"),
+    ],
+)
 def test_mix_validation_names_the_field(bad: dict[str, Any], field: str) -> None:
     with pytest.raises(ValidationError) as e:
         parse_mix(bad, source="m.yaml")
@@ -574,8 +658,22 @@ def test_cli_workload_admission_json(tmp_path: Path, capsys: pytest.CaptureFixtu
     az, mc = _write_traces(tmp_path)
     y = _write_mix(tmp_path, az, mc)
     out = tmp_path / "out.json"
-    rc = main(["sim", "--workload", str(y), "--instances", "2", "--admission", "fcfs",
-               "--admission", "slomax", "--json", str(out), "--quiet"])
+    rc = main(
+        [
+            "sim",
+            "--workload",
+            str(y),
+            "--instances",
+            "2",
+            "--admission",
+            "fcfs",
+            "--admission",
+            "slomax",
+            "--json",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert rc == 0
     data = json.loads(out.read_text())
     runs = {r["admission"]: r for r in data["runs"]}
@@ -584,8 +682,14 @@ def test_cli_workload_admission_json(tmp_path: Path, capsys: pytest.CaptureFixtu
         assert r["policy"] == "round_robin"
         for tier in ("interactive", "long_context", "batch"):
             m = r["per_tier"][tier]
-            for k in ("goodput_tok_s", "slo_attainment", "rejected", "cancelled",
-                      "wasted_gpu_s", "duplicates"):
+            for k in (
+                "goodput_tok_s",
+                "slo_attainment",
+                "rejected",
+                "cancelled",
+                "wasted_gpu_s",
+                "duplicates",
+            ):
                 assert k in m
         assert r["admission_report"]["batch_deadline_met"] in (True, False)
         assert r["admission_report"]["timeline"]
@@ -593,8 +697,9 @@ def test_cli_workload_admission_json(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert data["workload"]["requests_per_class"]["job"] == 120
 
 
-def test_cli_workload_missing_trace_is_a_clear_error(tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_workload_missing_trace_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     y = tmp_path / "m.yaml"
     y.write_text("classes:\n  - {name: a, trace: nowhere/x.csv, rate_rps: 1}\n")
     rc = main(["sim", "--workload", str(y), "--admission", "fcfs", "--quiet"])
@@ -612,8 +717,10 @@ def test_mixed_yaml_parses_and_points_at_the_shared_traces() -> None:
     assert spec.load == 0.93  # scaled to its design load unless --load says otherwise
     with pytest.raises(ValidationError, match="load"):
         parse_mix({"load": -1, "classes": [{"name": "c", "synthetic": "chat", "rate_rps": 1}]})
-    assert all(c.trace is not None and c.trace.name in (
-        "azure_conv_2023.csv", "mooncake_synthetic.jsonl") for c in spec.classes)
+    assert all(
+        c.trace is not None and c.trace.name in ("azure_conv_2023.csv", "mooncake_synthetic.jsonl")
+        for c in spec.classes
+    )
 
 
 @pytest.mark.slow
@@ -622,16 +729,32 @@ def test_mixed_scenario_acceptance(tmp_path: Path) -> None:
     spec = load_mix(MIXED)
     missing = missing_traces(spec)
     if missing:
-        pytest.skip(f"shared traces absent ({', '.join(str(m) for m in missing)}); "
-                    "the mixed scenario needs ../shared/traces")
+        pytest.skip(
+            f"shared traces absent ({', '.join(str(m) for m in missing)}); "
+            "the mixed scenario needs ../shared/traces"
+        )
     out = tmp_path / "mixed.json"
-    rc = main(["sim", "--workload", str(MIXED), "--admission", "fcfs", "--admission", "llmd",
-               "--admission", "slomax", "--admission", "llmd_flow_control",
-               "--json", str(out), "--quiet"])
+    rc = main(
+        [
+            "sim",
+            "--workload",
+            str(MIXED),
+            "--admission",
+            "fcfs",
+            "--admission",
+            "llmd",
+            "--admission",
+            "slomax",
+            "--admission",
+            "llmd_flow_control",
+            "--json",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert rc == 0
     runs = {r["admission"]: r for r in json.loads(out.read_text())["runs"]}
-    fc, ld, sm, fl = (runs["fcfs"], runs["llmd"], runs["slomax"],
-                      runs["llmd_flow_control"])
+    fc, ld, sm, fl = (runs["fcfs"], runs["llmd"], runs["slomax"], runs["llmd_flow_control"])
     # the mix's own load 0.93: fcfs 80.5% after the engine recalibration (73.4%
     # before); SLOMax 1.299x fcfs, a hair under the 1.30x aim (docs/slomax.md)
     assert 0.70 <= fc["slo_attainment"] <= 0.90

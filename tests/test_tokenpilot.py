@@ -45,11 +45,14 @@ TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 # -- helpers ------------------------------------------------------------------------
 def views(n: int, **metrics: object) -> list[InstanceView]:
     return [
-        InstanceView(instance_id=f"i{i}", profile=PROFILE,
-                     kv_capacity_tokens=PROFILE.kv_capacity_tokens,
-                     max_model_len_tokens=PROFILE.model.max_model_len_tokens,
-                     metrics=ScrapedMetrics(scraped_at_s=0.0, **metrics),  # type: ignore[arg-type]
-                     index=i)
+        InstanceView(
+            instance_id=f"i{i}",
+            profile=PROFILE,
+            kv_capacity_tokens=PROFILE.kv_capacity_tokens,
+            max_model_len_tokens=PROFILE.model.max_model_len_tokens,
+            metrics=ScrapedMetrics(scraped_at_s=0.0, **metrics),  # type: ignore[arg-type]
+            index=i,
+        )
         for i in range(n)
     ]
 
@@ -63,23 +66,33 @@ def prompt(blocks: int, base: int | None = None) -> tuple[int, ...]:
     return tuple(b * 1_000_000 + j for j in range(blocks))
 
 
-def req(hashes: tuple[int, ...], max_tokens: int = 256, extra_tokens: int = 8,
-        arrival_s: float = 1.0) -> RequestInfo:
-    return RequestInfo(request_id=f"r{next(_ids)}", arrival_s=arrival_s,
-                       input_tokens=len(hashes) * BLOCK_SIZE_TOKENS + extra_tokens,
-                       max_tokens=max_tokens, block_hashes=hashes)
+def req(
+    hashes: tuple[int, ...], max_tokens: int = 256, extra_tokens: int = 8, arrival_s: float = 1.0
+) -> RequestInfo:
+    return RequestInfo(
+        request_id=f"r{next(_ids)}",
+        arrival_s=arrival_s,
+        input_tokens=len(hashes) * BLOCK_SIZE_TOKENS + extra_tokens,
+        max_tokens=max_tokens,
+        block_hashes=hashes,
+    )
 
 
-def first_token(router: TokenPilotRouter, r: RequestInfo, d: RouteDecision,
-                now_s: float, ttft_s: float | None = None) -> None:
+def first_token(
+    router: TokenPilotRouter,
+    r: RequestInfo,
+    d: RouteDecision,
+    now_s: float,
+    ttft_s: float | None = None,
+) -> None:
     """Report a first token exactly when predicted (keeps kappa at 1)."""
     t = d.predicted_ttft_s if ttft_s is None else ttft_s
-    router.on_first_token(FirstTokenEvent(r, d.instance_id, now_s, t or 0.0,
-                                          d.predicted_ttft_s))
+    router.on_first_token(FirstTokenEvent(r, d.instance_id, now_s, t or 0.0, d.predicted_ttft_s))
 
 
-def warm(router: TokenPilotRouter, pool: list[InstanceView], target: int,
-         hashes: tuple[int, ...]) -> None:
+def warm(
+    router: TokenPilotRouter, pool: list[InstanceView], target: int, hashes: tuple[int, ...]
+) -> None:
     """Make ``router`` see ``hashes`` prefilled on instance ``target``."""
     for k, v in enumerate(pool):
         v.ready = k == target
@@ -91,8 +104,14 @@ def warm(router: TokenPilotRouter, pool: list[InstanceView], target: int,
         v.ready = True
 
 
-def fill(router: TokenPilotRouter, pool: list[InstanceView], target: int,
-         n: int, blocks: int, now_s: float = 1.0) -> float:
+def fill(
+    router: TokenPilotRouter,
+    pool: list[InstanceView],
+    target: int,
+    n: int,
+    blocks: int,
+    now_s: float = 1.0,
+) -> float:
     """Queue ``n`` unrelated prompts on ``target`` (others not ready); return seconds."""
     for k, v in enumerate(pool):
         v.ready = k == target
@@ -103,14 +122,31 @@ def fill(router: TokenPilotRouter, pool: list[InstanceView], target: int,
     return router.queue_s(pool[target].instance_id, now_s)
 
 
-def pool_sim(reqs: list[TraceRequest], policy: str, *, n: int = 4, routers: int = 1,
-             scrape_s: float = 0.1, router_profile: object = None,
-             seed: int = 0) -> tuple[list[RequestRecord], PoolSim]:
+def pool_sim(
+    reqs: list[TraceRequest],
+    policy: str,
+    *,
+    n: int = 4,
+    routers: int = 1,
+    scrape_s: float = 0.1,
+    router_profile: object = None,
+    seed: int = 0,
+) -> tuple[list[RequestRecord], PoolSim]:
     env = Environment()
     recs: list[RequestRecord] = []
-    pool = PoolSim(env, PoolConfig(profile=PROFILE, n_instances=n, router=policy,
-                                   n_routers=routers, scrape_interval_s=scrape_s, seed=seed),
-                   SLOConfig(), on_done=recs.append)
+    pool = PoolSim(
+        env,
+        PoolConfig(
+            profile=PROFILE,
+            n_instances=n,
+            router=policy,
+            n_routers=routers,
+            scrape_interval_s=scrape_s,
+            seed=seed,
+        ),
+        SLOConfig(),
+        on_done=recs.append,
+    )
     if router_profile is not None:  # what the routers believe, not what the engines do
         for vs in pool.views:
             for v in vs:
@@ -132,8 +168,14 @@ def rate_for(util: float, n_instances: int, mean_prompt_tokens: int) -> float:
     return util * n_instances / PROFILE.prefill_time_s(mean_prompt_tokens)
 
 
-def workload(n: int, rate: float, seed: int = 0, families: int = 40, p_family: float = 0.6,
-             out: tuple[int, int] = (20, 200)) -> list[TraceRequest]:
+def workload(
+    n: int,
+    rate: float,
+    seed: int = 0,
+    families: int = 40,
+    p_family: float = 0.6,
+    out: tuple[int, int] = (20, 200),
+) -> list[TraceRequest]:
     """Poisson arrivals; a share of prompts continue one of a few long families."""
     rng = random.Random(seed)
     t = 0.0
@@ -145,9 +187,13 @@ def workload(n: int, rate: float, seed: int = 0, families: int = 40, p_family: f
             hashes = rng.choice(fam) + prompt(rng.randint(4, 60))
         else:
             hashes = prompt(rng.randint(50, 900))
-        info = RequestInfo(request_id=f"w{seed}-{i}", arrival_s=t,
-                           input_tokens=len(hashes) * BLOCK_SIZE_TOKENS + 5,
-                           max_tokens=512, block_hashes=hashes)
+        info = RequestInfo(
+            request_id=f"w{seed}-{i}",
+            arrival_s=t,
+            input_tokens=len(hashes) * BLOCK_SIZE_TOKENS + 5,
+            max_tokens=512,
+            block_hashes=hashes,
+        )
         reqs.append(TraceRequest(info, rng.randint(*out)))
     return reqs
 
@@ -157,8 +203,17 @@ def workload(n: int, rate: float, seed: int = 0, families: int = 40, p_family: f
 def test_closed_form_prefill_matches_the_chunked_roofline(name: str) -> None:
     prof = get_profile(name)
     model = PrefillModel(prof)
-    for u, c in [(1, 0), (700, 0), (5000, 0), (8192, 0), (15000, 0), (5000, 10000),
-                 (32000, 0), (300, 30000), (70000, 20000)]:
+    for u, c in [
+        (1, 0),
+        (700, 0),
+        (5000, 0),
+        (8192, 0),
+        (15000, 0),
+        (5000, 10000),
+        (32000, 0),
+        (300, 30000),
+        (70000, 20000),
+    ]:
         assert model.seconds(u, c) == pytest.approx(prof.prefill_time_s(u, c), rel=0.02)
 
 
@@ -187,8 +242,7 @@ def test_corrector_converges_and_ignores_one_sided_outliers() -> None:
 
 
 # -- cache benefit vs queue cost (hand-built snapshots) ----------------------------------
-def test_leaves_a_hot_cached_instance_once_its_queue_costs_more_than_the_saved_prefill(
-) -> None:
+def test_leaves_a_hot_cached_instance_once_its_queue_costs_more_than_the_saved_prefill() -> None:
     shared = prompt(768)  # 12,288 cached tokens
     own = 256  # blocks of new suffix: 4,096 tokens
 
@@ -202,8 +256,9 @@ def test_leaves_a_hot_cached_instance_once_its_queue_costs_more_than_the_saved_p
         cached = 0
         if d.instance_id == "i0":
             cached = d.expected_cached_tokens
-        saved = (PROFILE.prefill_time_s(r.input_tokens)
-                 - PROFILE.prefill_time_s(r.input_tokens - 12_000, 12_000))
+        saved = PROFILE.prefill_time_s(r.input_tokens) - PROFILE.prefill_time_s(
+            r.input_tokens - 12_000, 12_000
+        )
         return d, queued, saved + 0 * cached
 
     d0, _, saved = scenario(0)
@@ -270,11 +325,12 @@ def test_not_ready_or_wrong_model_instances_are_never_chosen() -> None:
 def test_ties_spread_over_idle_instances_never_always_worker_zero() -> None:
     router = TokenPilotRouter()
     pool = views(8)
-    chosen = [router.route(req(prompt(100)), PoolSnapshot(1.0, pool)).instance_id
-              for _ in range(8)]
+    chosen = [router.route(req(prompt(100)), PoolSnapshot(1.0, pool)).instance_id for _ in range(8)]
     assert len(set(chosen)) == 8  # each dispatch queues work, the next goes elsewhere
-    firsts = {TokenPilotRouter(seed=s).route(req(prompt(100)), PoolSnapshot(1.0, views(8)))
-              .instance_id for s in range(40)}
+    firsts = {
+        TokenPilotRouter(seed=s).route(req(prompt(100)), PoolSnapshot(1.0, views(8))).instance_id
+        for s in range(40)
+    }
     assert len(firsts) >= 6  # fresh routers, fresh prompts: no favourite instance
 
 
@@ -287,8 +343,7 @@ def test_speculative_entries_keep_a_burst_sharing_a_new_prefix_together() -> Non
         shared = prompt(2000)  # 32k tokens, new to everyone
         out = []
         for _ in range(2):  # same instant: no first token yet
-            out.append(router.route(req(shared + prompt(4)), PoolSnapshot(1.0, pool))
-                       .instance_id)
+            out.append(router.route(req(shared + prompt(4)), PoolSnapshot(1.0, pool)).instance_id)
         return out
 
     assert burst(30.0) == ["i0", "i0"]
@@ -331,8 +386,9 @@ def test_inferred_kv_hints_feed_the_approximate_tier_without_switching_to_exact(
     assert d.instance_id == "i1" and d.expected_cached_tokens >= 568 * BLOCK_SIZE_TOKENS
     first_token(router, r, d, now_s=1.0)
     router.on_kv_event(KVEvent("i1", "removed", hashes, exact=False))
-    assert router.route(req(hashes + prompt(10)), PoolSnapshot(1.1, pool)) \
-        .expected_cached_tokens == 0
+    assert (
+        router.route(req(hashes + prompt(10)), PoolSnapshot(1.1, pool)).expected_cached_tokens == 0
+    )
     router.on_kv_event(KVEvent("i1", "stored", hashes))  # the engine itself: exact from now
     assert router.knowledge.exact_instances == {"i1"}
     router.on_kv_event(KVEvent("i1", "removed", hashes, exact=False))  # ignored now
@@ -375,25 +431,36 @@ def test_the_true_output_length_is_never_read() -> None:
         r = _Trap(**{f: getattr(base, f) for f in RequestInfo.__dataclass_fields__})
         d = router.route(r, PoolSnapshot(1.0 + i, pool))
         first_token(router, r, d, now_s=1.1 + i)
-        router.on_complete(CompletionEvent(r, d.instance_id, 2.0 + i, "completed",
-                                           output_tokens=42, cached_tokens=0,
-                                           ttft_s=0.1, e2e_s=1.0))
+        router.on_complete(
+            CompletionEvent(
+                r,
+                d.instance_id,
+                2.0 + i,
+                "completed",
+                output_tokens=42,
+                cached_tokens=0,
+                ttft_s=0.1,
+                e2e_s=1.0,
+            )
+        )
     assert router.outputs.quantiles("default", "chat") is not None  # learned after the fact
 
 
 # -- behaviour over time (simulator) --------------------------------------------------------
 def test_online_correction_when_the_profile_is_wrong_by_2x() -> None:
-    gpu_fast = replace(H200, peak_flops=2 * H200.peak_flops,
-                       hbm_bytes_per_s=2 * H200.hbm_bytes_per_s)
+    gpu_fast = replace(
+        H200, peak_flops=2 * H200.peak_flops, hbm_bytes_per_s=2 * H200.hbm_bytes_per_s
+    )
     believed = PROFILE.with_overrides(gpu=gpu_fast, step_overhead_s=PROFILE.step_overhead_s / 2)
-    assert believed.prefill_time_s(10_000) == pytest.approx(PROFILE.prefill_time_s(10_000) / 2,
-                                                            rel=0.01)
-    recs, pool = pool_sim(workload(400, rate=6.0, seed=3), "tokenpilot", n=2,
-                          router_profile=believed)
+    assert believed.prefill_time_s(10_000) == pytest.approx(
+        PROFILE.prefill_time_s(10_000) / 2, rel=0.01
+    )
+    recs, pool = pool_sim(
+        workload(400, rate=6.0, seed=3), "tokenpilot", n=2, router_profile=believed
+    )
     router = pool.routers[0]
     assert isinstance(router, TokenPilotRouter)
-    ratios = [r.ttft_s / r.predicted_ttft_s for r in recs
-              if r.ttft_s and r.predicted_ttft_s]
+    ratios = [r.ttft_s / r.predicted_ttft_s for r in recs if r.ttft_s and r.predicted_ttft_s]
     assert percentile(ratios[:5], 50) == pytest.approx(2.0, rel=0.25)  # starts 2x off
     assert percentile(ratios[-150:], 50) == pytest.approx(1.0, rel=0.12)  # converged
     assert router.kappa("local/i0") == pytest.approx(2.0, rel=0.15)
@@ -427,8 +494,15 @@ class _NaiveArgmin(BaseRouter):
 
     def route(self, request: RequestInfo, pool: PoolSnapshot) -> RouteDecision:
         cands = eligible(request, pool)
-        best = min(cands, key=lambda v: (v.metrics.num_waiting + v.metrics.num_running
-                                         + v.accounting.prefill_pending_requests, v.index))
+        best = min(
+            cands,
+            key=lambda v: (
+                v.metrics.num_waiting
+                + v.metrics.num_running
+                + v.accounting.prefill_pending_requests,
+                v.index,
+            ),
+        )
         return RouteDecision(best.instance_id)
 
 
@@ -448,9 +522,13 @@ def test_one_hot_prefix_starves_no_instance_and_overloads_none(test_routers: obj
     for i in range(500):
         t += rng.expovariate(40.0)
         hashes = hot + prompt(rng.randint(8, 64)) if rng.random() < 0.85 else prompt(300)
-        info = RequestInfo(request_id=f"h{i}", arrival_s=t, max_tokens=256,
-                           input_tokens=len(hashes) * BLOCK_SIZE_TOKENS + 3,
-                           block_hashes=hashes)
+        info = RequestInfo(
+            request_id=f"h{i}",
+            arrival_s=t,
+            max_tokens=256,
+            input_tokens=len(hashes) * BLOCK_SIZE_TOKENS + 3,
+            block_hashes=hashes,
+        )
         reqs.append(TraceRequest(info, rng.randint(30, 150)))
 
     def shape(policy: str) -> tuple[float, float, float]:
@@ -499,8 +577,9 @@ def test_replicas_keep_a_conversation_together_without_herding_on_its_system_pro
     reqs = list(scale_to_load(generate("chat", 2000, 3, 10.0), 0.8, PROFILE, 8))
 
     def shape(routers: int, **kw: object) -> tuple[float, float]:
-        cfg = PoolConfig(profile=PROFILE, n_instances=8, router="tokenpilot",
-                         n_routers=routers, router_kwargs=kw)
+        cfg = PoolConfig(
+            profile=PROFILE, n_instances=8, router="tokenpilot", n_routers=routers, router_kwargs=kw
+        )
         recs, _ = run_pool(reqs, cfg, SLOConfig())
         counts = Counter(r.instance_id for r in recs).values()
         tpots = sorted(t for r in recs if (t := r.tpot_s) is not None)
@@ -521,9 +600,13 @@ def test_shared_accounting_shows_other_replicas_queued_prefill() -> None:
     usual = TokenPilotRouter().route(r, PoolSnapshot(now_s=1.0, instances=views(2)))
     pool = views(2)
     pool[int(usual.instance_id[1])].accounting = DispatchAccounting(
-        inflight_requests=1, prefill_pending_requests=1, prefill_pending_tokens=16384,
-        prefill_pending_uncached_tokens=16384, inflight_input_tokens=16384,
-        dispatched_total=1)
+        inflight_requests=1,
+        prefill_pending_requests=1,
+        prefill_pending_tokens=16384,
+        prefill_pending_uncached_tokens=16384,
+        inflight_input_tokens=16384,
+        dispatched_total=1,
+    )
     d = TokenPilotRouter().route(r, PoolSnapshot(now_s=1.0, instances=pool))
     assert d.instance_id != usual.instance_id
     # accounting that holds only this replica's own dispatch is not counted twice
@@ -546,8 +629,14 @@ def test_replicas_sharing_accounting_route_almost_like_one_router() -> None:
     reqs = workload(600, rate=rate_for(0.6, 8, 7600), seed=11, p_family=0.0, out=(10, 60))
 
     def p95(routers: int, shared_s: float | None) -> float:
-        cfg = PoolConfig(profile=PROFILE, n_instances=8, router="tokenpilot", n_routers=routers,
-                         scrape_interval_s=0.5, shared_state_s=shared_s)
+        cfg = PoolConfig(
+            profile=PROFILE,
+            n_instances=8,
+            router="tokenpilot",
+            n_routers=routers,
+            scrape_interval_s=0.5,
+            shared_state_s=shared_s,
+        )
         return percentile(ttfts(run_pool(reqs, cfg, SLOConfig())[0]), 95) or 0.0
 
     one, independent = p95(1, None), p95(4, None)
@@ -589,8 +678,12 @@ def test_mooncake_load_08_beats_round_robin_by_the_published_ratios() -> None:
     from tokenfleet.workloads.scaling import scale_to_load
 
     reqs = list(scale_to_load(load_workload(str(trace), None), 0.8, PROFILE, 8))
-    runs = {r.policy: r.summary for r in run_policies(
-        reqs, ["round_robin", "tokenpilot"], SimSettings(profile=PROFILE, instances=8))}
+    runs = {
+        r.policy: r.summary
+        for r in run_policies(
+            reqs, ["round_robin", "tokenpilot"], SimSettings(profile=PROFILE, instances=8)
+        )
+    }
     rr, tp = runs["round_robin"], runs["tokenpilot"]
     assert tp["ttft_p50_s"] / rr["ttft_p50_s"] <= 0.287
     assert tp["ttft_p95_s"] / rr["ttft_p95_s"] <= 0.676
@@ -598,7 +691,11 @@ def test_mooncake_load_08_beats_round_robin_by_the_published_ratios() -> None:
 
 
 def test_run_pool_smoke_with_router_kwargs() -> None:
-    recs, _ = run_pool(workload(40, rate=5.0, seed=2),
-                       PoolConfig(profile=PROFILE, n_instances=2, router="tokenpilot",
-                                  router_kwargs={"tie_rel": 0.05}), SLOConfig())
+    recs, _ = run_pool(
+        workload(40, rate=5.0, seed=2),
+        PoolConfig(
+            profile=PROFILE, n_instances=2, router="tokenpilot", router_kwargs={"tie_rel": 0.05}
+        ),
+        SLOConfig(),
+    )
     assert all(r.status == "completed" for r in recs)

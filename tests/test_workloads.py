@@ -27,7 +27,7 @@ from tokenfleet.workloads import (
     rate_scale,
     scale_to_load,
 )
-from tokenfleet.workloads.hashing import BlockIdHasher, SegmentHasher, hash_token_ids
+from tokenfleet.workloads.hashing import SegmentHasher, hash_token_ids
 from tokenfleet.workloads.trace import TraceRequest
 
 TRACES = Path(__file__).parents[1] / ".." / "shared" / "traces"
@@ -45,7 +45,7 @@ def _mc(ts: int, n_in: int, n_out: int, ids: list[int]) -> dict[str, object]:
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1
@@ -59,7 +59,7 @@ def test_token_hashes_are_chained_and_cover_only_full_blocks() -> None:
     assert len(h) == 100 // B
     changed = hash_token_ids([999] + toks[1:])
     # A change in block 0 changes every later hash (chaining), not just block 0.
-    assert all(x != y for x, y in zip(h, changed))
+    assert all(x != y for x, y in zip(h, changed, strict=False))
     tail_changed = hash_token_ids(toks[:96] + [7, 7, 7, 7])
     assert tail_changed == h  # the partial block never gets a hash
 
@@ -74,28 +74,47 @@ def test_segment_hasher_shares_exactly_the_common_full_blocks() -> None:
 
 
 def test_hashes_do_not_depend_on_pythonhashseed(tmp_path: Path) -> None:
-    trace = _jsonl(tmp_path / "t.jsonl", [
-        {"arrival_s": 0, "input_tokens": 300, "output_tokens": 5,
-         "prefix_id": "system-A", "prefix_tokens": 200, "request_id": "r1"},
-    ])
-    code = ("import sys; from tokenfleet.workloads import load_workload; "
-            "r = load_workload(sys.argv[1]); print(hash(r[0].info.block_hashes))")
+    trace = _jsonl(
+        tmp_path / "t.jsonl",
+        [
+            {
+                "arrival_s": 0,
+                "input_tokens": 300,
+                "output_tokens": 5,
+                "prefix_id": "system-A",
+                "prefix_tokens": 200,
+                "request_id": "r1",
+            },
+        ],
+    )
+    code = (
+        "import sys; from tokenfleet.workloads import load_workload; "
+        "r = load_workload(sys.argv[1]); print(hash(r[0].info.block_hashes))"
+    )
     outs = set()
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        res = subprocess.run([sys.executable, "-c", code, str(trace)], env=env,
-                             capture_output=True, text=True, check=True)
+        res = subprocess.run(
+            [sys.executable, "-c", code, str(trace)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         outs.add(res.stdout.strip())
     assert len(outs) == 1
 
 
 # -- Mooncake -------------------------------------------------------------------
 def test_mooncake_shared_hash_ids_share_exactly_that_prefix(tmp_path: Path) -> None:
-    path = _jsonl(tmp_path / "mc.jsonl", [
-        _mc(0, 2048, 10, [1, 2, 3, 4]),
-        _mc(5, 2048, 10, [1, 2, 9, 10]),
-        _mc(9, 2048, 10, [7, 2, 3, 4]),  # same later ids, different first: no sharing
-    ])
+    path = _jsonl(
+        tmp_path / "mc.jsonl",
+        [
+            _mc(0, 2048, 10, [1, 2, 3, 4]),
+            _mc(5, 2048, 10, [1, 2, 9, 10]),
+            _mc(9, 2048, 10, [7, 2, 3, 4]),  # same later ids, different first: no sharing
+        ],
+    )
     a, b, c = load_workload(path, "mooncake")
     assert len(a.info.block_hashes) == 2048 // B == 128
     assert _common_prefix(a.info.block_hashes, b.info.block_hashes) == 2 * 32
@@ -104,12 +123,15 @@ def test_mooncake_shared_hash_ids_share_exactly_that_prefix(tmp_path: Path) -> N
 
 
 def test_mooncake_partial_last_block(tmp_path: Path) -> None:
-    path = _jsonl(tmp_path / "mc.jsonl", [
-        _mc(0, 1000, 3, [1, 2]),   # 512 + 488: 62 full engine blocks
-        _mc(1, 1024, 3, [1, 2]),   # 64 blocks; same ids -> same first 62
-        _mc(2, 600, 3, [1, 5]),    # 37 blocks; shares the first 32
-        _mc(3, 15, 3, [8]),        # shorter than one engine block
-    ])
+    path = _jsonl(
+        tmp_path / "mc.jsonl",
+        [
+            _mc(0, 1000, 3, [1, 2]),  # 512 + 488: 62 full engine blocks
+            _mc(1, 1024, 3, [1, 2]),  # 64 blocks; same ids -> same first 62
+            _mc(2, 600, 3, [1, 5]),  # 37 blocks; shares the first 32
+            _mc(3, 15, 3, [8]),  # shorter than one engine block
+        ],
+    )
     a, b, c, d = load_workload(path)
     assert [len(r.info.block_hashes) for r in (a, b, c, d)] == [62, 64, 37, 0]
     assert b.info.block_hashes[:62] == a.info.block_hashes
@@ -123,18 +145,22 @@ def test_mooncake_sorts_and_converts_ms(tmp_path: Path) -> None:
     assert [r.info.request_id for r in reqs] == ["mc-1", "mc-0"]
 
 
-@pytest.mark.parametrize("bad_line, problem", [
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "JSON object"),
-    (json.dumps({"timestamp": 0, "input_length": 1024, "output_length": 1}), "hash_ids"),
-    (json.dumps(_mc(0, 1024, 1, [1, 2, 3])), "ceil(1024/512) = 2"),
-    (json.dumps(_mc(0, -5, 1, [])), "input_length"),
-    (json.dumps(_mc(-1, 16, 1, [1])), "timestamp"),
-    (json.dumps(_mc(0, 16, 1, ["a"])), "integers"),
-    (json.dumps({**_mc(0, 16, 1, [1]), "output_length": True}), "output_length"),
-])
-def test_mooncake_malformed_line_names_file_and_line(tmp_path: Path, bad_line: str,
-                                                      problem: str) -> None:
+@pytest.mark.parametrize(
+    "bad_line, problem",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "JSON object"),
+        (json.dumps({"timestamp": 0, "input_length": 1024, "output_length": 1}), "hash_ids"),
+        (json.dumps(_mc(0, 1024, 1, [1, 2, 3])), "ceil(1024/512) = 2"),
+        (json.dumps(_mc(0, -5, 1, [])), "input_length"),
+        (json.dumps(_mc(-1, 16, 1, [1])), "timestamp"),
+        (json.dumps(_mc(0, 16, 1, ["a"])), "integers"),
+        (json.dumps({**_mc(0, 16, 1, [1]), "output_length": True}), "output_length"),
+    ],
+)
+def test_mooncake_malformed_line_names_file_and_line(
+    tmp_path: Path, bad_line: str, problem: str
+) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(_mc(0, 16, 1, [1])) + "\n\n" + bad_line + "\n")
     with pytest.raises(TraceFormatError) as ei:
@@ -147,7 +173,7 @@ def test_mooncake_malformed_line_names_file_and_line(tmp_path: Path, bad_line: s
 def test_max_tokens_never_reads_true_lengths(tmp_path: Path) -> None:
     rows = [_mc(0, 1024, 5, [1, 2]), _mc(10, 512, 900, [1])]
     a = load_workload(_jsonl(tmp_path / "a.jsonl", rows))
-    rows2 = [dict(r, output_length=o) for r, o in zip(rows, (700, 1))]
+    rows2 = [dict(r, output_length=o) for r, o in zip(rows, (700, 1), strict=False)]
     b = load_workload(_jsonl(tmp_path / "b.jsonl", rows2))
     assert [r.info for r in a] == [r.info for r in b]
     assert all(r.info.max_tokens == DEFAULT_MAX_TOKENS["mooncake"] for r in a)
@@ -195,15 +221,19 @@ def test_azure_requests_share_no_blocks(tmp_path: Path) -> None:
         seen.update(r.info.block_hashes)
 
 
-@pytest.mark.parametrize("row, problem", [
-    ("2023-11-16 18:15,10,5", "TIMESTAMP"),
-    ("2023-11-16 18:15:46.1,ten,5", "ContextTokens"),
-    ("2023-11-16 18:15:46.1,10", "columns"),
-])
+@pytest.mark.parametrize(
+    "row, problem",
+    [
+        ("2023-11-16 18:15,10,5", "TIMESTAMP"),
+        ("2023-11-16 18:15:46.1,ten,5", "ContextTokens"),
+        ("2023-11-16 18:15:46.1,10", "columns"),
+    ],
+)
 def test_azure_bad_row_names_line(tmp_path: Path, row: str, problem: str) -> None:
     path = tmp_path / "az.csv"
-    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                    "2023-11-16 18:15:46.6805900,374,44\n" + row + "\n")
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n" + row + "\n"
+    )
     with pytest.raises(TraceFormatError, match=problem) as ei:
         load_workload(path)
     assert ei.value.line_no == 3
@@ -211,14 +241,29 @@ def test_azure_bad_row_names_line(tmp_path: Path, row: str, problem: str) -> Non
 
 # -- TokenFleet JSONL ---------------------------------------------------------
 def test_tokenfleet_optional_fields_map_onto_request_info(tmp_path: Path) -> None:
-    path = _jsonl(tmp_path / "w.jsonl", [
-        {"arrival_s": 1.5, "input_tokens": 64, "output_tokens": 20, "max_tokens": 50,
-         "tenant": "acme", "task_type": "batch", "deadline_s": 100.0, "region": "eu",
-         "model": "llama", "model_version": "v2", "session": "s1",
-         "client_timeout_s": 30.0, "request_id": "x1", "slo_class": "gold",
-         "allow_cross_region": False},
-        {"timestamp_ms": 500, "input_tokens": 10, "output_tokens": 2000, "tier": "interactive"},
-    ])
+    path = _jsonl(
+        tmp_path / "w.jsonl",
+        [
+            {
+                "arrival_s": 1.5,
+                "input_tokens": 64,
+                "output_tokens": 20,
+                "max_tokens": 50,
+                "tenant": "acme",
+                "task_type": "batch",
+                "deadline_s": 100.0,
+                "region": "eu",
+                "model": "llama",
+                "model_version": "v2",
+                "session": "s1",
+                "client_timeout_s": 30.0,
+                "request_id": "x1",
+                "slo_class": "gold",
+                "allow_cross_region": False,
+            },
+            {"timestamp_ms": 500, "input_tokens": 10, "output_tokens": 2000, "tier": "interactive"},
+        ],
+    )
     second, first = load_workload(path)  # sorted by arrival: 0.5 s, then 1.5 s
     assert second.arrival_s == 0.5 and second.info.tier == "interactive"
     assert second.info.max_tokens == DEFAULT_MAX_TOKENS["tokenfleet"]
@@ -233,54 +278,116 @@ def test_tokenfleet_optional_fields_map_onto_request_info(tmp_path: Path) -> Non
 
 
 def test_tokenfleet_turns_quote_the_previous_prompt_and_answer(tmp_path: Path) -> None:
-    path = _jsonl(tmp_path / "w.jsonl", [
-        {"arrival_s": 0, "input_tokens": 300, "output_tokens": 90, "session": "c1", "turn": 1,
-         "prefix_id": "sys", "prefix_tokens": 200},
-        {"arrival_s": 1, "input_tokens": 300, "output_tokens": 5, "session": "c2", "turn": 1,
-         "prefix_id": "sys", "prefix_tokens": 200},
-        {"arrival_s": 9, "input_tokens": 420, "output_tokens": 40, "session": "c1", "turn": 2},
-    ])
+    path = _jsonl(
+        tmp_path / "w.jsonl",
+        [
+            {
+                "arrival_s": 0,
+                "input_tokens": 300,
+                "output_tokens": 90,
+                "session": "c1",
+                "turn": 1,
+                "prefix_id": "sys",
+                "prefix_tokens": 200,
+            },
+            {
+                "arrival_s": 1,
+                "input_tokens": 300,
+                "output_tokens": 5,
+                "session": "c2",
+                "turn": 1,
+                "prefix_id": "sys",
+                "prefix_tokens": 200,
+            },
+            {"arrival_s": 9, "input_tokens": 420, "output_tokens": 40, "session": "c1", "turn": 2},
+        ],
+    )
     t1, other, t2 = load_workload(path)
     quoted = t1.info.block_hashes + t1.output_block_hashes
     assert len(quoted) == (300 + 90) // B
-    assert t2.info.block_hashes[:len(quoted)] == quoted  # prompt + answer, block for block
+    assert t2.info.block_hashes[: len(quoted)] == quoted  # prompt + answer, block for block
     assert len(t2.info.block_hashes) == 420 // B
     # the other session shares only the system prompt
     assert _common_prefix(other.info.block_hashes, t2.info.block_hashes) == 200 // B
 
 
-@pytest.mark.parametrize("rows, problem", [
-    ([{"input_tokens": 100, "output_tokens": 50, "session": "s", "turn": 1},
-      {"input_tokens": 120, "output_tokens": 5, "session": "s", "turn": 2}],
-     "less than turn 1's prompt plus its answer"),
-    ([{"input_tokens": 100, "output_tokens": 5, "session": "s", "turn": 1},
-      {"input_tokens": 200, "output_tokens": 5, "session": "s", "turn": 3}],
-     "must be consecutive"),
-    ([{"input_tokens": 100, "output_tokens": 5, "turn": 1}], "turn needs session"),
-])
+@pytest.mark.parametrize(
+    "rows, problem",
+    [
+        (
+            [
+                {"input_tokens": 100, "output_tokens": 50, "session": "s", "turn": 1},
+                {"input_tokens": 120, "output_tokens": 5, "session": "s", "turn": 2},
+            ],
+            "less than turn 1's prompt plus its answer",
+        ),
+        (
+            [
+                {"input_tokens": 100, "output_tokens": 5, "session": "s", "turn": 1},
+                {"input_tokens": 200, "output_tokens": 5, "session": "s", "turn": 3},
+            ],
+            "must be consecutive",
+        ),
+        ([{"input_tokens": 100, "output_tokens": 5, "turn": 1}], "turn needs session"),
+    ],
+)
 def test_tokenfleet_turns_reject_inconsistent_conversations(
-        tmp_path: Path, rows: list[dict[str, object]], problem: str) -> None:
+    tmp_path: Path, rows: list[dict[str, object]], problem: str
+) -> None:
     path = _jsonl(tmp_path / "w.jsonl", [{"arrival_s": i, **r} for i, r in enumerate(rows)])
     with pytest.raises(TraceFormatError, match=problem):
         load_workload(path)
 
 
 def test_tokenfleet_prefix_ids_and_hash_ids(tmp_path: Path) -> None:
-    path = _jsonl(tmp_path / "w.jsonl", [
-        {"arrival_s": 0, "input_tokens": 400, "output_tokens": 1,
-         "prefix_id": "sys", "prefix_tokens": 100},
-        {"arrival_s": 1, "input_tokens": 400, "output_tokens": 1,
-         "prefix_id": "sys", "prefix_tokens": 100},
-        {"arrival_s": 2, "input_tokens": 400, "output_tokens": 1,
-         "prefix_id": "sys", "prefix_tokens": 320},
-        {"arrival_s": 3, "input_tokens": 400, "output_tokens": 1,
-         "prefix_id": "other", "prefix_tokens": 100},
-        {"arrival_s": 4, "input_tokens": 400, "output_tokens": 1},
-        {"arrival_s": 5, "input_tokens": 100, "output_tokens": 1,
-         "hash_ids": [3, 4, 5, 6], "hash_block_tokens": 32},
-        {"arrival_s": 6, "input_tokens": 64, "output_tokens": 1,
-         "hash_ids": [3, 4], "hash_block_tokens": 32},
-    ])
+    path = _jsonl(
+        tmp_path / "w.jsonl",
+        [
+            {
+                "arrival_s": 0,
+                "input_tokens": 400,
+                "output_tokens": 1,
+                "prefix_id": "sys",
+                "prefix_tokens": 100,
+            },
+            {
+                "arrival_s": 1,
+                "input_tokens": 400,
+                "output_tokens": 1,
+                "prefix_id": "sys",
+                "prefix_tokens": 100,
+            },
+            {
+                "arrival_s": 2,
+                "input_tokens": 400,
+                "output_tokens": 1,
+                "prefix_id": "sys",
+                "prefix_tokens": 320,
+            },
+            {
+                "arrival_s": 3,
+                "input_tokens": 400,
+                "output_tokens": 1,
+                "prefix_id": "other",
+                "prefix_tokens": 100,
+            },
+            {"arrival_s": 4, "input_tokens": 400, "output_tokens": 1},
+            {
+                "arrival_s": 5,
+                "input_tokens": 100,
+                "output_tokens": 1,
+                "hash_ids": [3, 4, 5, 6],
+                "hash_block_tokens": 32,
+            },
+            {
+                "arrival_s": 6,
+                "input_tokens": 64,
+                "output_tokens": 1,
+                "hash_ids": [3, 4],
+                "hash_block_tokens": 32,
+            },
+        ],
+    )
     a, b, c, d, e, f, g = (r.info.block_hashes for r in load_workload(path))
     assert _common_prefix(a, b) == 100 // B  # then each request's own text
     assert _common_prefix(a, c) == 100 // B  # longer cut of the same prefix
@@ -288,25 +395,53 @@ def test_tokenfleet_prefix_ids_and_hash_ids(tmp_path: Path) -> None:
     assert len(f) == 6 and f[:4] == g
 
 
-@pytest.mark.parametrize("row, problem", [
-    ({"arrival_s": 0, "input_tokens": 10, "output_tokens": 1, "arival": 3}, "unknown field"),
-    ({"arrival_s": 0, "timestamp_ms": 0, "input_tokens": 10, "output_tokens": 1}, "exactly one"),
-    ({"input_tokens": 10, "output_tokens": 1}, "exactly one"),
-    ({"arrival_s": 0, "input_tokens": 10, "output_tokens": 1, "task_type": "x"}, "task_type"),
-    ({"arrival_s": 0, "input_tokens": 10, "output_tokens": 1,
-      "prefix_id": "p", "prefix_tokens": 11}, "exceeds"),
-    ({"arrival_s": 0, "input_tokens": 10, "output_tokens": 1, "prefix_id": "p"}, "together"),
-    ({"arrival_s": 0, "input_tokens": 48, "output_tokens": 1, "hash_ids": [1, 2],
-      "hash_block_tokens": 24}, "multiple of 16"),
-    ({"arrival_s": 5, "input_tokens": 10, "output_tokens": 1, "deadline_s": 4}, "before"),
-    ({"arrival_s": 0, "input_tokens": 10, "output_tokens": 1, "request_id": "a"}, "already used"),
-])
-def test_tokenfleet_rejects_bad_lines(tmp_path: Path, row: dict[str, object],
-                                      problem: str) -> None:
+@pytest.mark.parametrize(
+    "row, problem",
+    [
+        ({"arrival_s": 0, "input_tokens": 10, "output_tokens": 1, "arival": 3}, "unknown field"),
+        (
+            {"arrival_s": 0, "timestamp_ms": 0, "input_tokens": 10, "output_tokens": 1},
+            "exactly one",
+        ),
+        ({"input_tokens": 10, "output_tokens": 1}, "exactly one"),
+        ({"arrival_s": 0, "input_tokens": 10, "output_tokens": 1, "task_type": "x"}, "task_type"),
+        (
+            {
+                "arrival_s": 0,
+                "input_tokens": 10,
+                "output_tokens": 1,
+                "prefix_id": "p",
+                "prefix_tokens": 11,
+            },
+            "exceeds",
+        ),
+        ({"arrival_s": 0, "input_tokens": 10, "output_tokens": 1, "prefix_id": "p"}, "together"),
+        (
+            {
+                "arrival_s": 0,
+                "input_tokens": 48,
+                "output_tokens": 1,
+                "hash_ids": [1, 2],
+                "hash_block_tokens": 24,
+            },
+            "multiple of 16",
+        ),
+        ({"arrival_s": 5, "input_tokens": 10, "output_tokens": 1, "deadline_s": 4}, "before"),
+        (
+            {"arrival_s": 0, "input_tokens": 10, "output_tokens": 1, "request_id": "a"},
+            "already used",
+        ),
+    ],
+)
+def test_tokenfleet_rejects_bad_lines(tmp_path: Path, row: dict[str, object], problem: str) -> None:
     path = tmp_path / "w.jsonl"
-    path.write_text("# comment lines and blank lines are skipped\n\n"
-                    + json.dumps({"arrival_s": 0, "input_tokens": 1, "output_tokens": 1,
-                                  "request_id": "a"}) + "\n" + json.dumps(row) + "\n")
+    path.write_text(
+        "# comment lines and blank lines are skipped\n\n"
+        + json.dumps({"arrival_s": 0, "input_tokens": 1, "output_tokens": 1, "request_id": "a"})
+        + "\n"
+        + json.dumps(row)
+        + "\n"
+    )
     with pytest.raises(TraceFormatError, match=problem) as ei:
         load_workload(path, "tokenfleet")
     assert ei.value.line_no == 4
@@ -370,10 +505,10 @@ def test_chat_turns_extend_previous_prompt() -> None:
     multi = [turns for turns in by_session.values() if len(turns) >= 3]
     assert len(multi) >= 10
     for turns in multi:
-        for prev, nxt in zip(turns, turns[1:]):
+        for prev, nxt in zip(turns, turns[1:], strict=False):
             # The previous prompt (and answer) is a prefix of the next prompt.
             assert nxt.info.input_tokens > prev.info.input_tokens + prev.output_tokens
-            assert nxt.info.block_hashes[:len(prev.info.block_hashes)] == prev.info.block_hashes
+            assert nxt.info.block_hashes[: len(prev.info.block_hashes)] == prev.info.block_hashes
     # A few system prompts are shared across sessions, but sessions' own turns are not.
     firsts = [turns[0].info.block_hashes for turns in by_session.values()]
     assert len({h[0] for h in firsts if h}) <= 4
@@ -387,12 +522,14 @@ def test_chat_answers_carry_the_block_hashes_the_next_turn_quotes() -> None:
     by_session: dict[str, list[TraceRequest]] = {}
     for r in reqs:
         by_session.setdefault(str(r.info.session), []).append(r)
-    pairs = [(a, b) for turns in by_session.values() for a, b in zip(turns, turns[1:])]
+    pairs = [
+        (a, b) for turns in by_session.values() for a, b in zip(turns, turns[1:], strict=False)
+    ]
     assert len(pairs) >= 50
     for prev, nxt in pairs:
         full = prev.info.block_hashes + prev.output_block_hashes
         assert len(full) == (prev.info.input_tokens + prev.output_tokens) // B
-        assert nxt.info.block_hashes[:len(full)] == full
+        assert nxt.info.block_hashes[: len(full)] == full
     # the policy-facing RequestInfo knows nothing of the answer
     assert all(not hasattr(r.info, "output_block_hashes") for r in reqs)
 
@@ -404,14 +541,17 @@ def test_conversations_are_long_share_app_prompts_and_come_back_in_bursts() -> N
         by_session.setdefault(str(r.info.session), []).append(r)
     turns = [len(v) for v in by_session.values()]
     assert max(turns) >= 20 and sum(turns) / len(turns) >= 4
-    gaps = sorted(b.arrival_s - a.arrival_s for v in by_session.values()
-                  for a, b in zip(v, v[1:]))
+    gaps = sorted(
+        b.arrival_s - a.arrival_s
+        for v in by_session.values()
+        for a, b in zip(v, v[1:], strict=False)
+    )
     assert gaps[len(gaps) // 4] < 2.0  # a quarter of next turns within 2 s: bursts
     assert gaps[-len(gaps) // 10] > 30.0  # and a tenth after more than 30 s
     for v in by_session.values():
-        for prev, nxt in zip(v, v[1:]):
+        for prev, nxt in zip(v, v[1:], strict=False):
             quoted = prev.info.block_hashes + prev.output_block_hashes
-            assert nxt.info.block_hashes[:len(quoted)] == quoted
+            assert nxt.info.block_hashes[: len(quoted)] == quoted
     # many conversations share each application's system prompt
     firsts = {v[0].info.block_hashes[0] for v in by_session.values()}
     assert len(firsts) <= 8 < len(by_session)
@@ -434,7 +574,7 @@ def test_longdoc_questions_share_the_document() -> None:
 
 def test_burst_is_on_off_and_mixed_has_all_parts() -> None:
     reqs = generate("burst", 600, 2, 5.0)
-    gaps = sorted(b.arrival_s - a.arrival_s for a, b in zip(reqs, reqs[1:]))
+    gaps = sorted(b.arrival_s - a.arrival_s for a, b in zip(reqs, reqs[1:], strict=False))
     assert gaps[-1] > 20 * gaps[len(gaps) // 2]  # long silences between dense bursts
     mixed = generate("mixed", 300, 2, 5.0)
     kinds = {r.info.request_id.split("-")[0] for r in mixed}
@@ -449,7 +589,7 @@ def test_rate_scale_compresses_arrivals_and_keeps_deadline_slack() -> None:
     fast = rate_scale(reqs, 2.0)
     assert offered_rps(fast) == pytest.approx(2 * offered_rps(reqs))
     t0 = reqs[0].arrival_s
-    for a, b in zip(reqs, fast):
+    for a, b in zip(reqs, fast, strict=False):
         assert b.arrival_s == pytest.approx(t0 + (a.arrival_s - t0) / 2)
         if a.info.deadline_s is not None:
             assert b.info.deadline_s is not None
@@ -487,7 +627,8 @@ def test_limit_keeps_first_by_arrival() -> None:
 
 # -- real shared traces ---------------------------------------------------------
 needs_traces = pytest.mark.skipif(
-    not TRACES.is_dir(), reason=f"shared traces not found at {TRACES.resolve()}")
+    not TRACES.is_dir(), reason=f"shared traces not found at {TRACES.resolve()}"
+)
 
 
 @pytest.mark.traces

@@ -15,7 +15,7 @@ O(prompt blocks / stride + instances), independent of pool-wide cache size.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 
 class PrefixIndex:
@@ -83,8 +83,9 @@ class PrefixIndex:
         """Sampled hash -> instances believed to hold it (read-only view)."""
         return self._holders
 
-    def insert(self, instance_id: str, block_hashes: Sequence[int],
-               deepest_first: bool = False) -> None:
+    def insert(
+        self, instance_id: str, block_hashes: Sequence[int], deepest_first: bool = False
+    ) -> None:
         """Record (or refresh) that ``instance_id`` now holds this prefix.
 
         ``deepest_first`` touches the tail first so the shallow blocks end up
@@ -97,7 +98,7 @@ class PrefixIndex:
         get = holders.get
         touch = lru.move_to_end
         sampled = self.sampled(block_hashes)
-        for h in (reversed(sampled) if deepest_first else sampled):
+        for h in reversed(sampled) if deepest_first else sampled:
             if h in lru:
                 touch(h)
                 continue

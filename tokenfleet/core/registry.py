@@ -6,7 +6,8 @@ plugins cannot shadow each other without anyone noticing.
 
 from __future__ import annotations
 
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 from tokenfleet.errors import DuplicateNameError, UnknownNameError
 

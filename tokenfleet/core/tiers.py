@@ -7,8 +7,9 @@ output budget, task type and the tenant's declared SLO class.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from tokenfleet.core.types import TIERS, RequestInfo
 from tokenfleet.errors import ValidationError
@@ -68,25 +69,31 @@ class SLOConfig:
                 raise ValidationError(source, f"tiers.{name}", "must be a mapping")
             bad = set(limits) - allowed
             if bad:
-                raise ValidationError(source, f"tiers.{name}.{sorted(bad)[0]}",
-                                      f"unknown limit; use one of {sorted(allowed)}")
+                raise ValidationError(
+                    source,
+                    f"tiers.{name}.{sorted(bad)[0]}",
+                    f"unknown limit; use one of {sorted(allowed)}",
+                )
             for k, v in limits.items():
                 if v is not None and (not isinstance(v, (int, float)) or v < 0):
-                    raise ValidationError(source, f"tiers.{name}.{k}",
-                                          "must be a non-negative number")
-            values: dict[str, Any] = {k: (float(v) if v is not None else None)
-                                      for k, v in limits.items()}
+                    raise ValidationError(
+                        source, f"tiers.{name}.{k}", "must be a non-negative number"
+                    )
+            values: dict[str, Any] = {
+                k: (float(v) if v is not None else None) for k, v in limits.items()
+            }
             tiers[str(name)] = TierSLO(**values)
         thr = data.get("long_context_min_input_tokens", 8192)
         if not isinstance(thr, int) or thr < 1:
-            raise ValidationError(source, "long_context_min_input_tokens",
-                                  "must be a positive integer")
+            raise ValidationError(
+                source, "long_context_min_input_tokens", "must be a positive integer"
+            )
         out_thr = data.get("long_output_min_tokens", 16384)
         if out_thr is not None and (not isinstance(out_thr, int) or out_thr < 1):
-            raise ValidationError(source, "long_output_min_tokens",
-                                  "must be a positive integer or null")
-        return cls(tiers=tiers, long_context_min_input_tokens=thr,
-                   long_output_min_tokens=out_thr)
+            raise ValidationError(
+                source, "long_output_min_tokens", "must be a positive integer or null"
+            )
+        return cls(tiers=tiers, long_context_min_input_tokens=thr, long_output_min_tokens=out_thr)
 
 
 def classify(request: RequestInfo, slo: SLOConfig) -> str:
@@ -103,20 +110,30 @@ def classify(request: RequestInfo, slo: SLOConfig) -> str:
         return "batch"
     if request.input_tokens >= slo.long_context_min_input_tokens:
         return "long_context"
-    if (slo.long_output_min_tokens is not None
-            and request.max_tokens >= slo.long_output_min_tokens
-            and "long_context" in slo.tiers):
+    if (
+        slo.long_output_min_tokens is not None
+        and request.max_tokens >= slo.long_output_min_tokens
+        and "long_context" in slo.tiers
+    ):
         return "long_context"
     if request.slo_class and request.slo_class in slo.tiers:
         return request.slo_class
     return "interactive"
 
+
 __all__ = ["TIERS", "TierSLO", "SLOConfig", "DEFAULT_SLOS", "classify", "meets_slo"]
 
 
-def meets_slo(slo: TierSLO, *, status: str, input_tokens: int, ttft_s: float | None,
-              tpot_s: float | None, e2e_s: float | None,
-              deadline_in_s: float | None = None) -> bool:
+def meets_slo(
+    slo: TierSLO,
+    *,
+    status: str,
+    input_tokens: int,
+    ttft_s: float | None,
+    tpot_s: float | None,
+    e2e_s: float | None,
+    deadline_in_s: float | None = None,
+) -> bool:
     """The strict goodput rule: completed *and* within every limit of its tier.
 
     ``deadline_in_s`` is the request's own relative deadline, if it has one;
@@ -130,6 +147,4 @@ def meets_slo(slo: TierSLO, *, status: str, input_tokens: int, ttft_s: float | N
     if slo.tpot_s is not None and tpot_s is not None and tpot_s > slo.tpot_s:
         return False
     deadline = deadline_in_s if deadline_in_s is not None else slo.deadline_s
-    if deadline is not None and (e2e_s is None or e2e_s > deadline):
-        return False
-    return True
+    return not (deadline is not None and (e2e_s is None or e2e_s > deadline))

@@ -9,8 +9,9 @@ which is how we keep the simulator honest by construction.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tokenfleet.engine.profiles import EngineProfile
@@ -102,8 +103,9 @@ class DispatchAccounting:
         )
         self.decoding_requests += 1
 
-    def on_finish(self, request: RequestInfo, got_first_token: bool,
-                  expected_cached_tokens: int) -> None:
+    def on_finish(
+        self, request: RequestInfo, got_first_token: bool, expected_cached_tokens: int
+    ) -> None:
         if not got_first_token:
             # Failed or cancelled before prefill finished.
             self.on_first_token(request, expected_cached_tokens)

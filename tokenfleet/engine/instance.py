@@ -27,8 +27,8 @@ docs/engine-model.md, section 5):
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from tokenfleet.engine.profiles import EngineProfile
 from tokenfleet.errors import CapacityError
@@ -101,13 +101,15 @@ class EngineInstance:
     they forward to ``kv_listener``.
     """
 
-    def __init__(self, instance_id: str, profile: EngineProfile,
-                 kv_capacity_blocks: int | None = None) -> None:
+    def __init__(
+        self, instance_id: str, profile: EngineProfile, kv_capacity_blocks: int | None = None
+    ) -> None:
         self.instance_id = instance_id
         self.profile = profile
         self.block = profile.block_size_tokens
-        self.capacity_blocks = (kv_capacity_blocks if kv_capacity_blocks is not None
-                                else profile.kv_capacity_blocks)
+        self.capacity_blocks = (
+            kv_capacity_blocks if kv_capacity_blocks is not None else profile.kv_capacity_blocks
+        )
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.by_id: dict[str, EngineRequest] = {}
@@ -229,8 +231,7 @@ class EngineInstance:
         # in a step that preempted (vllm/v1/core/sched/scheduler.py:
         # `if not preempted_reqs`), else the victim could be readmitted at once
         max_seqs = self.profile.max_num_seqs
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < max_seqs):
+        while not preempted and self.waiting and budget > 0 and len(self.running) < max_seqs:
             req = self.waiting[0]
             hit, revived = self._match(req)
             start = hit * blk
@@ -313,7 +314,8 @@ class EngineInstance:
         dropped = [k for k in self._free_queue if not isinstance(k, _Empty)]
         if dropped:
             self._free_queue = OrderedDict(
-                (k if isinstance(k, _Empty) else _Empty(), None) for k in self._free_queue)
+                (k if isinstance(k, _Empty) else _Empty(), None) for k in self._free_queue
+            )
             for h in dropped:
                 del cache[h]
             self._on_removed(dropped)

@@ -142,8 +142,13 @@ class EngineProfile:
         # head runs once per sequence in the batch (the position it samples).
         lin_flops = 2.0 * (m.linear_params_per_token * tokens + m.lm_head_params * seqs)
         # Attention: QK^T and AV, 2 * 2 * H * d FLOPs per (query, key) pair per layer.
-        attn_flops = 4.0 * m.n_layers * m.n_heads * m.head_dim * (
-            prefill_attn_pairs + decode_ctx_tokens + decode_seqs)
+        attn_flops = (
+            4.0
+            * m.n_layers
+            * m.n_heads
+            * m.head_dim
+            * (prefill_attn_pairs + decode_ctx_tokens + decode_seqs)
+        )
         peak = self.tp * self.gpu.peak_flops
         gemm_s = lin_flops / (peak * self.mfu)
         attn_s = attn_flops / (peak * self.attn_eff)
@@ -156,8 +161,9 @@ class EngineProfile:
             # Two all-reduces of the hidden state per layer (Megatron-style TP).
             calls = 2 * m.n_layers
             ring_bytes = 2.0 * (self.tp - 1) / self.tp * tokens * m.hidden_size * 2
-            comm_s = calls * (self.allreduce_latency_s
-                              + ring_bytes / self.gpu.interconnect_bytes_per_s)
+            comm_s = calls * (
+                self.allreduce_latency_s + ring_bytes / self.gpu.interconnect_bytes_per_s
+            )
         overhead_s = self.step_overhead_s + self.per_seq_overhead_s * seqs
         return gemm_s, attn_s, memory_s, comm_s, overhead_s
 
@@ -181,8 +187,13 @@ class EngineProfile:
         chunk); ``None`` means one chunk if there are prefill tokens.
         """
         gemm_s, attn_s, memory_s, comm_s, overhead_s = self.step_parts(
-            prefill_new_tokens, prefill_attn_pairs, prefill_ctx_tokens, decode_seqs,
-            decode_ctx_tokens, prefill_seqs)
+            prefill_new_tokens,
+            prefill_attn_pairs,
+            prefill_ctx_tokens,
+            decode_seqs,
+            decode_ctx_tokens,
+            prefill_seqs,
+        )
         if overhead_s == 0.0 and memory_s == 0.0:
             return 0.0
         compute_s = gemm_s + attn_s
@@ -231,14 +242,26 @@ H100 = GPUSpec(
 
 LLAMA3_8B = ModelSpec(
     name="meta-llama/Llama-3.1-8B-Instruct",
-    n_params=8.03e9, n_layers=32, hidden_size=4096, n_heads=32, n_kv_heads=8,
-    head_dim=128, max_model_len_tokens=131072, vocab_size=128256,
+    n_params=8.03e9,
+    n_layers=32,
+    hidden_size=4096,
+    n_heads=32,
+    n_kv_heads=8,
+    head_dim=128,
+    max_model_len_tokens=131072,
+    vocab_size=128256,
 )
 
 LLAMA3_70B = ModelSpec(
     name="meta-llama/Llama-3.1-70B-Instruct",
-    n_params=70.6e9, n_layers=80, hidden_size=8192, n_heads=64, n_kv_heads=8,
-    head_dim=128, max_model_len_tokens=131072, vocab_size=128256,
+    n_params=70.6e9,
+    n_layers=80,
+    hidden_size=8192,
+    n_heads=64,
+    n_kv_heads=8,
+    head_dim=128,
+    max_model_len_tokens=131072,
+    vocab_size=128256,
 )
 
 PROFILES: Registry[EngineProfile] = Registry("profile")
@@ -248,14 +271,38 @@ def _builtin(profile: EngineProfile) -> None:
     PROFILES.add(profile.name, lambda: profile)
 
 
-_builtin(EngineProfile(name="llama3-8b-h200", model=LLAMA3_8B, gpu=H200, tp=1,
-                       notes="8B dense on one H200"))
-_builtin(EngineProfile(name="llama3-70b-h200-tp4", model=LLAMA3_70B, gpu=H200, tp=4,
-                       notes="70B dense on 4xH200, tensor parallel"))
-_builtin(EngineProfile(name="llama3-8b-h100", model=LLAMA3_8B, gpu=H100, tp=1,
-                       notes="8B dense on one H100 (calibration reference)"))
-_builtin(EngineProfile(name="llama3-70b-h100-tp4", model=LLAMA3_70B, gpu=H100, tp=4,
-                       notes="70B dense on 4xH100 (calibration reference)"))
+_builtin(
+    EngineProfile(
+        name="llama3-8b-h200", model=LLAMA3_8B, gpu=H200, tp=1, notes="8B dense on one H200"
+    )
+)
+_builtin(
+    EngineProfile(
+        name="llama3-70b-h200-tp4",
+        model=LLAMA3_70B,
+        gpu=H200,
+        tp=4,
+        notes="70B dense on 4xH200, tensor parallel",
+    )
+)
+_builtin(
+    EngineProfile(
+        name="llama3-8b-h100",
+        model=LLAMA3_8B,
+        gpu=H100,
+        tp=1,
+        notes="8B dense on one H100 (calibration reference)",
+    )
+)
+_builtin(
+    EngineProfile(
+        name="llama3-70b-h100-tp4",
+        model=LLAMA3_70B,
+        gpu=H100,
+        tp=4,
+        notes="70B dense on 4xH100 (calibration reference)",
+    )
+)
 
 
 def get_profile(name: str) -> EngineProfile:

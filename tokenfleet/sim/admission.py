@@ -19,8 +19,9 @@ in the engine and its spent work counted as waste.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from tokenfleet.core.admission import (
     ADMISSION,
@@ -65,9 +66,17 @@ class AdmissionStats:
 class AdmissionDriver:
     """Per-tier gateway queues + admission policy in front of one pool."""
 
-    def __init__(self, env: Environment, pool: PoolSim, policy: Admission, slo: SLOConfig,
-                 *, control_period_s: float = 5.0, dispatch_tick_s: float | None = None,
-                 on_done: Callable[[RequestRecord], None] | None = None) -> None:
+    def __init__(
+        self,
+        env: Environment,
+        pool: PoolSim,
+        policy: Admission,
+        slo: SLOConfig,
+        *,
+        control_period_s: float = 5.0,
+        dispatch_tick_s: float | None = None,
+        on_done: Callable[[RequestRecord], None] | None = None,
+    ) -> None:
         if control_period_s <= 0:
             raise ValueError("control_period_s must be > 0")
         self.env = env
@@ -75,8 +84,11 @@ class AdmissionDriver:
         self.policy = policy
         self.slo = slo
         self.period_s = control_period_s
-        self.tick_s = (dispatch_tick_s or getattr(policy, "dispatch_tick_s", None)
-                       or pool.cfg.scrape_interval_s)
+        self.tick_s = (
+            dispatch_tick_s
+            or getattr(policy, "dispatch_tick_s", None)
+            or pool.cfg.scrape_interval_s
+        )
         self.on_done = on_done
         self.queues: dict[str, TierQueue] = {t: TierQueue(t) for t in TIERS}
         self.loads = [InstanceLoad(view=v) for v in pool.views[0]]
@@ -194,8 +206,10 @@ class AdmissionDriver:
                 q = self.queues.get(act.tier)
                 item = q.remove(act.request_id) if q is not None else None
                 if item is None:
-                    raise RuntimeError(f"admission policy {self.policy.name!r} chose "
-                                       f"{act.request_id}, which is not queued in {act.tier!r}")
+                    raise RuntimeError(
+                        f"admission policy {self.policy.name!r} chose "
+                        f"{act.request_id}, which is not queued in {act.tier!r}"
+                    )
                 self._queued_tier.pop(act.request_id, None)
                 trace = self._traces.pop(act.request_id)
                 rec = self._records[act.request_id]
@@ -263,8 +277,9 @@ class AdmissionDriver:
         limit = self.slo.slo_for(info.tier).ttft_limit_s(info.input_tokens)
         if limit is None or now - info.arrival_s <= limit:
             w.ttft_met += 1
-        self.policy.on_first_token(FirstTokenEvent(
-            info, self.loads[idx].instance_id, now, now - fl.dispatched_s))
+        self.policy.on_first_token(
+            FirstTokenEvent(info, self.loads[idx].instance_id, now, now - fl.dispatched_s)
+        )
         self._pump_later()
 
     def _on_done(self, rec: RequestRecord) -> None:
@@ -278,11 +293,18 @@ class AdmissionDriver:
                 tl.prefill_pending_tokens -= fl.uncached_tokens
             tl.inflight -= 1
             tl.reserved_kv_tokens -= fl.reserved_kv_tokens
-            self.policy.on_complete(CompletionEvent(
-                info, self.loads[fl.instance].instance_id, self.env.now, rec.status,
-                rec.output_tokens, rec.cached_tokens,
-                None if rec.first_token_s is None else rec.first_token_s - fl.dispatched_s,
-                self.env.now - fl.dispatched_s))
+            self.policy.on_complete(
+                CompletionEvent(
+                    info,
+                    self.loads[fl.instance].instance_id,
+                    self.env.now,
+                    rec.status,
+                    rec.output_tokens,
+                    rec.cached_tokens,
+                    None if rec.first_token_s is None else rec.first_token_s - fl.dispatched_s,
+                    self.env.now - fl.dispatched_s,
+                )
+            )
         self._finalize(rec, rec.status, already_final=True)
         self._pump_later()
 
@@ -313,9 +335,15 @@ class AdmissionDriver:
             w.duplicates += 1
         w.wasted_gpu_s += rec.wasted_gpu_s
         dl = None if rec.deadline_s is None else rec.deadline_s - rec.arrival_s
-        if meets_slo(self.slo.slo_for(tier), status=st, input_tokens=rec.input_tokens,
-                     ttft_s=rec.ttft_s, tpot_s=rec.tpot_s, e2e_s=rec.e2e_s,
-                     deadline_in_s=dl):
+        if meets_slo(
+            self.slo.slo_for(tier),
+            status=st,
+            input_tokens=rec.input_tokens,
+            ttft_s=rec.ttft_s,
+            tpot_s=rec.tpot_s,
+            e2e_s=rec.e2e_s,
+            deadline_in_s=dl,
+        ):
             w.met += 1
             w.good_tokens += rec.output_tokens
         if info is not None and tier == "batch":
@@ -339,8 +367,9 @@ class AdmissionDriver:
         w.batch_remaining = len(self._batch_deadlines)
         thr = self.slo.long_context_min_input_tokens
         bq = self.queues.get("batch")
-        long_batch = [it.request.input_tokens for it in bq
-                      if it.request.input_tokens >= thr] if bq else []
+        long_batch = (
+            [it.request.input_tokens for it in bq if it.request.input_tokens >= thr] if bq else []
+        )
         w.batch_long_queued = len(long_batch)
         w.batch_long_queued_tokens = sum(long_batch)
         w.batch_deadline_s = min(self._batch_deadlines.values(), default=None)
@@ -350,11 +379,18 @@ class AdmissionDriver:
         sample: dict[str, Any] = {"t_s": now, "knobs": dict(knobs), "tiers": {}}
         for tier, tw in sorted(w.tiers.items()):
             sample["tiers"][tier] = {
-                "arrivals": tw.arrivals, "finished": tw.finished, "met": tw.met,
-                "attainment": tw.attainment, "ttft_attainment": tw.ttft_attainment,
-                "rejected": tw.rejected, "cancelled": tw.cancelled, "queued": tw.queued,
-                "inflight": tw.inflight, "dispatched": tw.dispatched,
-                "good_tokens": tw.good_tokens, "output_tokens": tw.output_tokens,
+                "arrivals": tw.arrivals,
+                "finished": tw.finished,
+                "met": tw.met,
+                "attainment": tw.attainment,
+                "ttft_attainment": tw.ttft_attainment,
+                "rejected": tw.rejected,
+                "cancelled": tw.cancelled,
+                "queued": tw.queued,
+                "inflight": tw.inflight,
+                "dispatched": tw.dispatched,
+                "good_tokens": tw.good_tokens,
+                "output_tokens": tw.output_tokens,
             }
         self.stats.timeline.append(sample)
         self.window = WindowStats(period_s=self.period_s)
@@ -368,8 +404,13 @@ def create_policy(name: str, slo: SLOConfig, **kwargs: object) -> Admission:
 
 
 def run_pool_with_admission(
-    requests: Sequence[TraceRequest], config: PoolConfig, slo: SLOConfig, admission: str,
-    *, admission_kwargs: dict[str, object] | None = None, control_period_s: float = 5.0,
+    requests: Sequence[TraceRequest],
+    config: PoolConfig,
+    slo: SLOConfig,
+    admission: str,
+    *,
+    admission_kwargs: dict[str, object] | None = None,
+    control_period_s: float = 5.0,
     progress: ProgressFn | None = None,
 ) -> tuple[list[RequestRecord], PoolSim, AdmissionDriver]:
     """Replay ``requests`` through admission + one pool; return per-request records."""
@@ -385,16 +426,18 @@ def run_pool_with_admission(
             progress(len(records), total)
 
     pool = PoolSim(env, config, slo)
-    driver = AdmissionDriver(env, pool, policy, slo, control_period_s=control_period_s,
-                             on_done=done)
+    driver = AdmissionDriver(
+        env, pool, policy, slo, control_period_s=control_period_s, on_done=done
+    )
     driver.schedule(requests)
     env.run()
     records.sort(key=lambda r: (r.arrival_s, r.request_id))
     return records, pool, driver
 
 
-def admission_report(records: Sequence[RequestRecord], driver: AdmissionDriver,
-                     slo: SLOConfig) -> dict[str, Any]:
+def admission_report(
+    records: Sequence[RequestRecord], driver: AdmissionDriver, slo: SLOConfig
+) -> dict[str, Any]:
     """What the JSON adds for an admission run: Retry-After honesty, batch
     deadline, and the controller timeline."""
     ra = sorted(driver.stats.retry_after_s.values())

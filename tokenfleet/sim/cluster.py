@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from tokenfleet.core.routing import ROUTERS, Router
 from tokenfleet.core.tiers import SLOConfig, classify
@@ -65,15 +65,18 @@ class PathLatency:
 
     @property
     def is_zero(self) -> bool:
-        return not (self.dispatch_min_s or self.dispatch_tail_s or self.relay_min_s
-                    or self.relay_tail_s)
+        return not (
+            self.dispatch_min_s or self.dispatch_tail_s or self.relay_min_s or self.relay_tail_s
+        )
 
     def draw(self, rng: random.Random) -> tuple[float, float]:
         """(dispatch, relay) seconds for one request."""
-        d = self.dispatch_min_s + (rng.expovariate(1.0 / self.dispatch_tail_s)
-                                   if self.dispatch_tail_s > 0 else 0.0)
-        r = self.relay_min_s + (rng.expovariate(1.0 / self.relay_tail_s)
-                                if self.relay_tail_s > 0 else 0.0)
+        d = self.dispatch_min_s + (
+            rng.expovariate(1.0 / self.dispatch_tail_s) if self.dispatch_tail_s > 0 else 0.0
+        )
+        r = self.relay_min_s + (
+            rng.expovariate(1.0 / self.relay_tail_s) if self.relay_tail_s > 0 else 0.0
+        )
         return d, r
 
 
@@ -136,8 +139,16 @@ class SharedAccounting:
         self.start = 0  # log index of entry 0 after trimming
         self.cursor = [0] * len(views)
 
-    def record(self, now: float, replica: int, idx: int, op: str, info: RequestInfo,
-               cached: int, got_first: bool = False) -> None:
+    def record(
+        self,
+        now: float,
+        replica: int,
+        idx: int,
+        op: str,
+        info: RequestInfo,
+        cached: int,
+        got_first: bool = False,
+    ) -> None:
         self.log.append((now, replica, idx, op, info, cached, got_first))
 
     def catch_up(self, replica: int, now: float) -> None:
@@ -159,15 +170,20 @@ class SharedAccounting:
         self.cursor[replica] = i
         low = min(self.cursor)
         if low - start > 4096:  # every replica is past these entries
-            del log[:low - start]
+            del log[: low - start]
             self.start = low
 
 
 class PoolSim:
     """One pool of engine instances behind one or more router replicas."""
 
-    def __init__(self, env: Environment, config: PoolConfig, slo: SLOConfig,
-                 on_done: Callable[[RequestRecord], None] | None = None) -> None:
+    def __init__(
+        self,
+        env: Environment,
+        config: PoolConfig,
+        slo: SLOConfig,
+        on_done: Callable[[RequestRecord], None] | None = None,
+    ) -> None:
         self.env = env
         self.cfg = config
         self.slo = slo
@@ -184,16 +200,23 @@ class PoolSim:
             kwargs = dict(config.router_kwargs)
             kwargs.setdefault("seed", config.seed * 1000 + r)
             self.routers.append(ROUTERS.create(config.router, **kwargs))
-            self.views.append([
-                InstanceView(
-                    instance_id=e.instance_id, profile=prof, dc=config.dc,
-                    model=config.model, model_version=config.model_version,
-                    kv_capacity_tokens=e.capacity_blocks * e.block,
-                    max_model_len_tokens=prof.model.max_model_len_tokens,
-                    metrics=self.metrics[i], accounting=DispatchAccounting(), index=i,
-                )
-                for i, e in enumerate(self.engines)
-            ])
+            self.views.append(
+                [
+                    InstanceView(
+                        instance_id=e.instance_id,
+                        profile=prof,
+                        dc=config.dc,
+                        model=config.model,
+                        model_version=config.model_version,
+                        kv_capacity_tokens=e.capacity_blocks * e.block,
+                        max_model_len_tokens=prof.model.max_model_len_tokens,
+                        metrics=self.metrics[i],
+                        accounting=DispatchAccounting(),
+                        index=i,
+                    )
+                    for i, e in enumerate(self.engines)
+                ]
+            )
         self.by_index = {e.instance_id: i for i, e in enumerate(self.engines)}
         self._shared: SharedAccounting | None = None
         if config.shared_state_s is not None and config.n_routers > 1:
@@ -215,8 +238,12 @@ class PoolSim:
         self.on_first_token: Callable[[RequestInfo, int], None] | None = None
 
     # -- arrivals and routing -------------------------------------------------
-    def submit(self, trace: TraceRequest, record: RequestRecord | None = None,
-               allowed: Sequence[str] | None = None) -> None:
+    def submit(
+        self,
+        trace: TraceRequest,
+        record: RequestRecord | None = None,
+        allowed: Sequence[str] | None = None,
+    ) -> None:
         """A request reaches this pool now: route it and hand it to an engine.
 
         ``allowed`` (from admission) restricts the instances the router sees.
@@ -241,9 +268,13 @@ class PoolSim:
             self._finish_unrouted(record, "rejected")
             return
         idx = self.by_index[decision.instance_id]
-        eng_req = EngineRequest(info.request_id, info.input_tokens,
-                                min(trace.output_tokens, info.max_tokens), info.block_hashes,
-                                trace.output_block_hashes)
+        eng_req = EngineRequest(
+            info.request_id,
+            info.input_tokens,
+            min(trace.output_tokens, info.max_tokens),
+            info.block_hashes,
+            trace.output_block_hashes,
+        )
         engine = self.engines[idx]
         latency = self.cfg.path_latency
         dispatch_s = relay_s = 0.0
@@ -262,10 +293,20 @@ class PoolSim:
         record.predicted_ttft_s = decision.predicted_ttft_s
         views[idx].accounting.on_dispatch(info, decision.expected_cached_tokens)
         if self._shared is not None:
-            self._shared.record(env.now, replica, idx, "dispatch", info,
-                                decision.expected_cached_tokens)
-        fl = _Flight(trace, info, record, replica, idx, decision.expected_cached_tokens,
-                     decision.predicted_ttft_s, eng_req, relay_s=relay_s)
+            self._shared.record(
+                env.now, replica, idx, "dispatch", info, decision.expected_cached_tokens
+            )
+        fl = _Flight(
+            trace,
+            info,
+            record,
+            replica,
+            idx,
+            decision.expected_cached_tokens,
+            decision.predicted_ttft_s,
+            eng_req,
+            relay_s=relay_s,
+        )
         self._flights[info.request_id] = fl
         self.inflight += 1
         if self.on_dispatch is not None:
@@ -331,13 +372,21 @@ class PoolSim:
             fl.record.first_token_s = now + fl.relay_s
             fl.record.cached_tokens = er.cached_tokens
             self.views[fl.replica][idx].accounting.on_first_token(
-                fl.info, fl.expected_cached_tokens)
+                fl.info, fl.expected_cached_tokens
+            )
             if self._shared is not None:
-                self._shared.record(now, fl.replica, idx, "first", fl.info,
-                                    fl.expected_cached_tokens)
-            self.routers[fl.replica].on_first_token(FirstTokenEvent(
-                fl.info, engine.instance_id, now, now - (fl.record.dispatched_s or now),
-                fl.predicted_ttft_s))
+                self._shared.record(
+                    now, fl.replica, idx, "first", fl.info, fl.expected_cached_tokens
+                )
+            self.routers[fl.replica].on_first_token(
+                FirstTokenEvent(
+                    fl.info,
+                    engine.instance_id,
+                    now,
+                    now - (fl.record.dispatched_s or now),
+                    fl.predicted_ttft_s,
+                )
+            )
             if self.on_first_token is not None:
                 self.on_first_token(fl.info, idx)
         for er in res.finished:
@@ -357,15 +406,32 @@ class PoolSim:
         rec.finish_s = now + (fl.relay_s if status == "completed" else 0.0)
         rec.status = status
         self.views[fl.replica][fl.instance].accounting.on_finish(
-            fl.info, fl.got_first_token, fl.expected_cached_tokens)
+            fl.info, fl.got_first_token, fl.expected_cached_tokens
+        )
         if self._shared is not None:
-            self._shared.record(now, fl.replica, fl.instance, "finish", fl.info,
-                                fl.expected_cached_tokens, fl.got_first_token)
-        self.routers[fl.replica].on_complete(CompletionEvent(
-            fl.info, self.engines[fl.instance].instance_id, now, status,
-            rec.output_tokens, rec.cached_tokens,
-            None if rec.first_token_s is None else rec.first_token_s - (rec.dispatched_s or 0.0),
-            now - (rec.dispatched_s or now)))
+            self._shared.record(
+                now,
+                fl.replica,
+                fl.instance,
+                "finish",
+                fl.info,
+                fl.expected_cached_tokens,
+                fl.got_first_token,
+            )
+        self.routers[fl.replica].on_complete(
+            CompletionEvent(
+                fl.info,
+                self.engines[fl.instance].instance_id,
+                now,
+                status,
+                rec.output_tokens,
+                rec.cached_tokens,
+                None
+                if rec.first_token_s is None
+                else rec.first_token_s - (rec.dispatched_s or 0.0),
+                now - (rec.dispatched_s or now),
+            )
+        )
         if self.on_done is not None:
             self.on_done(rec)
 
@@ -380,8 +446,9 @@ class PoolSim:
         the decode steps it rode in (the batch it is in now stands for them)."""
         er = fl.engine_req
         prof = self.cfg.profile
-        prefill = prof.prefill_time_s(max(0, er.computed_tokens - er.cached_tokens),
-                                      er.cached_tokens)
+        prefill = prof.prefill_time_s(
+            max(0, er.computed_tokens - er.cached_tokens), er.cached_tokens
+        )
         batch = max(1, batch)
         decode = er.generated_tokens * prof.decode_step_time_s(batch, er.input_tokens) / batch
         return prefill + decode
@@ -415,7 +482,7 @@ class PoolSim:
             self._scraping = False
 
     def _read_metrics(self, now: float) -> None:
-        for eng, m in zip(self.engines, self.metrics):
+        for eng, m in zip(self.engines, self.metrics, strict=False):
             m.scraped_at_s = now
             m.num_running = len(eng.running)
             m.num_waiting = len(eng.waiting)
@@ -433,9 +500,15 @@ class PoolSim:
 
 def new_record(info: RequestInfo, dc: str = "") -> RequestRecord:
     return RequestRecord(
-        request_id=info.request_id, tenant=info.tenant, tier=info.tier,
-        arrival_s=info.arrival_s, input_tokens=info.input_tokens,
-        max_tokens=info.max_tokens, dc=dc, deadline_s=info.deadline_s)
+        request_id=info.request_id,
+        tenant=info.tenant,
+        tier=info.tier,
+        arrival_s=info.arrival_s,
+        input_tokens=info.input_tokens,
+        max_tokens=info.max_tokens,
+        dc=dc,
+        deadline_s=info.deadline_s,
+    )
 
 
 def _with_tier(info: RequestInfo, tier: str) -> RequestInfo:
@@ -444,8 +517,12 @@ def _with_tier(info: RequestInfo, tier: str) -> RequestInfo:
     return replace(info, tier=tier)
 
 
-def run_pool(requests: Sequence[TraceRequest], config: PoolConfig, slo: SLOConfig,
-             progress: ProgressFn | None = None) -> tuple[list[RequestRecord], PoolSim]:
+def run_pool(
+    requests: Sequence[TraceRequest],
+    config: PoolConfig,
+    slo: SLOConfig,
+    progress: ProgressFn | None = None,
+) -> tuple[list[RequestRecord], PoolSim]:
     """Replay ``requests`` through one pool; return per-request records."""
     env = Environment()
     records: list[RequestRecord] = []
@@ -461,8 +538,9 @@ def run_pool(requests: Sequence[TraceRequest], config: PoolConfig, slo: SLOConfi
     for tr in requests:
         env.schedule_at(tr.info.arrival_s, pool.submit, tr)
         if tr.client_timeout_s is not None:
-            env.schedule_at(tr.info.arrival_s + tr.client_timeout_s, pool.cancel,
-                            tr.info.request_id)
+            env.schedule_at(
+                tr.info.arrival_s + tr.client_timeout_s, pool.cancel, tr.info.request_id
+            )
     env.run()
     records.sort(key=lambda r: (r.arrival_s, r.request_id))
     return records, pool

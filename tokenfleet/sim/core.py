@@ -9,7 +9,8 @@ simulator schedules millions of engine steps.
 from __future__ import annotations
 
 import heapq
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 URGENT = 0  # e.g. engine step completions: state must settle first
 NORMAL = 1  # arrivals, scrapes, control ticks
@@ -25,15 +26,17 @@ class Environment:
         self.events_processed = 0
         self._stopped = False
 
-    def schedule(self, delay_s: float, callback: Callable[..., object], *args: Any,
-                 priority: int = NORMAL) -> None:
+    def schedule(
+        self, delay_s: float, callback: Callable[..., object], *args: Any, priority: int = NORMAL
+    ) -> None:
         if delay_s < 0:
             raise ValueError(f"negative delay {delay_s}")
         self._seq += 1
         heapq.heappush(self._heap, (self.now + delay_s, priority, self._seq, callback, args))
 
-    def schedule_at(self, time_s: float, callback: Callable[..., object], *args: Any,
-                    priority: int = NORMAL) -> None:
+    def schedule_at(
+        self, time_s: float, callback: Callable[..., object], *args: Any, priority: int = NORMAL
+    ) -> None:
         self.schedule(max(0.0, time_s - self.now), callback, *args, priority=priority)
 
     def peek(self) -> float:

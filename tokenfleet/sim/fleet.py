@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from tokenfleet.core.fleet import (
     FLEET,
@@ -68,8 +69,7 @@ from tokenfleet.workloads.trace import TraceRequest
 
 #: Sections of a scenario file that the simulator (not the topology) owns.
 SCENARIO_KEYS = ("workload", "events", "slo")
-EVENT_KINDS = ("endpoints_unready", "endpoints_ready", "rollout", "latency_spike",
-               "slowdown")
+EVENT_KINDS = ("endpoints_unready", "endpoints_ready", "rollout", "latency_spike", "slowdown")
 SAMPLE_S = 1.0  # time-series resolution of per-DC load
 BIN_S = 5.0  # time-series resolution of spill shares (by arrival time)
 
@@ -131,8 +131,9 @@ class Scenario:
 
     def with_duration(self, duration_s: float) -> Scenario:
         """The same scenario cut short (tests); events after the end are dropped."""
-        return replace(self, duration_s=duration_s,
-                       events=tuple(e for e in self.events if e.at_s < duration_s))
+        return replace(
+            self, duration_s=duration_s, events=tuple(e for e in self.events if e.at_s < duration_s)
+        )
 
 
 def load_scenario(path: str | Path) -> Scenario:
@@ -156,8 +157,9 @@ def _profile_tp() -> dict[str, int]:
 
 
 def scenario_from_mapping(data: Mapping[str, Any], source: str = "<scenario>") -> Scenario:
-    topo = parse_topology(data, source, extra_keys=SCENARIO_KEYS, profile_tp=_profile_tp(),
-                          routers=ROUTERS.names())
+    topo = parse_topology(
+        data, source, extra_keys=SCENARIO_KEYS, profile_tp=_profile_tp(), routers=ROUTERS.names()
+    )
     slo = SLOConfig()
     if data.get("slo") is not None:
         if not isinstance(data["slo"], Mapping):
@@ -165,13 +167,17 @@ def scenario_from_mapping(data: Mapping[str, Any], source: str = "<scenario>") -
         slo = SLOConfig.from_mapping(data["slo"], source=f"{source}: slo")
     wl = data.get("workload")
     if not isinstance(wl, Mapping):
-        raise ValidationError(source, "workload", "missing; a scenario needs a workload "
-                              "section with duration_s and streams")
+        raise ValidationError(
+            source,
+            "workload",
+            "missing; a scenario needs a workload section with duration_s and streams",
+        )
     duration = _num(source, "workload.duration_s", wl.get("duration_s"), positive=True)
     unknown = set(wl) - {"duration_s", "streams"}
     if unknown:
-        raise ValidationError(source, f"workload.{sorted(unknown)[0]}",
-                              "unknown field; use duration_s and streams")
+        raise ValidationError(
+            source, f"workload.{sorted(unknown)[0]}", "unknown field; use duration_s and streams"
+        )
     raw_streams = wl.get("streams")
     if not isinstance(raw_streams, list) or not raw_streams:
         raise ValidationError(source, "workload.streams", "must be a non-empty list")
@@ -179,28 +185,51 @@ def scenario_from_mapping(data: Mapping[str, Any], source: str = "<scenario>") -
     names = [s.name for s in streams]
     for i, n in enumerate(names):
         if names.index(n) != i:
-            raise ValidationError(source, f"workload.streams[{i}].name",
-                                  f"duplicate stream name '{n}'")
+            raise ValidationError(
+                source, f"workload.streams[{i}].name", f"duplicate stream name '{n}'"
+            )
     raw_events = data.get("events") or []
     if not isinstance(raw_events, list):
         raise ValidationError(source, "events", "must be a list of timeline events")
-    events = tuple(sorted((_event(source, topo, i, e) for i, e in enumerate(raw_events)),
-                          key=lambda e: e.at_s))
-    return Scenario(topology=topo, slo=slo, duration_s=duration, streams=streams,
-                    events=events, source=source)
+    events = tuple(
+        sorted((_event(source, topo, i, e) for i, e in enumerate(raw_events)), key=lambda e: e.at_s)
+    )
+    return Scenario(
+        topology=topo, slo=slo, duration_s=duration, streams=streams, events=events, source=source
+    )
 
 
 def _num(source: str, fld: str, v: Any, positive: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-            or v < 0 or (positive and v == 0):
-        raise ValidationError(source, fld, f"must be a {'positive' if positive else 'non-negative'}"
-                              f" number, got {v!r}")
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, (int, float))
+        or not math.isfinite(v)
+        or v < 0
+        or (positive and v == 0)
+    ):
+        raise ValidationError(
+            source, fld, f"must be a {'positive' if positive else 'non-negative'} number, got {v!r}"
+        )
     return float(v)
 
 
-_STREAM_KEYS = {"name", "tenant", "generator", "rate_rps", "load", "seed", "origin", "home",
-                "model",
-                "version", "region", "allow_cross_region", "start_s", "end_s", "options"}
+_STREAM_KEYS = {
+    "name",
+    "tenant",
+    "generator",
+    "rate_rps",
+    "load",
+    "seed",
+    "origin",
+    "home",
+    "model",
+    "version",
+    "region",
+    "allow_cross_region",
+    "start_s",
+    "end_s",
+    "options",
+}
 
 
 def _stream(source: str, topo: Topology, i: int, raw: Any, duration: float) -> StreamSpec:
@@ -211,18 +240,25 @@ def _stream(source: str, topo: Topology, i: int, raw: Any, duration: float) -> S
         raise ValidationError(source, base, "must be a mapping")
     for k in raw:
         if k not in _STREAM_KEYS:
-            raise ValidationError(source, f"{base}.{k}",
-                                  f"unknown field; use one of {sorted(_STREAM_KEYS)}")
+            raise ValidationError(
+                source, f"{base}.{k}", f"unknown field; use one of {sorted(_STREAM_KEYS)}"
+            )
     for req in ("tenant", "generator", "model"):
         if req not in raw:
             raise ValidationError(source, f"{base}.{req}", "missing")
     if ("rate_rps" in raw) == ("load" in raw):
-        raise ValidationError(source, f"{base}.rate_rps", "give exactly one of rate_rps "
-                              "(requests/s) or load (x the home deployment's capacity)")
+        raise ValidationError(
+            source,
+            f"{base}.rate_rps",
+            "give exactly one of rate_rps (requests/s) or load (x the home deployment's capacity)",
+        )
     gen = str(raw["generator"])
     if gen not in SYNTHETIC:
-        raise ValidationError(source, f"{base}.generator", f"unknown generator '{gen}'; "
-                              f"choose one of {', '.join(SYNTHETIC.names())}")
+        raise ValidationError(
+            source,
+            f"{base}.generator",
+            f"unknown generator '{gen}'; choose one of {', '.join(SYNTHETIC.names())}",
+        )
     tenant = str(raw["tenant"])
     model = str(raw["model"])
     version = "" if raw.get("version") is None else str(raw["version"])
@@ -234,21 +270,24 @@ def _stream(source: str, topo: Topology, i: int, raw: Any, duration: float) -> S
     if origin is None:
         origin = home
     if origin is None:
-        raise ValidationError(source, f"{base}.origin", "no origin: name one, give the "
-                              "tenant a home, or mark a site 'entry: true'")
+        raise ValidationError(
+            source,
+            f"{base}.origin",
+            "no origin: name one, give the tenant a home, or mark a site 'entry: true'",
+        )
     origin = str(origin)
     if origin not in dcs:
         raise ValidationError(source, f"{base}.origin", f"unknown site '{origin}'")
     if home is None:
-        serving = [d.name for d in dcs.values()
-                   if any(dep.model == model for dep in d.deployments)]
+        serving = [d.name for d in dcs.values() if any(dep.model == model for dep in d.deployments)]
         if not serving:
             raise ValidationError(source, f"{base}.model", f"no site deploys '{model}'")
         home = min(serving, key=lambda n: (topo.rtt(origin, n), n))
     home = str(home)
     if dcs[home].entry:
-        raise ValidationError(source, f"{base}.home", f"'{home}' is an entry site and "
-                              "holds no GPUs")
+        raise ValidationError(
+            source, f"{base}.home", f"'{home}' is an entry site and holds no GPUs"
+        )
     region = raw.get("region")
     if region is not None:
         region = str(region)
@@ -268,27 +307,59 @@ def _stream(source: str, topo: Topology, i: int, raw: Any, duration: float) -> S
         raise ValidationError(source, f"{base}.start_s", "is after the workload's end")
     opts = raw.get("options") or {}
     if not isinstance(opts, Mapping):
-        raise ValidationError(source, f"{base}.options", "must be a mapping of generator "
-                              "keyword arguments")
+        raise ValidationError(
+            source, f"{base}.options", "must be a mapping of generator keyword arguments"
+        )
     load = None
     rate = None
     if "load" in raw:
         load = _num(source, f"{base}.load", raw["load"], positive=True)
-        if not any(d.model == model and d.version == version and d.instances > 0
-                   for d in dcs[home].deployments):
-            raise ValidationError(source, f"{base}.load", f"is relative to the home site's "
-                                  f"capacity, but {home} deploys no {model}@{version}; give "
-                                  "rate_rps instead")
+        if not any(
+            d.model == model and d.version == version and d.instances > 0
+            for d in dcs[home].deployments
+        ):
+            raise ValidationError(
+                source,
+                f"{base}.load",
+                f"is relative to the home site's "
+                f"capacity, but {home} deploys no {model}@{version}; give "
+                "rate_rps instead",
+            )
     else:
         rate = _num(source, f"{base}.rate_rps", raw["rate_rps"], positive=True)
-    return StreamSpec(name=str(raw.get("name", f"s{i}")), tenant=tenant, generator=gen,
-                      rate_rps=rate, seed=seed, origin=origin, home=home, model=model,
-                      version=version, region=region, allow_cross_region=cross,
-                      start_s=start, end_s=end, options=dict(opts), load=load)
+    return StreamSpec(
+        name=str(raw.get("name", f"s{i}")),
+        tenant=tenant,
+        generator=gen,
+        rate_rps=rate,
+        seed=seed,
+        origin=origin,
+        home=home,
+        model=model,
+        version=version,
+        region=region,
+        allow_cross_region=cross,
+        start_s=start,
+        end_s=end,
+        options=dict(opts),
+        load=load,
+    )
 
 
-_EVENT_KEYS = {"at_s", "kind", "dc", "model", "version", "to_version", "profile", "instances",
-               "batch", "duration_s", "extra_ms", "factor"}
+_EVENT_KEYS = {
+    "at_s",
+    "kind",
+    "dc",
+    "model",
+    "version",
+    "to_version",
+    "profile",
+    "instances",
+    "batch",
+    "duration_s",
+    "extra_ms",
+    "factor",
+}
 
 
 def _event(source: str, topo: Topology, i: int, raw: Any) -> TimelineEvent:
@@ -297,12 +368,14 @@ def _event(source: str, topo: Topology, i: int, raw: Any) -> TimelineEvent:
         raise ValidationError(source, base, "must be a mapping")
     for k in raw:
         if k not in _EVENT_KEYS:
-            raise ValidationError(source, f"{base}.{k}",
-                                  f"unknown field; use one of {sorted(_EVENT_KEYS)}")
+            raise ValidationError(
+                source, f"{base}.{k}", f"unknown field; use one of {sorted(_EVENT_KEYS)}"
+            )
     kind = raw.get("kind")
     if kind not in EVENT_KINDS:
-        raise ValidationError(source, f"{base}.kind",
-                              f"must be one of {', '.join(EVENT_KINDS)}, got {kind!r}")
+        raise ValidationError(
+            source, f"{base}.kind", f"must be one of {', '.join(EVENT_KINDS)}, got {kind!r}"
+        )
     dc = str(raw.get("dc", ""))
     if dc not in topo.datacenters:
         raise ValidationError(source, f"{base}.dc", f"unknown site '{dc}'")
@@ -317,37 +390,60 @@ def _event(source: str, topo: Topology, i: int, raw: Any) -> TimelineEvent:
     deployed = topo.datacenters[dc].deployments
     if kind == "rollout":
         if not model or not to_version:
-            raise ValidationError(source, f"{base}.to_version" if model else f"{base}.model",
-                                  "a rollout needs model and to_version")
+            raise ValidationError(
+                source,
+                f"{base}.to_version" if model else f"{base}.model",
+                "a rollout needs model and to_version",
+            )
         olds = [d for d in deployed if d.model == model and (not version or d.version == version)]
         if not olds:
-            raise ValidationError(source, f"{base}.model", f"{dc} does not deploy '{model}'"
-                                  f"{' version ' + version if version else ''}")
+            raise ValidationError(
+                source,
+                f"{base}.model",
+                f"{dc} does not deploy '{model}'{' version ' + version if version else ''}",
+            )
         if len(olds) > 1:
-            raise ValidationError(source, f"{base}.version", f"{dc} deploys several versions "
-                                  f"of '{model}'; name the one to replace")
+            raise ValidationError(
+                source,
+                f"{base}.version",
+                f"{dc} deploys several versions of '{model}'; name the one to replace",
+            )
         version = olds[0].version
         if to_version == version:
             raise ValidationError(source, f"{base}.to_version", "equals the current version")
     instances = raw.get("instances")
-    if instances is not None and (isinstance(instances, bool) or not isinstance(instances, int)
-                                  or instances < 1):
+    if instances is not None and (
+        isinstance(instances, bool) or not isinstance(instances, int) or instances < 1
+    ):
         raise ValidationError(source, f"{base}.instances", "must be an integer >= 1")
     batch = raw.get("batch", 1)
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValidationError(source, f"{base}.batch", "must be an integer >= 1")
-    dur = None if raw.get("duration_s") is None else _num(source, f"{base}.duration_s",
-                                                           raw["duration_s"], positive=True)
+    dur = (
+        None
+        if raw.get("duration_s") is None
+        else _num(source, f"{base}.duration_s", raw["duration_s"], positive=True)
+    )
     extra = _num(source, f"{base}.extra_ms", raw.get("extra_ms", 0.0))
     factor = _num(source, f"{base}.factor", raw.get("factor", 1.0), positive=True)
     if kind == "latency_spike" and extra <= 0:
         raise ValidationError(source, f"{base}.extra_ms", "a latency spike needs extra_ms > 0")
     if kind == "slowdown" and factor <= 1.0:
         raise ValidationError(source, f"{base}.factor", "a slowdown needs factor > 1")
-    return TimelineEvent(at_s=_num(source, f"{base}.at_s", raw.get("at_s")), kind=str(kind),
-                         dc=dc, model=model, version=version, to_version=to_version,
-                         profile=profile, instances=instances, batch=batch, duration_s=dur,
-                         extra_ms=extra, factor=factor)
+    return TimelineEvent(
+        at_s=_num(source, f"{base}.at_s", raw.get("at_s")),
+        kind=str(kind),
+        dc=dc,
+        model=model,
+        version=version,
+        to_version=to_version,
+        profile=profile,
+        instances=instances,
+        batch=batch,
+        duration_s=dur,
+        extra_ms=extra,
+        factor=factor,
+    )
 
 
 @dataclass(slots=True)
@@ -357,8 +453,9 @@ class Arrival:
     home: str
 
 
-def build_workload(sc: Scenario, seed: int = 0,
-                   rates_out: dict[str, float] | None = None) -> list[Arrival]:
+def build_workload(
+    sc: Scenario, seed: int = 0, rates_out: dict[str, float] | None = None
+) -> list[Arrival]:
     """Generate every stream (seeded), place it in its window, tag it, classify it.
     ``rates_out`` receives each stream's arrival rate (requests/s)."""
     from tokenfleet.workloads.synthetic import SYNTHETIC
@@ -384,14 +481,19 @@ def build_workload(sc: Scenario, seed: int = 0,
             if info.arrival_s >= span:
                 break
             at = st.start_s + info.arrival_s
-            new = replace(info, request_id=f"{st.name}/{info.request_id}", arrival_s=at,
-                          tenant=st.tenant, model=st.model, model_version=st.version,
-                          region=st.region, allow_cross_region=st.allow_cross_region,
-                          deadline_s=(None if info.deadline_s is None
-                                      else info.deadline_s + st.start_s))
+            new = replace(
+                info,
+                request_id=f"{st.name}/{info.request_id}",
+                arrival_s=at,
+                tenant=st.tenant,
+                model=st.model,
+                model_version=st.version,
+                region=st.region,
+                allow_cross_region=st.allow_cross_region,
+                deadline_s=(None if info.deadline_s is None else info.deadline_s + st.start_s),
+            )
             new = replace(new, tier=classify(new, sc.slo))
-            out.append(Arrival(replace(tr, info=new),
-                               st.origin, st.home))
+            out.append(Arrival(replace(tr, info=new), st.origin, st.home))
     out.sort(key=lambda a: (a.trace.info.arrival_s, a.trace.info.request_id))
     return out
 
@@ -404,8 +506,11 @@ def stream_rate_rps(sc: Scenario, st: StreamSpec) -> float:
     from tokenfleet.workloads.synthetic import SYNTHETIC
 
     assert st.load is not None
-    dep = next(d for d in sc.topology.datacenters[st.home].deployments
-               if d.model == st.model and d.version == st.version)
+    dep = next(
+        d
+        for d in sc.topology.datacenters[st.home].deployments
+        if d.model == st.model and d.version == st.version
+    )
     sample = SYNTHETIC.get(st.generator)(1500, st.seed, 5.0, **dict(st.options))
     return st.load * capacity_rps(sample, get_profile(dep.profile), dep.instances)
 
@@ -439,8 +544,9 @@ OFF, WARMING, READY, DOWN = "off", "warming", "ready", "down"
 class _Pool:
     """One PoolSim plus the state of its replica slots (the GPUs it may use)."""
 
-    def __init__(self, key: tuple[str, str, str], sim: PoolSim, view: PoolView,
-                 profile: EngineProfile) -> None:
+    def __init__(
+        self, key: tuple[str, str, str], sim: PoolSim, view: PoolView, profile: EngineProfile
+    ) -> None:
         self.key = key
         self.sim = sim
         self.view = view
@@ -507,20 +613,22 @@ class FleetRun:
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"policy": self.policy, "fleet": self.policy}
         out.update(self.summary)
-        out.update({
-            "per_dc": self.per_dc,
-            "spill_fraction": self.spill_fraction,
-            "residency_violations": self.residency_violations,
-            "version_mismatches": self.version_mismatches,
-            "rejected_no_candidate": self.no_candidate,
-            "plans": self.plans,
-            "rollbacks": self.rollbacks,
-            "timeline": self.timeline,
-            "timeseries": self.timeseries,
-            "stream_rates_rps": self.stream_rates_rps,
-            "preemptions": self.preemptions,
-            "wall_s": self.wall_s,
-        })
+        out.update(
+            {
+                "per_dc": self.per_dc,
+                "spill_fraction": self.spill_fraction,
+                "residency_violations": self.residency_violations,
+                "version_mismatches": self.version_mismatches,
+                "rejected_no_candidate": self.no_candidate,
+                "plans": self.plans,
+                "rollbacks": self.rollbacks,
+                "timeline": self.timeline,
+                "timeseries": self.timeseries,
+                "stream_rates_rps": self.stream_rates_rps,
+                "preemptions": self.preemptions,
+                "wall_s": self.wall_s,
+            }
+        )
         return out
 
 
@@ -530,17 +638,26 @@ def _default_router() -> str:
 
 def _slowed(p: EngineProfile, factor: float) -> EngineProfile:
     """An engine ``factor`` times slower (power capping, a noisy neighbour, a bad link)."""
-    return p.with_overrides(mfu=p.mfu / factor, attn_eff=p.attn_eff / factor,
-                            mbu=p.mbu / factor, step_overhead_s=p.step_overhead_s * factor,
-                            per_seq_overhead_s=p.per_seq_overhead_s * factor)
+    return p.with_overrides(
+        mfu=p.mfu / factor,
+        attn_eff=p.attn_eff / factor,
+        mbu=p.mbu / factor,
+        step_overhead_s=p.step_overhead_s * factor,
+        per_seq_overhead_s=p.per_seq_overhead_s * factor,
+    )
 
 
 class FleetSim:
     """Drives one fleet policy over one scenario. ``run()`` returns a FleetRun."""
 
-    def __init__(self, sc: Scenario, policy: str, seed: int = 0,
-                 policy_kwargs: Mapping[str, object] | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        sc: Scenario,
+        policy: str,
+        seed: int = 0,
+        policy_kwargs: Mapping[str, object] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
         self.sc = sc
         self.topo = topo = sc.topology
         self.settings = topo.settings
@@ -555,10 +672,16 @@ class FleetSim:
         self.outputs = OutputLengthModel()
         self.views: dict[str, DCView] = {
             d.name: DCView(d.name, d.region, d.entry, d.load_ceiling, d.reserve_local)
-            for d in topo.datacenters.values()}
-        self.snap = FleetSnapshot(now_s=0.0, dcs=self.views, topology=topo,
-                                  rtt_s=dict(topo.rtt_s), prefix=self.prefix,
-                                  outputs=self.outputs)
+            for d in topo.datacenters.values()
+        }
+        self.snap = FleetSnapshot(
+            now_s=0.0,
+            dcs=self.views,
+            topology=topo,
+            rtt_s=dict(topo.rtt_s),
+            prefix=self.prefix,
+            outputs=self.outputs,
+        )
         self.pools: dict[tuple[str, str, str], _Pool] = {}
         self._costs: dict[str, PoolCosts] = {}
         self.profile_of: dict[tuple[str, str], str] = {}
@@ -570,8 +693,8 @@ class FleetSim:
         for ev in sc.events:
             if ev.kind == "rollout":
                 self.profile_of.setdefault(
-                    (ev.model, ev.to_version),
-                    ev.profile or self.profile_of[(ev.model, ev.version)])
+                    (ev.model, ev.to_version), ev.profile or self.profile_of[(ev.model, ev.version)]
+                )
         self._slow: dict[str, float] = {}
         for d in topo.datacenters.values():
             for dep in d.deployments:
@@ -589,10 +712,14 @@ class FleetSim:
         # planner
         self.planner: Planner | None = None
         if self.selector.uses_planner:
-            initial = Plan(plan_id=0, at_s=0.0,
-                           replicas={k: p.active for k, p in self.pools.items()},
-                           spill_share={n: 1.0 for n in self.views}, kind="initial",
-                           reason="the topology as deployed")
+            initial = Plan(
+                plan_id=0,
+                at_s=0.0,
+                replicas={k: p.active for k, p in self.pools.items()},
+                spill_share={n: 1.0 for n in self.views},
+                kind="initial",
+                reason="the topology as deployed",
+            )
             self.planner = Planner(initial=initial, rtt_s=topo.rtt)
         self.plans: list[dict[str, Any]] = []
         self.rollbacks: list[dict[str, Any]] = []
@@ -604,8 +731,9 @@ class FleetSim:
         self._cyc_dc: dict[str, list[tuple[float, bool, bool]]] = {}
         # time series
         self._ts_t: list[float] = []
-        self._ts_load: dict[str, list[float]] = {n: [] for n, v in self.views.items()
-                                                 if not v.entry}
+        self._ts_load: dict[str, list[float]] = {
+            n: [] for n, v in self.views.items() if not v.entry
+        }
         self._ts_ready: dict[str, list[int]] = {n: [] for n in self._ts_load}
         self._ts_share: dict[str, list[float]] = {n: [] for n in self._ts_load}
         self._bins: dict[int, list[int]] = {}  # bin -> [arrivals, spilled]
@@ -623,19 +751,30 @@ class FleetSim:
             return pool
         pname = self.profile_of.get((model, version))
         if pname is None:
-            raise ConfigError(f"no engine profile known for {model}@{version}; deploy it "
-                              "somewhere in the topology first")
+            raise ConfigError(
+                f"no engine profile known for {model}@{version}; deploy it "
+                "somewhere in the topology first"
+            )
         prof = get_profile(pname)
         site = self.topo.datacenters[dc]
         n = max(1, site.gpus // prof.tp)
-        router = (self.router_of.get((model, version)) or self.settings.default_router
-                  or _default_router())
+        router = (
+            self.router_of.get((model, version))
+            or self.settings.default_router
+            or _default_router()
+        )
         # a DC whose router ships with KV events (Dynamo) has engines that publish them
-        cfg = PoolConfig(profile=prof, n_instances=n, router=router,
-                         scrape_interval_s=self.settings.pool_scrape_interval_s,
-                         seed=self.seed * 7919 + len(self.pools) * 131 + 1, dc=dc,
-                         model=model, model_version=version,
-                         kv_events=engines_publish_kv_events(router))
+        cfg = PoolConfig(
+            profile=prof,
+            n_instances=n,
+            router=router,
+            scrape_interval_s=self.settings.pool_scrape_interval_s,
+            seed=self.seed * 7919 + len(self.pools) * 131 + 1,
+            dc=dc,
+            model=model,
+            model_version=version,
+            kv_events=engines_publish_kv_events(router),
+        )
         sim = PoolSim(self.env, cfg, self.sc.slo, on_done=self._done_for(key))
         costs = self._costs.get(pname)
         if costs is None:
@@ -698,8 +837,7 @@ class FleetSim:
             self._finalize(rec, None)
             return
         view = self.views[d.dc]
-        pv = view.pool_for(info.model, info.model_version,
-                           exact=self.selector.exact_version)
+        pv = view.pool_for(info.model, info.model_version, exact=self.selector.exact_version)
         assert pv is not None  # select_dc only returns DCs with a serving pool
         pool = self.pools[(d.dc, pv.model, pv.version)]
         # the referee's own checks
@@ -711,8 +849,7 @@ class FleetSim:
         # planner input: the demand where the request belongs (estimated before
         # this dispatch is recorded, so its own prompt does not count as cached)
         home_pv = self.views[a.home].pool_for(info.model, info.model_version)
-        home_work = (work_s if home_pv is pv or home_pv is None
-                     else snap.estimate(home_pv, info)[2])
+        home_work = work_s if home_pv is pv or home_pv is None else snap.estimate(home_pv, info)[2]
         pv.accounting.on_dispatch(now, prefill_s, work_s, pv.ready_instances)
         self.prefix.insert(pv.prefix_id, info.block_hashes)
         spilled = d.dc != a.home
@@ -727,15 +864,27 @@ class FleetSim:
         one_way = snap.rtt(a.origin, d.dc) / 2.0
         out_s = one_way + snap.transfer_s(a.origin, d.dc, info)
         limit = self.sc.slo.slo_for(info.tier).ttft_limit_s(info.input_tokens)
-        fl = _Flight(a, rec, pool, prefill_s, d.predicted_dc_ttft_s, one_way, now + out_s,
-                     spilled, limit if limit is not None else math.inf)
+        fl = _Flight(
+            a,
+            rec,
+            pool,
+            prefill_s,
+            d.predicted_dc_ttft_s,
+            one_way,
+            now + out_s,
+            spilled,
+            limit if limit is not None else math.inf,
+        )
         self.flights[info.request_id] = fl
         pool.pending.append(fl)
         rec.dc = d.dc
         env.schedule(out_s, pool.sim.submit, a.trace, rec)
         if a.trace.client_timeout_s is not None:
-            env.schedule_at(info.arrival_s + a.trace.client_timeout_s + one_way,
-                            pool.sim.cancel, info.request_id)
+            env.schedule_at(
+                info.arrival_s + a.trace.client_timeout_s + one_way,
+                pool.sim.cancel,
+                info.request_id,
+            )
 
     def _first_token(self, fl: _Flight) -> None:
         fl.ft_seen = True
@@ -747,9 +896,16 @@ class FleetSim:
                 # the TTFT miss is known now; report it without waiting for the end
                 fl.counted = True
                 self._cyc_dc.setdefault(pv.dc, []).append((self.env.now, False, fl.spilled))
-            self.selector.on_first_token(FleetFirstToken(
-                fl.arrival.trace.info, pv.dc, pv.model, pv.version, ft - fl.at_dc_s,
-                fl.predicted_dc_s))
+            self.selector.on_first_token(
+                FleetFirstToken(
+                    fl.arrival.trace.info,
+                    pv.dc,
+                    pv.model,
+                    pv.version,
+                    ft - fl.at_dc_s,
+                    fl.predicted_dc_s,
+                )
+            )
 
     def _on_done(self, key: tuple[str, str, str], rec: RequestRecord) -> None:
         fl = self.flights.pop(rec.request_id, None)
@@ -809,7 +965,7 @@ class FleetSim:
         self._spikes = [s for s in self._spikes if s[1] > now]
         for start, _, dc, extra in self._spikes:
             if start <= now:
-                for (a, b) in rtt:
+                for a, b in rtt:
                     if a == dc or b == dc:
                         rtt[(a, b)] += extra
         snap.rtt_s = rtt
@@ -848,8 +1004,11 @@ class FleetSim:
         # already missed: report it now, as a live gateway would, instead of
         # whenever it finally completes.
         for fl in self.flights.values():
-            if not fl.counted and fl.record.first_token_s is None \
-                    and now - fl.record.arrival_s > fl.ttft_limit_s:
+            if (
+                not fl.counted
+                and fl.record.first_token_s is None
+                and now - fl.record.arrival_s > fl.ttft_limit_s
+            ):
                 fl.counted = True
                 self._cyc_dc.setdefault(fl.record.dc, []).append((now, False, fl.spilled))
         keys = set(self.pools) | set(self._cyc_demand)
@@ -861,32 +1020,47 @@ class FleetSim:
             if prof_name is None:
                 continue
             tp = pool.tp if pool is not None else get_profile(prof_name).tp
-            stats.append(PoolStats(
-                dc=dc, model=model, version=version, tp=tp,
-                replicas=pool.active if pool is not None else 0,
-                ready=pool.count(READY) if pool is not None else 0,
-                demand_work_s=self._cyc_demand.get(key, 0.0) / span,
-                served_work_s=self._cyc_served_work.get(key, 0.0) / span,
-                load=(pool.load_sum / pool.load_n) if pool is not None and pool.load_n else 0.0))
+            stats.append(
+                PoolStats(
+                    dc=dc,
+                    model=model,
+                    version=version,
+                    tp=tp,
+                    replicas=pool.active if pool is not None else 0,
+                    ready=pool.count(READY) if pool is not None else 0,
+                    demand_work_s=self._cyc_demand.get(key, 0.0) / span,
+                    served_work_s=self._cyc_served_work.get(key, 0.0) / span,
+                    load=(pool.load_sum / pool.load_n) if pool is not None and pool.load_n else 0.0,
+                )
+            )
         dcs = {}
         for name, site in self.topo.datacenters.items():
             if site.entry:
                 continue
             outcomes = self._cyc_dc.get(name, [])
             recent = [o for o in outcomes if o[0] >= now - self.settings.long_cycle_s / 2]
-            dcs[name] = DCStats(dc=name, served=len(outcomes),
-                                slo_met=sum(1 for o in outcomes if o[1]),
-                                spilled_in=sum(1 for o in outcomes if o[2]),
-                                recent_served=len(recent),
-                                recent_slo_met=sum(1 for o in recent if o[1]),
-                                recent_spilled_in=sum(1 for o in recent if o[2]),
-                                target=(site.attainment_target if site.attainment_target
-                                        is not None else target_default),
-                                free_gpus=site.gpus - self._gpus_used(name),
-                                load_ceiling=site.load_ceiling,
-                                spill_in_ceiling=site.spill_in_ceiling)
-        inp = PlannerInput(now_s=now, pools=stats, dcs=dcs,
-                           gpu_budget=self.settings.gpu_budget, gpus_used=self._gpus_used())
+            dcs[name] = DCStats(
+                dc=name,
+                served=len(outcomes),
+                slo_met=sum(1 for o in outcomes if o[1]),
+                spilled_in=sum(1 for o in outcomes if o[2]),
+                recent_served=len(recent),
+                recent_slo_met=sum(1 for o in recent if o[1]),
+                recent_spilled_in=sum(1 for o in recent if o[2]),
+                target=(
+                    site.attainment_target if site.attainment_target is not None else target_default
+                ),
+                free_gpus=site.gpus - self._gpus_used(name),
+                load_ceiling=site.load_ceiling,
+                spill_in_ceiling=site.spill_in_ceiling,
+            )
+        inp = PlannerInput(
+            now_s=now,
+            pools=stats,
+            dcs=dcs,
+            gpu_budget=self.settings.gpu_budget,
+            gpus_used=self._gpus_used(),
+        )
         before = self.planner.current
         plan, rollbacks = self.planner.step(inp)
         if plan is not before:
@@ -935,8 +1109,7 @@ class FleetSim:
                 if budget is not None and self._gpus_used() + pool.tp > budget:
                     break
                 pool.set(i, WARMING)
-                self.env.schedule(self.settings.prewarm_s, self._warm_done, pool, i,
-                                  pool.gen[i])
+                self.env.schedule(self.settings.prewarm_s, self._warm_done, pool, i, pool.gen[i])
 
     def _warm_done(self, pool: _Pool, i: int, gen: int) -> None:
         if pool.gen[i] == gen and pool.slots[i] == WARMING:
@@ -949,9 +1122,13 @@ class FleetSim:
         self.timeline.append(d)
 
     def _matching(self, ev: TimelineEvent) -> list[_Pool]:
-        return [p for k, p in sorted(self.pools.items())
-                if k[0] == ev.dc and (not ev.model or k[1] == ev.model)
-                and (not ev.version or k[2] == ev.version)]
+        return [
+            p
+            for k, p in sorted(self.pools.items())
+            if k[0] == ev.dc
+            and (not ev.model or k[1] == ev.model)
+            and (not ev.version or k[2] == ev.version)
+        ]
 
     def _apply_event(self, ev: TimelineEvent) -> None:
         if ev.kind == "endpoints_unready":
@@ -1001,8 +1178,9 @@ class FleetSim:
             if pool.slots[i] == DOWN:
                 pool.set(i, READY)
                 n += 1
-        self.timeline.append({"at_s": round(self.env.now, 3), "kind": "endpoints_ready",
-                              "dc": ev.dc, "instances": n})
+        self.timeline.append(
+            {"at_s": round(self.env.now, 3), "kind": "endpoints_ready", "dc": ev.dc, "instances": n}
+        )
 
     def _unslow(self, ev: TimelineEvent) -> None:
         self._slow.pop(ev.dc, None)
@@ -1010,8 +1188,7 @@ class FleetSim:
             if dc == ev.dc:
                 for e in pool.sim.engines:
                     e.profile = pool.profile
-        self.timeline.append({"at_s": round(self.env.now, 3), "kind": "slowdown_end",
-                              "dc": ev.dc})
+        self.timeline.append({"at_s": round(self.env.now, 3), "kind": "slowdown_end", "dc": ev.dc})
 
     def _rollout_step(self, ev: TimelineEvent, left: int) -> None:
         """Rolling update: ``batch`` old replicas drain, as many new ones prewarm; the
@@ -1031,8 +1208,7 @@ class FleetSim:
             for j, s in enumerate(new.slots):
                 if s == OFF:
                     new.set(j, WARMING)
-                    self.env.schedule(self.settings.prewarm_s, self._warm_done, new, j,
-                                      new.gen[j])
+                    self.env.schedule(self.settings.prewarm_s, self._warm_done, new, j, new.gen[j])
                     break
         if moved and left - moved > 0:
             self.env.schedule(self.settings.prewarm_s, self._rollout_step, ev, left - moved)
@@ -1042,8 +1218,12 @@ class FleetSim:
         recs = sorted(self.records, key=lambda r: (r.arrival_s, r.request_id))
         slo = self.sc.slo
         duration = self.sc.duration_s
-        busy = [b for p in self.pools.values() for b, s in zip(p.sim.busy_s(), p.slots)
-                if s != OFF or b > 0]
+        busy = [
+            b
+            for p in self.pools.values()
+            for b, s in zip(p.sim.busy_s(), p.slots, strict=False)
+            if s != OFF or b > 0
+        ]
         summary = summarize(recs, slo, duration_s=duration, busy_s=busy)
         home_of = _homes(self.sc)
         per_dc: dict[str, dict[str, Any]] = {}
@@ -1064,8 +1244,11 @@ class FleetSim:
                 "ttft_p50_s": s["ttft_p50_s"] if s else None,
                 "ttft_p95_s": s["ttft_p95_s"] if s else None,
                 "load_mean": sum(loads) / len(loads) if loads else 0.0,
-                "replicas_end": {f"{k[1]}@{k[2]}": p.active for k, p in self.pools.items()
-                                 if k[0] == name and p.active},
+                "replicas_end": {
+                    f"{k[1]}@{k[2]}": p.active
+                    for k, p in self.pools.items()
+                    if k[0] == name and p.active
+                },
             }
         n = len(recs)
         bins = sorted(self._bins)
@@ -1073,22 +1256,41 @@ class FleetSim:
             "bin_s": BIN_S,
             "t": [b * BIN_S for b in bins],
             "arrivals": [self._bins[b][0] for b in bins],
-            "spill_share": [self._bins[b][1] / self._bins[b][0] if self._bins[b][0] else 0.0
-                            for b in bins],
-            "to": {dc: [self._bins_to.get(b, {}).get(dc, 0) / self._bins[b][0]
-                        if self._bins[b][0] else 0.0 for b in bins]
-                   for dc in self._ts_load},
+            "spill_share": [
+                self._bins[b][1] / self._bins[b][0] if self._bins[b][0] else 0.0 for b in bins
+            ],
+            "to": {
+                dc: [
+                    self._bins_to.get(b, {}).get(dc, 0) / self._bins[b][0]
+                    if self._bins[b][0]
+                    else 0.0
+                    for b in bins
+                ]
+                for dc in self._ts_load
+            },
         }
         return FleetRun(
-            policy=self.policy, records=recs, summary=summary, per_dc=per_dc,
+            policy=self.policy,
+            records=recs,
+            summary=summary,
+            per_dc=per_dc,
             spill_fraction=self.spilled / n if n else 0.0,
             residency_violations=self.residency_violations,
-            version_mismatches=self.version_mismatches, no_candidate=self.no_candidate,
-            plans=self.plans, rollbacks=self.rollbacks, timeline=self.timeline,
-            timeseries={"t": self._ts_t, "load": self._ts_load, "ready": self._ts_ready,
-                        "plan_spill_share": self._ts_share, "spill": spill_ts},
+            version_mismatches=self.version_mismatches,
+            no_candidate=self.no_candidate,
+            plans=self.plans,
+            rollbacks=self.rollbacks,
+            timeline=self.timeline,
+            timeseries={
+                "t": self._ts_t,
+                "load": self._ts_load,
+                "ready": self._ts_ready,
+                "plan_spill_share": self._ts_share,
+                "spill": spill_ts,
+            },
             wall_s=wall_s,
-            preemptions=sum(p.sim.preemptions() for p in self.pools.values()))
+            preemptions=sum(p.sim.preemptions() for p in self.pools.values()),
+        )
 
 
 def _homes(sc: Scenario) -> Callable[[str], str]:
@@ -1102,28 +1304,48 @@ def _homes(sc: Scenario) -> Callable[[str], str]:
 
 def _plan_json(plan: Plan, dcs: Mapping[str, DCStats]) -> dict[str, Any]:
     return {
-        "plan_id": plan.plan_id, "at_s": round(plan.at_s, 3), "kind": plan.kind,
+        "plan_id": plan.plan_id,
+        "at_s": round(plan.at_s, 3),
+        "kind": plan.kind,
         "reason": plan.reason,
-        "actions": [{"kind": a.kind, "dc": a.dc, "model": a.model, "version": a.version,
-                     "count": a.count, "value": a.value, "reason": a.reason}
-                    for a in plan.actions],
+        "actions": [
+            {
+                "kind": a.kind,
+                "dc": a.dc,
+                "model": a.model,
+                "version": a.version,
+                "count": a.count,
+                "value": a.value,
+                "reason": a.reason,
+            }
+            for a in plan.actions
+        ],
         "spill_share": dict(plan.spill_share),
         "attainment_last_cycle": {n: s.attainment for n, s in dcs.items()},
     }
 
 
 def _rollback_json(rb: RollbackEvent) -> dict[str, Any]:
-    return {"at_s": round(rb.at_s, 3), "dc": rb.dc, "attainment": rb.attainment,
-            "recent_attainment": rb.recent_attainment,
-            "target": rb.target, "spilled_in_share": rb.spilled_in_share,
-            "spill_share_before": rb.spill_share_before,
-            "spill_share_after": rb.spill_share_after,
-            "restored_plan_id": rb.restored_plan_id, "plan_id": rb.plan_id}
+    return {
+        "at_s": round(rb.at_s, 3),
+        "dc": rb.dc,
+        "attainment": rb.attainment,
+        "recent_attainment": rb.recent_attainment,
+        "target": rb.target,
+        "spilled_in_share": rb.spilled_in_share,
+        "spill_share_before": rb.spill_share_before,
+        "spill_share_after": rb.spill_share_after,
+        "restored_plan_id": rb.restored_plan_id,
+        "plan_id": rb.plan_id,
+    }
 
 
-def run_fleets(sc: Scenario, policies: Sequence[str], seed: int = 0,
-               progress: Callable[[str, int], Callable[[int, int], None]] | None = None
-               ) -> list[FleetRun]:
+def run_fleets(
+    sc: Scenario,
+    policies: Sequence[str],
+    seed: int = 0,
+    progress: Callable[[str, int], Callable[[int, int], None]] | None = None,
+) -> list[FleetRun]:
     """Replay the scenario's workload under each fleet policy (same arrivals)."""
     for p in policies:
         FLEET.get(p)  # fail fast on a typo

@@ -6,7 +6,8 @@ Goodput follows the strict rule: output tokens of requests that completed
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from tokenfleet.core.tiers import SLOConfig, meets_slo
 from tokenfleet.sim.records import RequestRecord
@@ -29,24 +30,34 @@ def judge(records: Iterable[RequestRecord], slo: SLOConfig) -> None:
     """Set ``slo_met`` on every record (idempotent)."""
     for r in records:
         dl = None if r.deadline_s is None else r.deadline_s - r.arrival_s
-        r.slo_met = meets_slo(slo.slo_for(r.tier), status=r.status,
-                              input_tokens=r.input_tokens, ttft_s=r.ttft_s,
-                              tpot_s=r.tpot_s, e2e_s=r.e2e_s, deadline_in_s=dl)
+        r.slo_met = meets_slo(
+            slo.slo_for(r.tier),
+            status=r.status,
+            input_tokens=r.input_tokens,
+            ttft_s=r.ttft_s,
+            tpot_s=r.tpot_s,
+            e2e_s=r.e2e_s,
+            deadline_in_s=dl,
+        )
 
 
-def summarize(records: Sequence[RequestRecord], slo: SLOConfig, *,
-              duration_s: float | None = None, busy_s: Sequence[float] = (),
-              ) -> dict[str, Any]:
+def summarize(
+    records: Sequence[RequestRecord],
+    slo: SLOConfig,
+    *,
+    duration_s: float | None = None,
+    busy_s: Sequence[float] = (),
+) -> dict[str, Any]:
     """Metrics for one run; ``per_tier`` repeats them for each tier present."""
     judge(records, slo)
     if duration_s is None:
         duration_s = _span(records)
     out = _metrics(records, duration_s)
-    out["utilization"] = (sum(busy_s) / (len(busy_s) * duration_s)
-                          if busy_s and duration_s > 0 else None)
+    out["utilization"] = (
+        sum(busy_s) / (len(busy_s) * duration_s) if busy_s and duration_s > 0 else None
+    )
     tiers = sorted({r.tier for r in records})
-    out["per_tier"] = {t: _metrics([r for r in records if r.tier == t], duration_s)
-                       for t in tiers}
+    out["per_tier"] = {t: _metrics([r for r in records if r.tier == t], duration_s) for t in tiers}
     return out
 
 
@@ -69,8 +80,10 @@ def _metrics(records: Sequence[RequestRecord], duration_s: float) -> dict[str, A
     in_tokens = sum(r.input_tokens for r in served)
     cached = sum(r.cached_tokens for r in served)
     n = len(records)
-    count = {s: sum(1 for r in records if r.status == s)
-             for s in ("rejected", "failed", "cancelled", "timed_out", "duplicate")}
+    count = {
+        s: sum(1 for r in records if r.status == s)
+        for s in ("rejected", "failed", "cancelled", "timed_out", "duplicate")
+    }
     return {
         "requests": n,
         "completed": len(completed),

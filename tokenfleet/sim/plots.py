@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from tokenfleet.sim.records import RequestRecord  # noqa: E402
+from tokenfleet.sim.records import RequestRecord
 
 
 def _ttfts(records: Sequence[RequestRecord]) -> list[float]:
     return sorted(r.ttft_s for r in records if r.status == "completed" and r.ttft_s is not None)
 
 
-def plot_runs(runs: Mapping[str, Sequence[RequestRecord]], out_dir: Path,
-              title: str = "", bin_s: float | None = None) -> list[Path]:
+def plot_runs(
+    runs: Mapping[str, Sequence[RequestRecord]],
+    out_dir: Path,
+    title: str = "",
+    bin_s: float | None = None,
+) -> list[Path]:
     """TTFT CDF per policy; throughput and TTFT over time."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -59,8 +64,11 @@ def plot_runs(runs: Mapping[str, Sequence[RequestRecord]], out_dir: Path,
                 ttft_n[b] += 1
         xs = [i * width for i in range(nb)]
         ax1.plot(xs, [t / width for t in tok], label=name)
-        ax2.plot(xs, [s / n if n else float("nan") for s, n in zip(ttft_sum, ttft_n)],
-                 label=name)
+        ax2.plot(
+            xs,
+            [s / n if n else float("nan") for s, n in zip(ttft_sum, ttft_n, strict=False)],
+            label=name,
+        )
     ax1.set_ylabel("output tokens/s")
     ax1.set_title(f"Throughput and TTFT over time {title}".strip())
     ax2.set_ylabel("mean TTFT (s)")
@@ -77,17 +85,17 @@ def plot_runs(runs: Mapping[str, Sequence[RequestRecord]], out_dir: Path,
     return paths
 
 
-def plot_sweep(results: Mapping[str, Sequence[tuple[float, Mapping[str, Any]]]],
-               out_dir: Path, title: str = "") -> Path:
+def plot_sweep(
+    results: Mapping[str, Sequence[tuple[float, Mapping[str, Any]]]], out_dir: Path, title: str = ""
+) -> Path:
     """TTFT p50 and p95 against offered load, one line per policy."""
     out_dir.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     for name, points in results.items():
         loads = [x for x, _ in points]
-        for ax, key in zip(axes, ("ttft_p50_s", "ttft_p95_s")):
-            ax.plot(loads, [m.get(key) or float("nan") for _, m in points], marker="o",
-                    label=name)
-    for ax, label in zip(axes, ("TTFT p50 (s)", "TTFT p95 (s)")):
+        for ax, key in zip(axes, ("ttft_p50_s", "ttft_p95_s"), strict=False):
+            ax.plot(loads, [m.get(key) or float("nan") for _, m in points], marker="o", label=name)
+    for ax, label in zip(axes, ("TTFT p50 (s)", "TTFT p95 (s)"), strict=False):
         ax.set_xlabel("offered load (fraction of capacity)")
         ax.set_ylabel(label)
         ax.set_yscale("log")

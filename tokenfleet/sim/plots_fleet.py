@@ -6,13 +6,14 @@ as vertical lines so a reader can tie a change in the curves to its cause.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -36,14 +37,19 @@ def _grid(n: int) -> tuple[Any, list[Axes]]:
 
 
 def _legend_note(fig: Any) -> None:
-    fig.text(0.01, 0.005, "dotted: timeline event   dashed green: plan   red: rollback",
-             fontsize=7, color="0.3")
+    fig.text(
+        0.01,
+        0.005,
+        "dotted: timeline event   dashed green: plan   red: rollback",
+        fontsize=7,
+        color="0.3",
+    )
 
 
 def plot_fleet_load(runs: Sequence[FleetRun], out_dir: Path, title: str = "") -> Path:
     """Per-DC load (1.0 = every ready replica busy) over time, one panel per policy."""
     fig, axes = _grid(len(runs))
-    for ax, run in zip(axes, runs):
+    for ax, run in zip(axes, runs, strict=False):
         ts = run.timeseries
         for dc, ys in ts["load"].items():
             ax.plot(ts["t"], [min(y, 3.0) for y in ys], label=dc, linewidth=1.2)
@@ -68,7 +74,7 @@ def plot_fleet_load(runs: Sequence[FleetRun], out_dir: Path, title: str = "") ->
 def plot_fleet_spill(runs: Sequence[FleetRun], out_dir: Path, title: str = "") -> Path:
     """Share of arriving requests served away from home, split by target DC."""
     fig, axes = _grid(len(runs))
-    for ax, run in zip(axes, runs):
+    for ax, run in zip(axes, runs, strict=False):
         sp = run.timeseries["spill"]
         t = sp["t"]
         ax.plot(t, sp["spill_share"], color="black", linewidth=1.4, label="all spill")
@@ -100,8 +106,12 @@ def plot_fleet_dcs(runs: Sequence[FleetRun], out_dir: Path, title: str = "") -> 
     for k, run in enumerate(runs):
         xs = [i + k * width for i in range(len(dcs))]
         ax1.bar(xs, [run.per_dc[d]["goodput_tok_s"] for d in dcs], width, label=run.policy)
-        ax2.bar(xs, [100 * (run.per_dc[d]["slo_attainment"] or 0.0) for d in dcs], width,
-                label=run.policy)
+        ax2.bar(
+            xs,
+            [100 * (run.per_dc[d]["slo_attainment"] or 0.0) for d in dcs],
+            width,
+            label=run.policy,
+        )
     for ax, label in ((ax1, "goodput (tok/s)"), (ax2, "SLO attainment (%)")):
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(dcs))], dcs)
         ax.set_ylabel(label)
@@ -119,5 +129,8 @@ def plot_fleet_dcs(runs: Sequence[FleetRun], out_dir: Path, title: str = "") -> 
 def plot_fleet_runs(runs: Sequence[FleetRun], out_dir: Path, title: str = "") -> list[Path]:
     if not runs:
         return []
-    return [plot_fleet_load(runs, out_dir, title), plot_fleet_spill(runs, out_dir, title),
-            plot_fleet_dcs(runs, out_dir, title)]
+    return [
+        plot_fleet_load(runs, out_dir, title),
+        plot_fleet_spill(runs, out_dir, title),
+        plot_fleet_dcs(runs, out_dir, title),
+    ]

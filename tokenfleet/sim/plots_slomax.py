@@ -7,13 +7,14 @@ the controller saw and did.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 TIER_ORDER = ("interactive", "long_context", "batch")
 
@@ -37,11 +38,11 @@ def plot_admission(runs: Sequence[Any], out_dir: Path, title: str = "") -> list[
     if not with_tl:
         return paths
 
-    tiers = [t for t in TIER_ORDER
-             if any(t in s["tiers"] for r in with_tl for s in _timeline(r))]
-    fig, axes = plt.subplots(len(tiers), 1, figsize=(8, 2.4 * len(tiers) + 0.8), sharex=True,
-                             squeeze=False)
-    for ax, tier in zip(axes[:, 0], tiers):
+    tiers = [t for t in TIER_ORDER if any(t in s["tiers"] for r in with_tl for s in _timeline(r))]
+    fig, axes = plt.subplots(
+        len(tiers), 1, figsize=(8, 2.4 * len(tiers) + 0.8), sharex=True, squeeze=False
+    )
+    for ax, tier in zip(axes[:, 0], tiers, strict=False):
         for r in with_tl:
             xs, ys = [], []
             for s in _timeline(r):
@@ -68,8 +69,7 @@ def plot_admission(runs: Sequence[Any], out_dir: Path, title: str = "") -> list[
         tl = _timeline(r)
         ts = [s["t_s"] for s in tl]
         fig, (a1, a2, a3) = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
-        for knob, style in (("batch_share", "-"), ("long_share", "--"),
-                            ("reject_factor", ":")):
+        for knob, style in (("batch_share", "-"), ("long_share", "--"), ("reject_factor", ":")):
             ys = [s["knobs"].get(knob) for s in tl]
             if any(y is not None for y in ys):
                 a1.step(ts, ys, style, where="post", label=knob)

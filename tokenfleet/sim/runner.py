@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from tokenfleet.core.routing import ROUTERS
 from tokenfleet.core.tiers import SLOConfig
@@ -50,11 +51,18 @@ class SimSettings:
         return self.kv_events
 
     def pool_config(self, router: str) -> PoolConfig:
-        return PoolConfig(profile=self.profile, n_instances=self.instances, router=router,
-                          router_kwargs=dict(self.router_kwargs), n_routers=self.routers,
-                          scrape_interval_s=self.scrape_interval_s, seed=self.seed,
-                          kv_events=self.kv_events_for(router),
-                          path_latency=self.path_latency, shared_state_s=self.shared_state_s)
+        return PoolConfig(
+            profile=self.profile,
+            n_instances=self.instances,
+            router=router,
+            router_kwargs=dict(self.router_kwargs),
+            n_routers=self.routers,
+            scrape_interval_s=self.scrape_interval_s,
+            seed=self.seed,
+            kv_events=self.kv_events_for(router),
+            path_latency=self.path_latency,
+            shared_state_s=self.shared_state_s,
+        )
 
 
 @dataclass
@@ -83,15 +91,19 @@ class PolicyRun:
         out["kv_events"] = self.kv_events
         out["preemptions"] = self.preemptions
         out["wall_s"] = self.wall_s
-        out["sim_requests_per_wall_s"] = (len(self.records) / self.wall_s
-                                          if self.wall_s > 0 else None)
+        out["sim_requests_per_wall_s"] = (
+            len(self.records) / self.wall_s if self.wall_s > 0 else None
+        )
         return out
 
 
-def run_policies(requests: Sequence[TraceRequest], policies: Sequence[str],
-                 settings: SimSettings,
-                 progress: ProgressFactory | None = None,
-                 admissions: Sequence[str] = ()) -> list[PolicyRun]:
+def run_policies(
+    requests: Sequence[TraceRequest],
+    policies: Sequence[str],
+    settings: SimSettings,
+    progress: ProgressFactory | None = None,
+    admissions: Sequence[str] = (),
+) -> list[PolicyRun]:
     """Every router in ``policies``; with ``admissions``, every (router,
     admission) pair, the admission layer sitting in front of the router."""
     for name in policies:
@@ -106,14 +118,19 @@ def run_policies(requests: Sequence[TraceRequest], policies: Sequence[str],
         records, pool = run_pool(requests, cfg, settings.slo, progress=cb)
         wall = time.perf_counter() - t0
         summary = summarize(records, settings.slo, busy_s=pool.busy_s())
-        runs.append(PolicyRun(name, summary, records, wall, pool.preemptions(),
-                              kv_events=cfg.kv_events))
+        runs.append(
+            PolicyRun(name, summary, records, wall, pool.preemptions(), kv_events=cfg.kv_events)
+        )
     return runs
 
 
-def _run_with_admission(requests: Sequence[TraceRequest], policies: Sequence[str],
-                        admissions: Sequence[str], settings: SimSettings,
-                        progress: ProgressFactory | None) -> list[PolicyRun]:
+def _run_with_admission(
+    requests: Sequence[TraceRequest],
+    policies: Sequence[str],
+    admissions: Sequence[str],
+    settings: SimSettings,
+    progress: ProgressFactory | None,
+) -> list[PolicyRun]:
     from tokenfleet.core.admission import ADMISSION
     from tokenfleet.sim.admission import admission_report, run_pool_with_admission
 
@@ -127,13 +144,27 @@ def _run_with_admission(requests: Sequence[TraceRequest], policies: Sequence[str
             cb = progress(label, len(requests)) if progress else None
             t0 = time.perf_counter()
             records, pool, driver = run_pool_with_admission(
-                requests, cfg, settings.slo, adm,
+                requests,
+                cfg,
+                settings.slo,
+                adm,
                 admission_kwargs=dict(settings.admission_kwargs.get(adm, {})),
-                control_period_s=settings.control_period_s, progress=cb)
+                control_period_s=settings.control_period_s,
+                progress=cb,
+            )
             wall = time.perf_counter() - t0
             summary = summarize(records, settings.slo, busy_s=pool.busy_s())
             report = admission_report(records, driver, settings.slo)
-            runs.append(PolicyRun(name, summary, records, wall, pool.preemptions(),
-                                  admission=adm, admission_report=report,
-                                  kv_events=cfg.kv_events))
+            runs.append(
+                PolicyRun(
+                    name,
+                    summary,
+                    records,
+                    wall,
+                    pool.preemptions(),
+                    admission=adm,
+                    admission_report=report,
+                    kv_events=cfg.kv_events,
+                )
+            )
     return runs

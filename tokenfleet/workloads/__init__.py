@@ -19,7 +19,17 @@ from tokenfleet.workloads.synthetic import SYNTHETIC, generate
 from tokenfleet.workloads.trace import TraceRequest
 
 __all__ = [
-    "DEFAULT_MAX_TOKENS", "FORMATS", "SYNTHETIC", "TraceRequest", "capacity_rps",
-    "clear_cache", "detect_format", "generate", "limit", "load_workload", "offered_rps",
-    "rate_scale", "scale_to_load",
+    "DEFAULT_MAX_TOKENS",
+    "FORMATS",
+    "SYNTHETIC",
+    "TraceRequest",
+    "capacity_rps",
+    "clear_cache",
+    "detect_format",
+    "generate",
+    "limit",
+    "load_workload",
+    "offered_rps",
+    "rate_scale",
+    "scale_to_load",
 ]

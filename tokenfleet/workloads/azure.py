@@ -21,7 +21,8 @@ from tokenfleet.workloads.hashing import content_id, unique_hashes
 from tokenfleet.workloads.trace import TraceRequest
 
 _TS = re.compile(
-    r"^\s*(\d{4})-(\d{2})-(\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?\s*(?:Z|[+-]00:?00)?\s*$"
+    r"^\s*(\d{4})-(\d{2})-(\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?"
+    r"\s*(?:Z|[+-]00:?00)?\s*$"
 )
 _FIELDS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
@@ -60,13 +61,18 @@ def load_azure(
         reader = csv.reader(f)
         header = next(reader, None)
         if header is None:
-            raise TraceFormatError(src, 1, "empty file; expected a header "
-                                   "TIMESTAMP,ContextTokens,GeneratedTokens")
+            raise TraceFormatError(
+                src, 1, "empty file; expected a header TIMESTAMP,ContextTokens,GeneratedTokens"
+            )
         cols = [h.strip() for h in header]
         missing = [c for c in _FIELDS if c not in cols]
         if missing:
-            raise TraceFormatError(src, 1, f"header lacks {', '.join(missing)}; expected "
-                                   "columns TIMESTAMP,ContextTokens,GeneratedTokens")
+            raise TraceFormatError(
+                src,
+                1,
+                f"header lacks {', '.join(missing)}; expected "
+                "columns TIMESTAMP,ContextTokens,GeneratedTokens",
+            )
         i_ts, i_in, i_out = (cols.index(c) for c in _FIELDS)
         for row in reader:
             line_no = reader.line_num

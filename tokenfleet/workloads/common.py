@@ -31,9 +31,12 @@ def engine_output_tokens(true_output_tokens: int, max_tokens: int) -> int:
     return max(1, min(true_output_tokens, max_tokens))
 
 
-def make_request(info: RequestInfo, true_output_tokens: int,
-                 client_timeout_s: float | None = None,
-                 output_block_hashes: tuple[int, ...] = ()) -> TraceRequest:
+def make_request(
+    info: RequestInfo,
+    true_output_tokens: int,
+    client_timeout_s: float | None = None,
+    output_block_hashes: tuple[int, ...] = (),
+) -> TraceRequest:
     return TraceRequest(
         info=info,
         output_tokens=engine_output_tokens(true_output_tokens, info.max_tokens),

@@ -17,7 +17,7 @@ turned into ints with :func:`content_id` (blake2b) first, never hashed raw.
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from tokenfleet.core.types import BLOCK_SIZE_TOKENS
 
@@ -50,7 +50,7 @@ def hash_token_ids(token_ids: Sequence[int], root: int = ROOT_TOKENS) -> tuple[i
     out: list[int] = []
     prev = root
     for start in range(0, len(token_ids) - BLOCK + 1, BLOCK):
-        prev = hash((prev, tuple(token_ids[start:start + BLOCK])))
+        prev = hash((prev, tuple(token_ids[start : start + BLOCK])))
         out.append(prev)
     return tuple(out)
 

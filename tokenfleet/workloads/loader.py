@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 from tokenfleet.errors import ConfigError, TraceFormatError
 from tokenfleet.workloads.azure import load_azure
@@ -44,20 +44,24 @@ def detect_format(path: str | Path) -> str:
                     obj = json.loads(text)
                 except json.JSONDecodeError:
                     raise TraceFormatError(
-                        str(p), line_no,
+                        str(p),
+                        line_no,
                         "cannot detect the format: first record is neither JSON nor an "
                         "Azure CSV header; pass the format explicitly "
-                        "(mooncake | azure | tokenfleet)") from None
+                        "(mooncake | azure | tokenfleet)",
+                    ) from None
                 if isinstance(obj, dict):
                     if "input_length" in obj and "hash_ids" in obj:
                         return "mooncake"
                     if "input_tokens" in obj:
                         return "tokenfleet"
                 raise TraceFormatError(
-                    str(p), line_no,
+                    str(p),
+                    line_no,
                     "cannot detect the format from the first record (expected Mooncake "
                     "'input_length'+'hash_ids' or TokenFleet 'input_tokens'); pass the "
-                    "format explicitly (mooncake | azure | tokenfleet)")
+                    "format explicitly (mooncake | azure | tokenfleet)",
+                )
     except FileNotFoundError:
         raise ConfigError(f"trace file {p} does not exist; check the path") from None
     raise TraceFormatError(str(p), 1, "file is empty; nothing to load")
@@ -90,7 +94,9 @@ def load_workload(
     cached = _cache.get(key) if use_cache else None
     if cached is None:
         loaders: dict[str, Callable[..., list[TraceRequest]]] = {
-            "mooncake": load_mooncake, "azure": load_azure, "tokenfleet": load_tokenfleet,
+            "mooncake": load_mooncake,
+            "azure": load_azure,
+            "tokenfleet": load_tokenfleet,
         }
         cached = tuple(loaders[fmt](p, max_tokens=max_tokens, model=model, tenant=tenant))
         if use_cache:

@@ -25,18 +25,36 @@ true output lengths.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from tokenfleet.core.types import TIERS
 from tokenfleet.errors import ConfigError, ValidationError
 from tokenfleet.workloads.trace import TraceRequest
 
 _CLASS_KEYS = {
-    "name", "tier", "trace", "format", "synthetic", "options", "n_requests", "tenant",
-    "task_type", "slo_class", "max_tokens", "rate_rps", "rate_scale", "start_s", "at_s",
-    "count", "skip", "client_timeout_s", "deadline_s", "max_input_tokens",
+    "name",
+    "tier",
+    "trace",
+    "format",
+    "synthetic",
+    "options",
+    "n_requests",
+    "tenant",
+    "task_type",
+    "slo_class",
+    "max_tokens",
+    "rate_rps",
+    "rate_scale",
+    "start_s",
+    "at_s",
+    "count",
+    "skip",
+    "client_timeout_s",
+    "deadline_s",
+    "max_input_tokens",
 }
 _TOP_KEYS = {"name", "description", "seed", "duration_s", "load", "router", "slo", "classes"}
 
@@ -127,13 +145,16 @@ def resolve_path(text: str, yaml_path: Path | None) -> Path:
     return candidates[1] if len(candidates) > 1 else candidates[0]
 
 
-def parse_mix(data: Mapping[str, Any], source: str = "<mix>",
-              yaml_path: Path | None = None) -> MixSpec:
+def parse_mix(
+    data: Mapping[str, Any], source: str = "<mix>", yaml_path: Path | None = None
+) -> MixSpec:
     if not isinstance(data, Mapping):
         raise ValidationError(source, "(top)", "must be a mapping with 'classes'")
     bad = set(data) - _TOP_KEYS
     if bad:
-        raise ValidationError(source, sorted(bad)[0], f"unknown key; use one of {sorted(_TOP_KEYS)}")
+        raise ValidationError(
+            source, sorted(bad)[0], f"unknown key; use one of {sorted(_TOP_KEYS)}"
+        )
     raw = data.get("classes")
     if not isinstance(raw, list) or not raw:
         raise ValidationError(source, "classes", "must be a non-empty list of request classes")
@@ -154,8 +175,9 @@ def parse_mix(data: Mapping[str, Any], source: str = "<mix>",
             raise ValidationError(source, f, "must be a mapping")
         bad = set(c) - _CLASS_KEYS
         if bad:
-            raise ValidationError(source, f"{f}.{sorted(bad)[0]}",
-                                  f"unknown key; use one of {sorted(_CLASS_KEYS)}")
+            raise ValidationError(
+                source, f"{f}.{sorted(bad)[0]}", f"unknown key; use one of {sorted(_CLASS_KEYS)}"
+            )
         name = _str(source, f"{f}.name", c.get("name", f"class{i}"))
         if name in names:
             raise ValidationError(source, f"{f}.name", f"duplicate class name {name!r}")
@@ -163,8 +185,9 @@ def parse_mix(data: Mapping[str, Any], source: str = "<mix>",
         has_trace, has_syn = "trace" in c, "synthetic" in c
         if has_trace == has_syn:
             raise ValidationError(source, f, "give exactly one of 'trace' or 'synthetic'")
-        trace = resolve_path(_str(source, f"{f}.trace", c["trace"]), yaml_path) \
-            if has_trace else None
+        trace = (
+            resolve_path(_str(source, f"{f}.trace", c["trace"]), yaml_path) if has_trace else None
+        )
         tier = c.get("tier")
         if tier is not None and tier not in TIERS:
             raise ValidationError(source, f"{f}.tier", f"must be one of {list(TIERS)}")
@@ -179,39 +202,59 @@ def parse_mix(data: Mapping[str, Any], source: str = "<mix>",
         if has_syn and "n_requests" not in c:
             raise ValidationError(source, f"{f}.n_requests", "required with 'synthetic'")
         spec = ClassSpec(
-            name=name, trace=trace,
+            name=name,
+            trace=trace,
             format=None if c.get("format") is None else _str(source, f"{f}.format", c["format"]),
             synthetic=None if not has_syn else _str(source, f"{f}.synthetic", c["synthetic"]),
             options=dict(opts),
-            n_requests=None if c.get("n_requests") is None
+            n_requests=None
+            if c.get("n_requests") is None
             else _int(source, f"{f}.n_requests", c["n_requests"], minimum=1),
             tier=tier,
             tenant=None if c.get("tenant") is None else _str(source, f"{f}.tenant", c["tenant"]),
-            task_type=None if c.get("task_type") is None
+            task_type=None
+            if c.get("task_type") is None
             else _str(source, f"{f}.task_type", c["task_type"]),
-            slo_class=None if c.get("slo_class") is None
+            slo_class=None
+            if c.get("slo_class") is None
             else _str(source, f"{f}.slo_class", c["slo_class"]),
-            max_tokens=None if c.get("max_tokens") is None
+            max_tokens=None
+            if c.get("max_tokens") is None
             else _int(source, f"{f}.max_tokens", c["max_tokens"], minimum=1),
-            rate_rps=None if c.get("rate_rps") is None
+            rate_rps=None
+            if c.get("rate_rps") is None
             else _num(source, f"{f}.rate_rps", c["rate_rps"], strict=True),
-            rate_scale=None if c.get("rate_scale") is None
+            rate_scale=None
+            if c.get("rate_scale") is None
             else _num(source, f"{f}.rate_scale", c["rate_scale"], strict=True),
             start_s=_num(source, f"{f}.start_s", c.get("start_s", 0.0)),
             at_s=at_s,
-            count=None if c.get("count") is None else _int(source, f"{f}.count", c["count"], minimum=1),
+            count=None
+            if c.get("count") is None
+            else _int(source, f"{f}.count", c["count"], minimum=1),
             skip=_int(source, f"{f}.skip", c.get("skip", 0)),
-            client_timeout_s=None if c.get("client_timeout_s") is None
+            client_timeout_s=None
+            if c.get("client_timeout_s") is None
             else _num(source, f"{f}.client_timeout_s", c["client_timeout_s"], strict=True),
-            deadline_s=None if c.get("deadline_s") is None
+            deadline_s=None
+            if c.get("deadline_s") is None
             else _num(source, f"{f}.deadline_s", c["deadline_s"], strict=True),
-            max_input_tokens=None if c.get("max_input_tokens") is None
+            max_input_tokens=None
+            if c.get("max_input_tokens") is None
             else _int(source, f"{f}.max_input_tokens", c["max_input_tokens"], minimum=1),
         )
         classes.append(spec)
-    return MixSpec(name=str(data.get("name", Path(source).stem)), duration_s=duration,
-                   classes=tuple(classes), seed=seed, router=router, slo=slo,
-                   description=str(data.get("description", "")), source=source, load=load)
+    return MixSpec(
+        name=str(data.get("name", Path(source).stem)),
+        duration_s=duration,
+        classes=tuple(classes),
+        seed=seed,
+        router=router,
+        slo=slo,
+        description=str(data.get("description", "")),
+        source=source,
+        load=load,
+    )
 
 
 def load_mix(path: str | Path) -> MixSpec:
@@ -238,8 +281,10 @@ def _source(spec: ClassSpec, seed: int) -> list[TraceRequest]:
 
     if spec.trace is not None:
         if not spec.trace.exists():
-            raise ConfigError(f"class {spec.name!r}: trace file {spec.trace} not found; the "
-                              "public traces live in ../shared/traces (see its README)")
+            raise ConfigError(
+                f"class {spec.name!r}: trace file {spec.trace} not found; the "
+                "public traces live in ../shared/traces (see its README)"
+            )
         kw: dict[str, Any] = {}
         if spec.max_tokens is not None:
             kw["max_tokens"] = spec.max_tokens
@@ -278,15 +323,16 @@ def _retag(spec: ClassSpec, r: TraceRequest, arrival_s: float) -> TraceRequest:
     return replace(r, info=replace(info, **changes), client_timeout_s=timeout)
 
 
-def build_class(spec: ClassSpec, duration_s: float, seed: int = 0,
-                rate_multiplier: float = 1.0) -> list[TraceRequest]:
+def build_class(
+    spec: ClassSpec, duration_s: float, seed: int = 0, rate_multiplier: float = 1.0
+) -> list[TraceRequest]:
     reqs = sorted(_source(spec, seed), key=lambda r: r.info.arrival_s)
     if spec.max_input_tokens is not None:
         reqs = [r for r in reqs if r.info.input_tokens <= spec.max_input_tokens]
     if spec.is_job:
-        picked = reqs[spec.skip: spec.skip + spec.count if spec.count else None]
+        picked = reqs[spec.skip : spec.skip + spec.count if spec.count else None]
         return [_retag(spec, r, float(spec.at_s or 0.0)) for r in picked]
-    reqs = [r for r in reqs[spec.skip:] if r.info.arrival_s >= spec.start_s]
+    reqs = [r for r in reqs[spec.skip :] if r.info.arrival_s >= spec.start_s]
     if len(reqs) < 2:
         return [_retag(spec, r, 0.0) for r in reqs]
     t0 = reqs[0].info.arrival_s
@@ -308,8 +354,9 @@ def build_class(spec: ClassSpec, duration_s: float, seed: int = 0,
     return out
 
 
-def build_mix(spec: MixSpec, rate_multiplier: float = 1.0,
-              only: str | None = None) -> list[TraceRequest]:
+def build_mix(
+    spec: MixSpec, rate_multiplier: float = 1.0, only: str | None = None
+) -> list[TraceRequest]:
     """Every class's requests, merged by arrival. Streams scale by
     ``rate_multiplier``; ``only`` = "jobs" | "streams" keeps one kind."""
     if not rate_multiplier > 0:
@@ -323,8 +370,9 @@ def build_mix(spec: MixSpec, rate_multiplier: float = 1.0,
     return out
 
 
-def offered_load(reqs: Sequence[TraceRequest], profile: Any, instances: int,
-                 duration_s: float) -> float:
+def offered_load(
+    reqs: Sequence[TraceRequest], profile: Any, instances: int, duration_s: float
+) -> float:
     """Offered work / cluster capacity over the window.
 
     Work per request is ``scaling.busy_time_s`` (prefill without prefix reuse
@@ -338,8 +386,9 @@ def offered_load(reqs: Sequence[TraceRequest], profile: Any, instances: int,
     return sum(busy_time_s(reqs, profile)) / (instances * duration_s)
 
 
-def build_at_load(spec: MixSpec, load: float, profile: Any, instances: int
-                  ) -> tuple[list[TraceRequest], float]:
+def build_at_load(
+    spec: MixSpec, load: float, profile: Any, instances: int
+) -> tuple[list[TraceRequest], float]:
     """Scale the streams (jobs stay as they are) so the offered load is ``load``.
 
     Returns the requests and the rate multiplier used. Load is close to
@@ -350,8 +399,10 @@ def build_at_load(spec: MixSpec, load: float, profile: Any, instances: int
     job_load = offered_load(build_mix(spec, only="jobs"), profile, instances, spec.duration_s)
     base = offered_load(build_mix(spec, only="streams"), profile, instances, spec.duration_s)
     if base <= 0 or load <= job_load:
-        raise ConfigError(f"load {load} is below what the jobs alone offer ({job_load:.2f}); "
-                          "raise --load or shrink the jobs")
+        raise ConfigError(
+            f"load {load} is below what the jobs alone offer ({job_load:.2f}); "
+            "raise --load or shrink the jobs"
+        )
     x = (load - job_load) / base
     reqs = build_mix(spec, x)
     got = offered_load(reqs, profile, instances, spec.duration_s)
@@ -362,7 +413,9 @@ def build_at_load(spec: MixSpec, load: float, profile: Any, instances: int
         reqs = build_mix(spec, x)
         got = offered_load(reqs, profile, instances, spec.duration_s)
     if abs(got - load) > 0.05 * load:
-        raise ConfigError(f"could not scale the streams to load {load}: they offer {got:.2f} "
-                          "at best (a source trace runs out within the window at that rate); "
-                          "lower --load or use longer traces")
+        raise ConfigError(
+            f"could not scale the streams to load {load}: they offer {got:.2f} "
+            "at best (a source trace runs out within the window at that rate); "
+            "lower --load or use longer traces"
+        )
     return reqs, x

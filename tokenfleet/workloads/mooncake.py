@@ -44,10 +44,14 @@ def load_mooncake(
             try:
                 obj: Any = json.loads(line)
             except json.JSONDecodeError as e:
-                raise chk.fail(f"not valid JSON ({e.msg}); each line must be one JSON object") from None
+                raise chk.fail(
+                    f"not valid JSON ({e.msg}); each line must be one JSON object"
+                ) from None
             if not isinstance(obj, dict):
-                raise chk.fail("each line must be a JSON object with timestamp, input_length, "
-                               "output_length, hash_ids")
+                raise chk.fail(
+                    "each line must be a JSON object with timestamp, input_length, "
+                    "output_length, hash_ids"
+                )
             ts_ms = chk.num_field(obj, "timestamp")
             n_in = chk.int_field(obj, "input_length", minimum=1)
             n_out = chk.int_field(obj, "output_length")

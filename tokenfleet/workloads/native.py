@@ -24,16 +24,43 @@ from tokenfleet.workloads.trace import TraceRequest
 
 TASK_TYPES = ("chat", "completion", "batch")
 
-KNOWN_FIELDS = frozenset({
-    "arrival_s", "timestamp_ms", "input_tokens", "output_tokens", "max_tokens",
-    "tenant", "task_type", "tier", "deadline_s", "region", "model", "model_version",
-    "session", "prefix_id", "prefix_tokens", "hash_ids", "hash_block_tokens",
-    "client_timeout_s", "request_id", "slo_class", "prompt_cache_key",
-    "allow_cross_region", "turn",
-})
+KNOWN_FIELDS = frozenset(
+    {
+        "arrival_s",
+        "timestamp_ms",
+        "input_tokens",
+        "output_tokens",
+        "max_tokens",
+        "tenant",
+        "task_type",
+        "tier",
+        "deadline_s",
+        "region",
+        "model",
+        "model_version",
+        "session",
+        "prefix_id",
+        "prefix_tokens",
+        "hash_ids",
+        "hash_block_tokens",
+        "client_timeout_s",
+        "request_id",
+        "slo_class",
+        "prompt_cache_key",
+        "allow_cross_region",
+        "turn",
+    }
+)
 
-_STR_FIELDS = ("tenant", "region", "model", "model_version", "session",
-               "slo_class", "prompt_cache_key")
+_STR_FIELDS = (
+    "tenant",
+    "region",
+    "model",
+    "model_version",
+    "session",
+    "slo_class",
+    "prompt_cache_key",
+)
 
 
 class _Turns:
@@ -47,25 +74,37 @@ class _Turns:
     def __init__(self) -> None:
         self.last: dict[str, tuple[int, int, tuple[Segment, ...], Segment]] = {}
 
-    def segments(self, chk: LineChecker, session: str, turn: int, n_in: int,
-                 first: tuple[Segment, ...], new_content: int) -> tuple[Segment, ...]:
+    def segments(
+        self,
+        chk: LineChecker,
+        session: str,
+        turn: int,
+        n_in: int,
+        first: tuple[Segment, ...],
+        new_content: int,
+    ) -> tuple[Segment, ...]:
         prev = self.last.get(session)
         if prev is None:
             return first
         prev_turn, prev_line, prev_segs, answer = prev
         if turn != prev_turn + 1:
-            raise chk.fail(f"turn {turn} of session {session!r} follows turn {prev_turn} "
-                           f"(line {prev_line}); a session's turns must be consecutive and "
-                           "in file order")
+            raise chk.fail(
+                f"turn {turn} of session {session!r} follows turn {prev_turn} "
+                f"(line {prev_line}); a session's turns must be consecutive and "
+                "in file order"
+            )
         quoted = sum(n for _, n in prev_segs) + answer[1]
         if n_in < quoted:
-            raise chk.fail(f"input_tokens {n_in} is less than turn {prev_turn}'s prompt plus "
-                           f"its answer ({quoted} tokens, line {prev_line}); a turn's prompt "
-                           "contains the previous prompt and answer")
+            raise chk.fail(
+                f"input_tokens {n_in} is less than turn {prev_turn}'s prompt plus "
+                f"its answer ({quoted} tokens, line {prev_line}); a turn's prompt "
+                "contains the previous prompt and answer"
+            )
         return prev_segs + (answer, (new_content, n_in - quoted))
 
-    def remember(self, session: str, turn: int, line_no: int, segs: tuple[Segment, ...],
-                 answer: Segment) -> None:
+    def remember(
+        self, session: str, turn: int, line_no: int, segs: tuple[Segment, ...], answer: Segment
+    ) -> None:
         self.last[session] = (turn, line_no, segs, answer)
 
 
@@ -82,7 +121,9 @@ def load_tokenfleet(
     Arrival times are kept as written (not rebased) because ``deadline_s`` is
     on the same clock.
     """
-    budget = check_budget(max_tokens if max_tokens is not None else DEFAULT_MAX_TOKENS["tokenfleet"])
+    budget = check_budget(
+        max_tokens if max_tokens is not None else DEFAULT_MAX_TOKENS["tokenfleet"]
+    )
     src = str(path)
     salt = content_id("tokenfleet", Path(path).name)
     segs = SegmentHasher()
@@ -99,27 +140,56 @@ def load_tokenfleet(
             try:
                 obj: Any = json.loads(text)
             except json.JSONDecodeError as e:
-                raise chk.fail(f"not valid JSON ({e.msg}); each line must be one JSON object") from None
+                raise chk.fail(
+                    f"not valid JSON ({e.msg}); each line must be one JSON object"
+                ) from None
             if not isinstance(obj, dict):
                 raise chk.fail("each line must be a JSON object (see docs/workloads.md)")
             unknown = sorted(set(obj) - KNOWN_FIELDS)
             if unknown:
-                raise chk.fail(f"unknown field(s) {', '.join(unknown)}; known fields: "
-                               f"{', '.join(sorted(KNOWN_FIELDS))}")
-            out.append(_parse(obj, chk, len(out), budget, model, tenant, salt, segs,
-                              id_hashers, seen_ids, turns))
+                raise chk.fail(
+                    f"unknown field(s) {', '.join(unknown)}; known fields: "
+                    f"{', '.join(sorted(KNOWN_FIELDS))}"
+                )
+            out.append(
+                _parse(
+                    obj,
+                    chk,
+                    len(out),
+                    budget,
+                    model,
+                    tenant,
+                    salt,
+                    segs,
+                    id_hashers,
+                    seen_ids,
+                    turns,
+                )
+            )
     out.sort(key=lambda r: r.info.arrival_s)
     return out
 
 
-def _parse(obj: dict[str, Any], chk: LineChecker, idx: int, budget: int, model: str,
-           tenant: str, salt: int, segs: SegmentHasher,
-           id_hashers: dict[int, BlockIdHasher], seen_ids: dict[str, int],
-           turns: _Turns) -> TraceRequest:
+def _parse(
+    obj: dict[str, Any],
+    chk: LineChecker,
+    idx: int,
+    budget: int,
+    model: str,
+    tenant: str,
+    salt: int,
+    segs: SegmentHasher,
+    id_hashers: dict[int, BlockIdHasher],
+    seen_ids: dict[str, int],
+    turns: _Turns,
+) -> TraceRequest:
     if ("arrival_s" in obj) == ("timestamp_ms" in obj):
         raise chk.fail("give exactly one of 'arrival_s' (seconds) or 'timestamp_ms'")
-    arrival_s = (chk.num_field(obj, "arrival_s") if "arrival_s" in obj
-                 else chk.num_field(obj, "timestamp_ms") / 1000.0)
+    arrival_s = (
+        chk.num_field(obj, "arrival_s")
+        if "arrival_s" in obj
+        else chk.num_field(obj, "timestamp_ms") / 1000.0
+    )
     n_in = chk.int_field(obj, "input_tokens", minimum=1)
     n_out = chk.int_field(obj, "output_tokens")
     mt = chk.int_field(obj, "max_tokens", minimum=1) if "max_tokens" in obj else budget
@@ -131,8 +201,10 @@ def _parse(obj: dict[str, Any], chk: LineChecker, idx: int, budget: int, model: 
 
     request_id = chk.str_field(obj, "request_id") if "request_id" in obj else f"tf-{idx}"
     if request_id in seen_ids:
-        raise chk.fail(f"request_id {request_id!r} already used on line {seen_ids[request_id]}; "
-                       "request ids must be unique")
+        raise chk.fail(
+            f"request_id {request_id!r} already used on line {seen_ids[request_id]}; "
+            "request ids must be unique"
+        )
     seen_ids[request_id] = chk.line_no
 
     task_type = "chat"
@@ -152,8 +224,10 @@ def _parse(obj: dict[str, Any], chk: LineChecker, idx: int, budget: int, model: 
     if "deadline_s" in obj:
         deadline_s = chk.num_field(obj, "deadline_s")
         if deadline_s < arrival_s:
-            raise chk.fail(f"deadline_s {deadline_s} is before the arrival ({arrival_s}); "
-                           "deadline_s is absolute, on the same clock as arrival_s")
+            raise chk.fail(
+                f"deadline_s {deadline_s} is before the arrival ({arrival_s}); "
+                "deadline_s is absolute, on the same clock as arrival_s"
+            )
     client_timeout_s = None
     if "client_timeout_s" in obj:
         client_timeout_s = chk.num_field(obj, "client_timeout_s")
@@ -173,16 +247,17 @@ def _parse(obj: dict[str, Any], chk: LineChecker, idx: int, budget: int, model: 
         if session is None:
             raise chk.fail("turn needs session: it numbers the turns of one conversation")
         if "hash_ids" in obj:
-            raise chk.fail("give either turn (the prompt continues the previous turn) or "
-                           "hash_ids, not both")
+            raise chk.fail(
+                "give either turn (the prompt continues the previous turn) or hash_ids, not both"
+            )
         unique = content_id("tf-unique", salt, request_id)
-        prompt = turns.segments(chk, session, turn, n_in,
-                                _prefix_segments(obj, chk, n_in, unique), unique)
-        answer = (content_id("tf-answer", salt, session, turn),
-                  engine_output_tokens(n_out, mt))
+        prompt = turns.segments(
+            chk, session, turn, n_in, _prefix_segments(obj, chk, n_in, unique), unique
+        )
+        answer = (content_id("tf-answer", salt, session, turn), engine_output_tokens(n_out, mt))
         turns.remember(session, turn, chk.line_no, prompt, answer)
         hashes = segs.hashes(prompt)
-        output_hashes = segs.hashes(prompt + (answer,))[len(hashes):]
+        output_hashes = segs.hashes(prompt + (answer,))[len(hashes) :]
     else:
         hashes = _hashes(obj, chk, n_in, request_id, salt, segs, id_hashers)
     info = RequestInfo(
@@ -206,8 +281,15 @@ def _parse(obj: dict[str, Any], chk: LineChecker, idx: int, budget: int, model: 
     return make_request(info, n_out, client_timeout_s, output_hashes)
 
 
-def _hashes(obj: dict[str, Any], chk: LineChecker, n_in: int, request_id: str, salt: int,
-            segs: SegmentHasher, id_hashers: dict[int, BlockIdHasher]) -> tuple[int, ...]:
+def _hashes(
+    obj: dict[str, Any],
+    chk: LineChecker,
+    n_in: int,
+    request_id: str,
+    salt: int,
+    segs: SegmentHasher,
+    id_hashers: dict[int, BlockIdHasher],
+) -> tuple[int, ...]:
     has_prefix = "prefix_id" in obj or "prefix_tokens" in obj
     if has_prefix and "hash_ids" in obj:
         raise chk.fail("give either prefix_id/prefix_tokens or hash_ids, not both")
@@ -216,13 +298,21 @@ def _hashes(obj: dict[str, Any], chk: LineChecker, n_in: int, request_id: str, s
     unique = content_id("tf-unique", salt, request_id)
     if "hash_ids" in obj:
         ids = chk.int_list(obj, "hash_ids")
-        bt = chk.int_field(obj, "hash_block_tokens", minimum=1) if "hash_block_tokens" in obj else BLOCK
+        bt = (
+            chk.int_field(obj, "hash_block_tokens", minimum=1)
+            if "hash_block_tokens" in obj
+            else BLOCK
+        )
         if bt % BLOCK:
-            raise chk.fail(f"hash_block_tokens must be a multiple of {BLOCK} (the engine block), got {bt}")
+            raise chk.fail(
+                f"hash_block_tokens must be a multiple of {BLOCK} (the engine block), got {bt}"
+            )
         want = -(-n_in // bt)
         if len(ids) != want:
-            raise chk.fail(f"hash_ids has {len(ids)} entries but input_tokens {n_in} needs "
-                           f"ceil({n_in}/{bt}) = {want}")
+            raise chk.fail(
+                f"hash_ids has {len(ids)} entries but input_tokens {n_in} needs "
+                f"ceil({n_in}/{bt}) = {want}"
+            )
         hasher = id_hashers.get(bt)
         if hasher is None:
             hasher = id_hashers[bt] = BlockIdHasher(bt)
@@ -230,8 +320,9 @@ def _hashes(obj: dict[str, Any], chk: LineChecker, n_in: int, request_id: str, s
     return segs.hashes(_prefix_segments(obj, chk, n_in, unique))
 
 
-def _prefix_segments(obj: dict[str, Any], chk: LineChecker, n_in: int,
-                     unique: int) -> tuple[Segment, ...]:
+def _prefix_segments(
+    obj: dict[str, Any], chk: LineChecker, n_in: int, unique: int
+) -> tuple[Segment, ...]:
     """The prompt as segments: an optional shared ``prefix_id``, then unique text."""
     if "prefix_id" not in obj and "prefix_tokens" not in obj:
         return ((unique, n_in),)

@@ -17,8 +17,9 @@ cache-oblivious one does not: load is a relative knob for comparing policies.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from tokenfleet.errors import ConfigError
 from tokenfleet.workloads.trace import TraceRequest
@@ -46,8 +47,10 @@ def offered_rps(reqs: Sequence[TraceRequest]) -> float:
     arrivals = [r.info.arrival_s for r in reqs]
     span = max(arrivals) - min(arrivals)
     if span <= 0:
-        raise ConfigError("all requests arrive at the same instant, so the trace has no "
-                          "rate to scale; spread the arrivals or use a synthetic generator")
+        raise ConfigError(
+            "all requests arrive at the same instant, so the trace has no "
+            "rate to scale; spread the arrivals or use a synthetic generator"
+        )
     return (len(reqs) - 1) / span
 
 
@@ -71,14 +74,21 @@ def rate_scale(reqs: Sequence[TraceRequest], x: float) -> list[TraceRequest]:
     return out
 
 
-def busy_time_s(reqs: Sequence[TraceRequest], profile: EngineProfile,
-                decode_batch: int = REFERENCE_DECODE_BATCH) -> list[float]:
+def busy_time_s(
+    reqs: Sequence[TraceRequest], profile: EngineProfile, decode_batch: int = REFERENCE_DECODE_BATCH
+) -> list[float]:
     """Per-request busy time on one instance (formula in the module docstring)."""
     if not reqs:
         return []
     total_out = sum(r.output_tokens for r in reqs)
-    ctx = (sum(r.output_tokens * (r.info.input_tokens + r.output_tokens / 2) for r in reqs)
-           / total_out) if total_out else 0.0
+    ctx = (
+        (
+            sum(r.output_tokens * (r.info.input_tokens + r.output_tokens / 2) for r in reqs)
+            / total_out
+        )
+        if total_out
+        else 0.0
+    )
     per_token_s = profile.decode_step_time_s(decode_batch, ctx) / decode_batch
     prefill: dict[int, float] = {}
     out: list[float] = []
@@ -91,8 +101,12 @@ def busy_time_s(reqs: Sequence[TraceRequest], profile: EngineProfile,
     return out
 
 
-def capacity_rps(reqs: Sequence[TraceRequest], profile: EngineProfile, instances: int,
-                 decode_batch: int = REFERENCE_DECODE_BATCH) -> float:
+def capacity_rps(
+    reqs: Sequence[TraceRequest],
+    profile: EngineProfile,
+    instances: int,
+    decode_batch: int = REFERENCE_DECODE_BATCH,
+) -> float:
     """Requests/s that ``instances`` copies of ``profile`` can sustain for this mix."""
     if instances < 1:
         raise ConfigError(f"instances must be >= 1, got {instances}")
@@ -104,12 +118,18 @@ def capacity_rps(reqs: Sequence[TraceRequest], profile: EngineProfile, instances
     return instances * len(busy) / sum(busy)
 
 
-def scale_to_load(reqs: Sequence[TraceRequest], load: float, profile: EngineProfile,
-                  instances: int) -> list[TraceRequest]:
+def scale_to_load(
+    reqs: Sequence[TraceRequest], load: float, profile: EngineProfile, instances: int
+) -> list[TraceRequest]:
     """Rescale arrivals so the offered rate is ``load`` x the estimated capacity."""
-    if isinstance(load, bool) or not isinstance(load, (int, float)) or not load > 0 \
-            or load == float("inf"):
-        raise ConfigError(f"load must be a finite number > 0 (1.0 = estimated capacity), "
-                          f"got {load!r}")
+    if (
+        isinstance(load, bool)
+        or not isinstance(load, (int, float))
+        or not load > 0
+        or load == float("inf")
+    ):
+        raise ConfigError(
+            f"load must be a finite number > 0 (1.0 = estimated capacity), got {load!r}"
+        )
     target = load * capacity_rps(reqs, profile, instances)
     return rate_scale(reqs, target / offered_rps(reqs))

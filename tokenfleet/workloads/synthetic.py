@@ -15,8 +15,8 @@ docs/workloads.md.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -31,7 +31,6 @@ from tokenfleet.workloads.common import (
 )
 from tokenfleet.workloads.hashing import Segment, SegmentHasher, content_id
 from tokenfleet.workloads.trace import TraceRequest
-
 
 SYNTHETIC: Registry[list[TraceRequest]] = Registry("synthetic workload")
 
@@ -65,13 +64,13 @@ def _check(n_requests: int, seed: int, rate_rps: float) -> None:
         raise ConfigError(f"rate_rps must be a finite number > 0, got {rate_rps!r}")
 
 
-def _lognormal_int(rng: np.random.Generator, median: float, sigma: float,
-                   lo: int, hi: int) -> int:
+def _lognormal_int(rng: np.random.Generator, median: float, sigma: float, lo: int, hi: int) -> int:
     return int(min(hi, max(lo, round(float(rng.lognormal(math.log(median), sigma))))))
 
 
-def _finish(drafts: list[_Draft], n_requests: int, model: str,
-            max_tokens: int) -> list[TraceRequest]:
+def _finish(
+    drafts: list[_Draft], n_requests: int, model: str, max_tokens: int
+) -> list[TraceRequest]:
     drafts.sort(key=lambda d: d.arrival_s)
     hasher = SegmentHasher()
     out: list[TraceRequest] = []
@@ -80,7 +79,7 @@ def _finish(drafts: list[_Draft], n_requests: int, model: str,
         output_hashes: tuple[int, ...] = ()
         if d.answer is not None:
             # the engine caches the answer's KV under the hashes the next turn has
-            output_hashes = hasher.hashes(d.segments + (d.answer,))[len(prompt_hashes):]
+            output_hashes = hasher.hashes(d.segments + (d.answer,))[len(prompt_hashes) :]
         info = RequestInfo(
             request_id=d.request_id,
             arrival_s=d.arrival_s,
@@ -99,8 +98,13 @@ def _finish(drafts: list[_Draft], n_requests: int, model: str,
     return out
 
 
-def _sessions(n_requests: int, rng: np.random.Generator, session_rate_rps: float,
-              warmup_s: float, make_session: Callable[[int, float], list[_Draft]]) -> list[_Draft]:
+def _sessions(
+    n_requests: int,
+    rng: np.random.Generator,
+    session_rate_rps: float,
+    warmup_s: float,
+    make_session: Callable[[int, float], list[_Draft]],
+) -> list[_Draft]:
     """Poisson session starts from ``-warmup_s`` on, keeping arrivals >= 0, so
     the trace is a window on a steady state rather than a ramp-up. Stops once
     no later session can rank among the first ``n_requests`` arrivals."""
@@ -122,10 +126,19 @@ def _sessions(n_requests: int, rng: np.random.Generator, session_rate_rps: float
 
 # ---------------------------------------------------------------------------
 @SYNTHETIC.register("chat")
-def chat(n_requests: int, seed: int, rate_rps: float, *, model: str = "default",
-         max_tokens: int = DEFAULT_MAX_TOKENS["synthetic"], tenant: str = "chat",
-         n_system_prompts: int = 4, mean_turns: float = 4.0, think_time_s: float = 20.0,
-         max_context_tokens: int = 32768) -> list[TraceRequest]:
+def chat(
+    n_requests: int,
+    seed: int,
+    rate_rps: float,
+    *,
+    model: str = "default",
+    max_tokens: int = DEFAULT_MAX_TOKENS["synthetic"],
+    tenant: str = "chat",
+    n_system_prompts: int = 4,
+    mean_turns: float = 4.0,
+    think_time_s: float = 20.0,
+    max_context_tokens: int = 32768,
+) -> list[TraceRequest]:
     """Multi-turn chat sessions over a few shared system prompts.
 
     Turn k's prompt is system + (user, answer) pairs of turns 1..k-1 + user k,
@@ -164,8 +177,17 @@ def chat(n_requests: int, seed: int, rate_rps: float, *, model: str = "default",
             used += user
             answer = engine_output_tokens(true_out, budget)
             answer_seg = (content_id("chat-answer", seed, s, k), answer)
-            out.append(_Draft(t, f"chat-{s}-{k}", tuple(segs), true_out, tenant,
-                              session=f"chat-{seed}-{s}", answer=answer_seg))
+            out.append(
+                _Draft(
+                    t,
+                    f"chat-{s}-{k}",
+                    tuple(segs),
+                    true_out,
+                    tenant,
+                    session=f"chat-{seed}-{s}",
+                    answer=answer_seg,
+                )
+            )
             segs.append(answer_seg)
             used += answer
             t += 0.02 * answer + float(rng.exponential(think_time_s))
@@ -177,11 +199,21 @@ def chat(n_requests: int, seed: int, rate_rps: float, *, model: str = "default",
 
 
 @SYNTHETIC.register("conversations")
-def conversations(n_requests: int, seed: int, rate_rps: float, *, model: str = "default",
-                  max_tokens: int = DEFAULT_MAX_TOKENS["synthetic"], tenant: str = "chat",
-                  n_apps: int = 8, mean_turns: float = 12.0, burst_share: float = 0.6,
-                  burst_gap_s: float = 1.5, think_median_s: float = 30.0,
-                  max_context_tokens: int = 32768) -> list[TraceRequest]:
+def conversations(
+    n_requests: int,
+    seed: int,
+    rate_rps: float,
+    *,
+    model: str = "default",
+    max_tokens: int = DEFAULT_MAX_TOKENS["synthetic"],
+    tenant: str = "chat",
+    n_apps: int = 8,
+    mean_turns: float = 12.0,
+    burst_share: float = 0.6,
+    burst_gap_s: float = 1.5,
+    think_median_s: float = 30.0,
+    max_context_tokens: int = 32768,
+) -> list[TraceRequest]:
     """Long multi-turn conversations whose next turns often come in bursts.
 
     What agents and tool-using chats send: each session belongs to one of
@@ -224,8 +256,17 @@ def conversations(n_requests: int, seed: int, rate_rps: float, *, model: str = "
             used += msg
             answer = engine_output_tokens(true_out, budget)
             answer_seg = (content_id("conv-answer", seed, s, k), answer)
-            out.append(_Draft(t, f"conv-{s}-{k}", tuple(segs), true_out, tenant,
-                              session=f"conv-{seed}-{s}", answer=answer_seg))
+            out.append(
+                _Draft(
+                    t,
+                    f"conv-{s}-{k}",
+                    tuple(segs),
+                    true_out,
+                    tenant,
+                    session=f"conv-{seed}-{s}",
+                    answer=answer_seg,
+                )
+            )
             segs.append(answer_seg)
             used += answer
             if rng.random() < burst_share:
@@ -235,17 +276,25 @@ def conversations(n_requests: int, seed: int, rate_rps: float, *, model: str = "
         return out
 
     mean_gap = burst_share * burst_gap_s + (1 - burst_share) * think_median_s * math.exp(0.72)
-    drafts = _sessions(n_requests, rng, rate_rps / mean_turns, 3 * mean_turns * mean_gap,
-                       session)
+    drafts = _sessions(n_requests, rng, rate_rps / mean_turns, 3 * mean_turns * mean_gap, session)
     return _finish(drafts, n_requests, model, budget)
 
 
 @SYNTHETIC.register("longdoc")
-def longdoc(n_requests: int, seed: int, rate_rps: float, *, model: str = "default",
-            max_tokens: int = DEFAULT_MAX_TOKENS["synthetic"], tenant: str = "docs",
-            min_doc_tokens: int = 8192, max_doc_tokens: int = 65536,
-            min_questions: int = 2, max_questions: int = 6,
-            question_gap_s: float = 30.0) -> list[TraceRequest]:
+def longdoc(
+    n_requests: int,
+    seed: int,
+    rate_rps: float,
+    *,
+    model: str = "default",
+    max_tokens: int = DEFAULT_MAX_TOKENS["synthetic"],
+    tenant: str = "docs",
+    min_doc_tokens: int = 8192,
+    max_doc_tokens: int = 65536,
+    min_questions: int = 2,
+    max_questions: int = 6,
+    question_gap_s: float = 30.0,
+) -> list[TraceRequest]:
     """Long documents, each queried several times with short questions.
 
     Prompt = shared instruction (128 tokens) + document + question. Document
@@ -264,17 +313,29 @@ def longdoc(n_requests: int, seed: int, rate_rps: float, *, model: str = "defaul
     mean_q = (min_questions + max_questions) / 2
 
     def session(s: int, start_s: float) -> list[_Draft]:
-        doc_len = int(round(math.exp(rng.uniform(math.log(min_doc_tokens),
-                                                 math.log(max_doc_tokens)))))
+        doc_len = int(
+            round(math.exp(rng.uniform(math.log(min_doc_tokens), math.log(max_doc_tokens))))
+        )
         doc = (content_id("doc-body", seed, s), doc_len)
         n_q = int(rng.integers(min_questions, max_questions + 1))
         t = start_s
         out: list[_Draft] = []
         for q in range(n_q):
-            question = (content_id("doc-question", seed, s, q), _lognormal_int(rng, 60, 0.6, 8, 400))
+            question = (
+                content_id("doc-question", seed, s, q),
+                _lognormal_int(rng, 60, 0.6, 8, 400),
+            )
             true_out = _lognormal_int(rng, 150, 0.8, 1, 2000)
-            out.append(_Draft(t, f"doc-{s}-{q}", (instr, doc, question), true_out, tenant,
-                              session=f"doc-{seed}-{s}"))
+            out.append(
+                _Draft(
+                    t,
+                    f"doc-{s}-{q}",
+                    (instr, doc, question),
+                    true_out,
+                    tenant,
+                    session=f"doc-{seed}-{s}",
+                )
+            )
             t += float(rng.exponential(question_gap_s))
         return out
 
@@ -282,9 +343,19 @@ def longdoc(n_requests: int, seed: int, rate_rps: float, *, model: str = "defaul
     return _finish(drafts, n_requests, model, budget)
 
 
-def _burst_drafts(n_requests: int, seed: int, rate_rps: float, rng: np.random.Generator,
-                  *, tenant: str, on_s: float, off_s: float, task_type: str,
-                  deadline_slack_s: float | None, prefix: str) -> list[_Draft]:
+def _burst_drafts(
+    n_requests: int,
+    seed: int,
+    rate_rps: float,
+    rng: np.random.Generator,
+    *,
+    tenant: str,
+    on_s: float,
+    off_s: float,
+    task_type: str,
+    deadline_slack_s: float | None,
+    prefix: str,
+) -> list[_Draft]:
     if not on_s > 0 or not off_s >= 0:
         raise ConfigError("need on_s > 0 and off_s >= 0")
     on_rate = rate_rps * (on_s + off_s) / on_s
@@ -302,34 +373,69 @@ def _burst_drafts(n_requests: int, seed: int, rate_rps: float, rng: np.random.Ge
             segs = (sys_ids[int(rng.integers(0, 2))], body)
             true_out = _lognormal_int(rng, 150, 0.9, 1, 4000)
             deadline = None if deadline_slack_s is None else a + deadline_slack_s
-            drafts.append(_Draft(a, f"{prefix}-{i}", segs, true_out, tenant,
-                                 task_type=task_type, deadline_s=deadline))
+            drafts.append(
+                _Draft(
+                    a,
+                    f"{prefix}-{i}",
+                    segs,
+                    true_out,
+                    tenant,
+                    task_type=task_type,
+                    deadline_s=deadline,
+                )
+            )
             a += float(rng.exponential(1.0 / on_rate))
         t = end + (float(rng.exponential(off_s)) if off_s > 0 else 0.0)
     return drafts
 
 
 @SYNTHETIC.register("burst")
-def burst(n_requests: int, seed: int, rate_rps: float, *, model: str = "default",
-          max_tokens: int = DEFAULT_MAX_TOKENS["synthetic"], tenant: str = "burst",
-          on_s: float = 5.0, off_s: float = 15.0, task_type: str = "chat",
-          deadline_slack_s: float | None = None) -> list[TraceRequest]:
+def burst(
+    n_requests: int,
+    seed: int,
+    rate_rps: float,
+    *,
+    model: str = "default",
+    max_tokens: int = DEFAULT_MAX_TOKENS["synthetic"],
+    tenant: str = "burst",
+    on_s: float = 5.0,
+    off_s: float = 15.0,
+    task_type: str = "chat",
+    deadline_slack_s: float | None = None,
+) -> list[TraceRequest]:
     """On/off arrivals: exponential on and off periods (means ``on_s``,
     ``off_s``); Poisson at ``rate_rps * (on_s + off_s) / on_s`` while on,
     silent while off, so the long-run mean rate is ``rate_rps``."""
     _check(n_requests, seed, rate_rps)
     budget = check_budget(max_tokens)
     rng = np.random.default_rng(seed)
-    drafts = _burst_drafts(n_requests, seed, rate_rps, rng, tenant=tenant, on_s=on_s,
-                           off_s=off_s, task_type=task_type,
-                           deadline_slack_s=deadline_slack_s, prefix="burst")
+    drafts = _burst_drafts(
+        n_requests,
+        seed,
+        rate_rps,
+        rng,
+        tenant=tenant,
+        on_s=on_s,
+        off_s=off_s,
+        task_type=task_type,
+        deadline_slack_s=deadline_slack_s,
+        prefix="burst",
+    )
     return _finish(drafts, n_requests, model, budget)
 
 
 @SYNTHETIC.register("mixed")
-def mixed(n_requests: int, seed: int, rate_rps: float, *, model: str = "default",
-          max_tokens: int = DEFAULT_MAX_TOKENS["synthetic"], chat_share: float = 0.6,
-          longdoc_share: float = 0.15, batch_deadline_s: float = 600.0) -> list[TraceRequest]:
+def mixed(
+    n_requests: int,
+    seed: int,
+    rate_rps: float,
+    *,
+    model: str = "default",
+    max_tokens: int = DEFAULT_MAX_TOKENS["synthetic"],
+    chat_share: float = 0.6,
+    longdoc_share: float = 0.15,
+    batch_deadline_s: float = 600.0,
+) -> list[TraceRequest]:
     """Chat + long documents + bursts of batch jobs, interleaved.
 
     Each part gets its share of ``n_requests`` and of ``rate_rps`` and its own
@@ -339,8 +445,10 @@ def mixed(n_requests: int, seed: int, rate_rps: float, *, model: str = "default"
     _check(n_requests, seed, rate_rps)
     burst_share = 1.0 - chat_share - longdoc_share
     if chat_share <= 0 or longdoc_share <= 0 or burst_share <= 0:
-        raise ConfigError("chat_share and longdoc_share must be > 0 and sum to < 1 "
-                          "(the rest is the batch burst share)")
+        raise ConfigError(
+            "chat_share and longdoc_share must be > 0 and sum to < 1 "
+            "(the rest is the batch burst share)"
+        )
     seeds = [int(s.generate_state(1)[0]) for s in np.random.SeedSequence(seed).spawn(3)]
     n_chat = round(n_requests * chat_share)
     n_doc = round(n_requests * longdoc_share)
@@ -348,15 +456,24 @@ def mixed(n_requests: int, seed: int, rate_rps: float, *, model: str = "default"
     parts = (
         chat(n_chat, seeds[0], rate_rps * chat_share, model=model, max_tokens=max_tokens),
         longdoc(n_doc, seeds[1], rate_rps * longdoc_share, model=model, max_tokens=max_tokens),
-        burst(n_burst, seeds[2], rate_rps * burst_share, model=model, max_tokens=max_tokens,
-              tenant="batch", task_type="batch", deadline_slack_s=batch_deadline_s),
+        burst(
+            n_burst,
+            seeds[2],
+            rate_rps * burst_share,
+            model=model,
+            max_tokens=max_tokens,
+            tenant="batch",
+            task_type="batch",
+            deadline_slack_s=batch_deadline_s,
+        ),
     )
     out = [r for part in parts for r in part]
     out.sort(key=lambda r: r.info.arrival_s)
     return out
 
 
-def generate(name: str, n_requests: int, seed: int, rate_rps: float,
-             **options: object) -> list[TraceRequest]:
+def generate(
+    name: str, n_requests: int, seed: int, rate_rps: float, **options: object
+) -> list[TraceRequest]:
     """Run a registered generator by name."""
     return SYNTHETIC.get(name)(n_requests, seed, rate_rps, **options)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from tokenfleet.errors import ConfigError, TokenFleetError
 
@@ -25,7 +26,8 @@ def _positive_float(name: str, allow_zero: bool = False) -> Callable[[str], floa
             raise argparse.ArgumentTypeError(f"{name} must be a number, got '{text}'") from None
         if not (v >= 0 if allow_zero else v > 0) or v == float("inf"):
             raise argparse.ArgumentTypeError(
-                f"{name} must be {'>= 0' if allow_zero else '> 0'} and finite, got {text}")
+                f"{name} must be {'>= 0' if allow_zero else '> 0'} and finite, got {text}"
+            )
         return v
 
     return parse
@@ -47,83 +49,160 @@ def _positive_int(name: str) -> Callable[[str], int]:
 def add_common_args(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("workload")
     src.add_argument("--trace", metavar="FILE", help="trace file to replay")
-    src.add_argument("--trace-format", choices=["mooncake", "azure", "tokenfleet"],
-                     help="trace format (default: guessed from the file)")
-    src.add_argument("--synthetic", metavar="NAME",
-                     help="built-in synthetic workload instead of a trace (e.g. chat, mixed)")
-    src.add_argument("--synthetic-requests", type=_positive_int("--synthetic-requests"),
-                     default=2000, metavar="N", help="requests to generate (default 2000)")
-    src.add_argument("--limit", type=_positive_int("--limit"), metavar="N",
-                     help="use only the first N requests")
-    src.add_argument("--workload", metavar="FILE.yaml",
-                     help="mixed workload: request classes from traces or generators, each "
-                          "with its own tier, rate, tenant, max_tokens, deadline or timeout "
-                          "(e.g. examples/scenarios/mixed.yaml); --load/--rate-scale scale "
-                          "its streams, jobs stay as given")
+    src.add_argument(
+        "--trace-format",
+        choices=["mooncake", "azure", "tokenfleet"],
+        help="trace format (default: guessed from the file)",
+    )
+    src.add_argument(
+        "--synthetic",
+        metavar="NAME",
+        help="built-in synthetic workload instead of a trace (e.g. chat, mixed)",
+    )
+    src.add_argument(
+        "--synthetic-requests",
+        type=_positive_int("--synthetic-requests"),
+        default=2000,
+        metavar="N",
+        help="requests to generate (default 2000)",
+    )
+    src.add_argument(
+        "--limit", type=_positive_int("--limit"), metavar="N", help="use only the first N requests"
+    )
+    src.add_argument(
+        "--workload",
+        metavar="FILE.yaml",
+        help="mixed workload: request classes from traces or generators, each "
+        "with its own tier, rate, tenant, max_tokens, deadline or timeout "
+        "(e.g. examples/scenarios/mixed.yaml); --load/--rate-scale scale "
+        "its streams, jobs stay as given",
+    )
     rate = src.add_mutually_exclusive_group()
-    rate.add_argument("--load", type=_positive_float("--load"), metavar="F",
-                      help="scale arrivals so offered work = F x cluster capacity")
-    rate.add_argument("--rate-scale", type=_positive_float("--rate-scale"), metavar="X",
-                      help="compress time: X=2 replays twice as fast")
+    rate.add_argument(
+        "--load",
+        type=_positive_float("--load"),
+        metavar="F",
+        help="scale arrivals so offered work = F x cluster capacity",
+    )
+    rate.add_argument(
+        "--rate-scale",
+        type=_positive_float("--rate-scale"),
+        metavar="X",
+        help="compress time: X=2 replays twice as fast",
+    )
     cl = p.add_argument_group("cluster")
     cl.add_argument("--instances", type=_positive_int("--instances"), default=8, metavar="N")
-    cl.add_argument("--profile", default="llama3-8b-h200", metavar="NAME",
-                    help="engine profile (see `tokenfleet profiles`)")
-    cl.add_argument("--scrape-interval-ms", type=_positive_float("--scrape-interval-ms"),
-                    default=100.0, metavar="MS", help="engine metrics scrape interval")
+    cl.add_argument(
+        "--profile",
+        default="llama3-8b-h200",
+        metavar="NAME",
+        help="engine profile (see `tokenfleet profiles`)",
+    )
+    cl.add_argument(
+        "--scrape-interval-ms",
+        type=_positive_float("--scrape-interval-ms"),
+        default=100.0,
+        metavar="MS",
+        help="engine metrics scrape interval",
+    )
     kv = cl.add_mutually_exclusive_group()
-    kv.add_argument("--kv-events", dest="kv_events", action="store_true", default=None,
-                    help="engines publish KV events (BlockStored/BlockRemoved) to every "
-                         "router: dynamo_kv and tokenpilot use an exact index, llmd_weighted "
-                         "the precise-prefix-cache-scorer (default: each peer's shipped "
-                         "deployment, i.e. on for dynamo_kv only)")
-    kv.add_argument("--no-kv-events", dest="kv_events", action="store_false",
-                    help="no engine publishes KV events, not even for dynamo_kv (ablation: "
-                         "Dynamo's --no-kv-events approximate mode)")
-    cl.add_argument("--routers", type=_positive_int("--routers"), default=1, metavar="N",
-                    help="router replicas (each with its own accounting unless "
-                         "--shared-state-ms)")
-    cl.add_argument("--shared-state-ms", type=_positive_float("--shared-state-ms", True),
-                    default=None, metavar="MS",
-                    help="router replicas share dispatch accounting, each seeing the others' "
-                         "changes MS late, as the live API replicas do through Redis "
-                         "(about 20 ms); default: independent replicas")
+    kv.add_argument(
+        "--kv-events",
+        dest="kv_events",
+        action="store_true",
+        default=None,
+        help="engines publish KV events (BlockStored/BlockRemoved) to every "
+        "router: dynamo_kv and tokenpilot use an exact index, llmd_weighted "
+        "the precise-prefix-cache-scorer (default: each peer's shipped "
+        "deployment, i.e. on for dynamo_kv only)",
+    )
+    kv.add_argument(
+        "--no-kv-events",
+        dest="kv_events",
+        action="store_false",
+        help="no engine publishes KV events, not even for dynamo_kv (ablation: "
+        "Dynamo's --no-kv-events approximate mode)",
+    )
+    cl.add_argument(
+        "--routers",
+        type=_positive_int("--routers"),
+        default=1,
+        metavar="N",
+        help="router replicas (each with its own accounting unless --shared-state-ms)",
+    )
+    cl.add_argument(
+        "--shared-state-ms",
+        type=_positive_float("--shared-state-ms", True),
+        default=None,
+        metavar="MS",
+        help="router replicas share dispatch accounting, each seeing the others' "
+        "changes MS late, as the live API replicas do through Redis "
+        "(about 20 ms); default: independent replicas",
+    )
     pol = p.add_argument_group("policies and output")
-    pol.add_argument("--policy", action="append", metavar="NAME",
-                     help="router policy; repeat to compare (default: the peer routers)")
-    pol.add_argument("--admission", action="append", metavar="NAME",
-                     help="admission policy in front of the router: fcfs, strict_priority, "
-                          "llmd (llm-d's default legacy admission controller), "
-                          "llmd_flow_control (llm-d's experimental flow control, behind "
-                          "its flowControl feature gate), slomax; repeat to compare")
-    pol.add_argument("--control-period-s", type=_positive_float("--control-period-s"),
-                     default=5.0, metavar="S", help="admission controller period (default 5)")
+    pol.add_argument(
+        "--policy",
+        action="append",
+        metavar="NAME",
+        help="router policy; repeat to compare (default: the peer routers)",
+    )
+    pol.add_argument(
+        "--admission",
+        action="append",
+        metavar="NAME",
+        help="admission policy in front of the router: fcfs, strict_priority, "
+        "llmd (llm-d's default legacy admission controller), "
+        "llmd_flow_control (llm-d's experimental flow control, behind "
+        "its flowControl feature gate), slomax; repeat to compare",
+    )
+    pol.add_argument(
+        "--control-period-s",
+        type=_positive_float("--control-period-s"),
+        default=5.0,
+        metavar="S",
+        help="admission controller period (default 5)",
+    )
     pol.add_argument("--slo", metavar="FILE", help="per-tier SLO file (YAML)")
     pol.add_argument("--seed", type=int, default=0)
     pol.add_argument("--json", metavar="OUT", help="write results as JSON")
     pol.add_argument("--plot", metavar="DIR", help="write PNG plots here")
     pol.add_argument("--quiet", action="store_true", help="no progress bar")
     fl = p.add_argument_group("multi-datacenter (FleetMind)")
-    fl.add_argument("--topology", metavar="FILE.yaml",
-                    help="simulate a multi-DC scenario (sites, deployments, RTTs, tenants, "
-                         "workload, timeline), e.g. examples/scenarios/hotspot.yaml")
-    fl.add_argument("--fleet", action="append", metavar="NAME",
-                    help="DC-selection policy with --topology: none, nearest, least_loaded "
-                         "(naive strawman), skylb (SkyLB/SkyServe: local first, spill to the "
-                         "nearest exact-version region over a load threshold), fleetmind; "
-                         "repeat to compare (default: all)")
+    fl.add_argument(
+        "--topology",
+        metavar="FILE.yaml",
+        help="simulate a multi-DC scenario (sites, deployments, RTTs, tenants, "
+        "workload, timeline), e.g. examples/scenarios/hotspot.yaml",
+    )
+    fl.add_argument(
+        "--fleet",
+        action="append",
+        metavar="NAME",
+        help="DC-selection policy with --topology: none, nearest, least_loaded "
+        "(naive strawman), skylb (SkyLB/SkyServe: local first, spill to the "
+        "nearest exact-version region over a load threshold), fleetmind; "
+        "repeat to compare (default: all)",
+    )
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("sim", help="simulate policies on a workload",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "sim",
+        help="simulate policies on a workload",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_common_args(p)
     p.set_defaults(func=run_sim)
     ssub = p.add_subparsers(dest="sim_command", metavar="SUBCOMMAND")
     sw = ssub.add_parser("sweep", help="run the comparison over several loads and plot it")
     add_common_args(sw)
-    sw.add_argument("--loads", default="0.4,0.6,0.8,0.9,1.0", metavar="F,F,...",
-                    help="comma-separated loads (default 0.4,0.6,0.8,0.9,1.0)")
+    sw.add_argument(
+        "--loads",
+        default="0.4,0.6,0.8,0.9,1.0",
+        metavar="F,F,...",
+        help="comma-separated loads (default 0.4,0.6,0.8,0.9,1.0)",
+    )
     sw.set_defaults(func=run_sweep)
 
 
@@ -141,13 +220,17 @@ def _settings(args: argparse.Namespace) -> Any:
         mix = _mix(args)
         if mix.slo is not None:
             slo = SLOConfig.from_mapping(mix.slo, source=f"{mix.source}: slo")
-    return SimSettings(profile=profile, instances=args.instances,
-                       scrape_interval_s=args.scrape_interval_ms / 1000.0,
-                       routers=args.routers, seed=args.seed, slo=slo,
-                       kv_events=args.kv_events,
-                       shared_state_s=(None if args.shared_state_ms is None
-                                       else args.shared_state_ms / 1000.0),
-                       control_period_s=getattr(args, "control_period_s", 5.0))
+    return SimSettings(
+        profile=profile,
+        instances=args.instances,
+        scrape_interval_s=args.scrape_interval_ms / 1000.0,
+        routers=args.routers,
+        seed=args.seed,
+        slo=slo,
+        kv_events=args.kv_events,
+        shared_state_s=(None if args.shared_state_ms is None else args.shared_state_ms / 1000.0),
+        control_period_s=getattr(args, "control_period_s", 5.0),
+    )
 
 
 def _mix(args: argparse.Namespace) -> Any:
@@ -203,8 +286,9 @@ def _base_requests(args: argparse.Namespace) -> list[Any]:
     return list(reqs)
 
 
-def _scaled(reqs: list[Any], args: argparse.Namespace, load: float | None,
-            settings: Any) -> list[Any]:
+def _scaled(
+    reqs: list[Any], args: argparse.Namespace, load: float | None, settings: Any
+) -> list[Any]:
     from tokenfleet.workloads.scaling import rate_scale, scale_to_load
 
     if getattr(args, "workload", None):
@@ -241,8 +325,13 @@ def _progress_factory(quiet: bool) -> tuple[Any, Any]:
         return None, None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    prog = Progress(TextColumn("{task.description:>20}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), transient=False)
+    prog = Progress(
+        TextColumn("{task.description:>20}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        transient=False,
+    )
 
     def factory(name: str, total: int) -> Callable[[int, int], None]:
         task = prog.add_task(name, total=total)
@@ -269,32 +358,60 @@ def _print_table(runs: Sequence[Any], title: str) -> None:
         return "-" if v is None else fmt.format(v * scale)
 
     t = Table(title=title)
-    for col in ("policy", "done/total", "TTFT p50", "TTFT p95", "TTFT p99", "TPOT p50",
-                "tok/s", "goodput tok/s", "SLO att.", "prefix hit", "util", "wall s"):
+    for col in (
+        "policy",
+        "done/total",
+        "TTFT p50",
+        "TTFT p95",
+        "TTFT p99",
+        "TPOT p50",
+        "tok/s",
+        "goodput tok/s",
+        "SLO att.",
+        "prefix hit",
+        "util",
+        "wall s",
+    ):
         t.add_column(col, justify="right" if col != "policy" else "left")
     for r in runs:
         s = r.summary
-        t.add_row(getattr(r, "label", r.policy), f"{s['completed']}/{s['requests']}",
-                  f(s["ttft_p50_s"]), f(s["ttft_p95_s"]), f(s["ttft_p99_s"]),
-                  f(s["tpot_p50_s"], 1000, "{:.1f}ms"),
-                  f(s["throughput_tok_s"], fmt="{:.0f}"), f(s["goodput_tok_s"], fmt="{:.0f}"),
-                  f(s["slo_attainment"], 100, "{:.1f}%"), f(s["prefix_hit_ratio"], 100, "{:.1f}%"),
-                  f(s["utilization"], 100, "{:.0f}%"), f"{r.wall_s:.1f}")
+        t.add_row(
+            getattr(r, "label", r.policy),
+            f"{s['completed']}/{s['requests']}",
+            f(s["ttft_p50_s"]),
+            f(s["ttft_p95_s"]),
+            f(s["ttft_p99_s"]),
+            f(s["tpot_p50_s"], 1000, "{:.1f}ms"),
+            f(s["throughput_tok_s"], fmt="{:.0f}"),
+            f(s["goodput_tok_s"], fmt="{:.0f}"),
+            f(s["slo_attainment"], 100, "{:.1f}%"),
+            f(s["prefix_hit_ratio"], 100, "{:.1f}%"),
+            f(s["utilization"], 100, "{:.0f}%"),
+            f"{r.wall_s:.1f}",
+        )
     Console(width=None if sys.stdout.isatty() else 160).print(t)
 
 
 def _describe(args: argparse.Namespace, load: float | None, rate_label: str = "") -> str:
-    src = (getattr(args, "workload", None) or args.trace
-           or f"synthetic:{args.synthetic or 'mixed'}")
-    rate = rate_label or (f"load {load}" if load else (
-        f"rate x{args.rate_scale}" if args.rate_scale else "as recorded"))
-    shared = ("" if getattr(args, "shared_state_ms", None) is None or args.routers == 1
-              else f" sharing state {args.shared_state_ms:g} ms late")
-    kv = {None: "KV events: shipped defaults", True: "KV events: on",
-          False: "KV events: off"}[getattr(args, "kv_events", None)]
-    return (f"{Path(src).name} | {args.instances} x {args.profile} | {rate} | "
-            f"scrape {args.scrape_interval_ms:g} ms | routers {args.routers}{shared} | {kv} | "
-            f"seed {args.seed}")
+    src = getattr(args, "workload", None) or args.trace or f"synthetic:{args.synthetic or 'mixed'}"
+    rate = rate_label or (
+        f"load {load}"
+        if load
+        else (f"rate x{args.rate_scale}" if args.rate_scale else "as recorded")
+    )
+    shared = (
+        ""
+        if getattr(args, "shared_state_ms", None) is None or args.routers == 1
+        else f" sharing state {args.shared_state_ms:g} ms late"
+    )
+    kv = {None: "KV events: shipped defaults", True: "KV events: on", False: "KV events: off"}[
+        getattr(args, "kv_events", None)
+    ]
+    return (
+        f"{Path(src).name} | {args.instances} x {args.profile} | {rate} | "
+        f"scrape {args.scrape_interval_ms:g} ms | routers {args.routers}{shared} | {kv} | "
+        f"seed {args.seed}"
+    )
 
 
 # -- commands -------------------------------------------------------------------
@@ -314,8 +431,7 @@ def run_sim(args: argparse.Namespace) -> int:
     prog, factory = _progress_factory(args.quiet)
     if prog is not None:
         with prog:
-            runs = run_policies(reqs, policies, settings, progress=factory,
-                                admissions=admissions)
+            runs = run_policies(reqs, policies, settings, progress=factory, admissions=admissions)
     else:
         runs = run_policies(reqs, policies, settings, admissions=admissions)
     title = _describe(args, load)
@@ -323,14 +439,17 @@ def run_sim(args: argparse.Namespace) -> int:
     if admissions:
         _print_tiers(runs)
     if args.json:
-        data: dict[str, Any] = {"config": {**vars_for_json(args), "load": load},
-                                "runs": [r.as_json() for r in runs]}
+        data: dict[str, Any] = {
+            "config": {**vars_for_json(args), "load": load},
+            "runs": [r.as_json() for r in runs],
+        }
         if getattr(args, "workload", None):
             data["workload"] = _workload_facts(args, reqs, settings)
         _write_json(args.json, data)
     if args.plot:
-        paths = plot_runs({getattr(r, "label", r.policy): r.records for r in runs},
-                          Path(args.plot), title)
+        paths = plot_runs(
+            {getattr(r, "label", r.policy): r.records for r in runs}, Path(args.plot), title
+        )
         if admissions:
             from tokenfleet.sim.plots_slomax import plot_admission
 
@@ -345,31 +464,52 @@ def _print_tiers(runs: Sequence[Any]) -> None:
     from rich.table import Table
 
     t = Table(title="per tier")
-    for col in ("run", "tier", "requests", "SLO att.", "goodput tok/s", "rejected",
-                "cancelled", "timed out", "duplicates", "wasted GPU-s"):
+    for col in (
+        "run",
+        "tier",
+        "requests",
+        "SLO att.",
+        "goodput tok/s",
+        "rejected",
+        "cancelled",
+        "timed out",
+        "duplicates",
+        "wasted GPU-s",
+    ):
         t.add_column(col, justify="left" if col in ("run", "tier") else "right")
     for r in runs:
         for tier, m in sorted(r.summary.get("per_tier", {}).items()):
             att = m.get("slo_attainment")
-            t.add_row(getattr(r, "label", r.policy), tier, str(m["requests"]),
-                      "-" if att is None else f"{100 * att:.1f}%",
-                      f"{m['goodput_tok_s']:.0f}", str(m["rejected"]), str(m["cancelled"]),
-                      str(m["timed_out"]), str(m["duplicates"]), f"{m['wasted_gpu_s']:.1f}")
+            t.add_row(
+                getattr(r, "label", r.policy),
+                tier,
+                str(m["requests"]),
+                "-" if att is None else f"{100 * att:.1f}%",
+                f"{m['goodput_tok_s']:.0f}",
+                str(m["rejected"]),
+                str(m["cancelled"]),
+                str(m["timed_out"]),
+                str(m["duplicates"]),
+                f"{m['wasted_gpu_s']:.1f}",
+            )
     Console(width=None if sys.stdout.isatty() else 160).print(t)
 
 
-def _workload_facts(args: argparse.Namespace, reqs: Sequence[Any], settings: Any
-                    ) -> dict[str, Any]:
+def _workload_facts(args: argparse.Namespace, reqs: Sequence[Any], settings: Any) -> dict[str, Any]:
     from collections import Counter
 
     from tokenfleet.workloads.mix import offered_load
 
     mix = _mix(args)
     by_class = Counter(r.info.request_id.split("/", 1)[0] for r in reqs)
-    return {"name": mix.name, "file": args.workload, "duration_s": mix.duration_s,
-            "requests": len(reqs), "requests_per_class": dict(by_class),
-            "offered_load": offered_load(reqs, settings.profile, settings.instances,
-                                         mix.duration_s)}
+    return {
+        "name": mix.name,
+        "file": args.workload,
+        "duration_s": mix.duration_s,
+        "requests": len(reqs),
+        "requests_per_class": dict(by_class),
+        "offered_load": offered_load(reqs, settings.profile, settings.instances, mix.duration_s),
+    }
 
 
 def run_sweep(args: argparse.Namespace) -> int:
@@ -393,9 +533,13 @@ def run_sweep(args: argparse.Namespace) -> int:
         reqs = _scaled(base, args, load, settings)
         if prog is not None:
             with prog:
-                runs = run_policies(reqs, policies, settings,
-                                    progress=lambda n, t, ld=load: factory(f"{n}@{ld}", t),
-                                    admissions=admissions)
+                runs = run_policies(
+                    reqs,
+                    policies,
+                    settings,
+                    progress=lambda n, t, ld=load: factory(f"{n}@{ld}", t),
+                    admissions=admissions,
+                )
         else:
             runs = run_policies(reqs, policies, settings, admissions=admissions)
         _print_table(runs, _describe(args, load))
@@ -408,7 +552,9 @@ def run_sweep(args: argparse.Namespace) -> int:
         _write_json(args.json, {"config": vars_for_json(args), "runs": out_runs})
     plot_dir = Path(args.plot or ".")
     if args.plot:
-        print(f"plot: {plot_sweep(results, plot_dir, _describe(args, None, 'loads ' + args.loads))}")
+        print(
+            f"plot: {plot_sweep(results, plot_dir, _describe(args, None, 'loads ' + args.loads))}"
+        )
     return 0
 
 
@@ -424,8 +570,10 @@ def _run_fleet(args: argparse.Namespace) -> int:
         raise ConfigError("--fleet needs --topology FILE (a multi-DC scenario)")
     for flag in ("trace", "synthetic", "workload", "policy", "admission", "load", "rate_scale"):
         if getattr(args, flag, None):
-            raise ConfigError(f"--{flag.replace('_', '-')} does not apply with --topology: the "
-                              "scenario file defines the workload and each DC's router")
+            raise ConfigError(
+                f"--{flag.replace('_', '-')} does not apply with --topology: the "
+                "scenario file defines the workload and each DC's router"
+            )
     names = args.fleet or ["none", "nearest", "least_loaded", "skylb", "fleetmind"]
     for n in names:
         FLEET.get(n)
@@ -436,44 +584,84 @@ def _run_fleet(args: argparse.Namespace) -> int:
             runs = run_fleets(sc, names, seed=args.seed, progress=factory)
     else:
         runs = run_fleets(sc, names, seed=args.seed)
-    title = (f"{Path(args.topology).name} | {len(sc.topology.datacenters)} sites | "
-             f"{sc.duration_s:g} s | seed {args.seed}")
+    title = (
+        f"{Path(args.topology).name} | {len(sc.topology.datacenters)} sites | "
+        f"{sc.duration_s:g} s | seed {args.seed}"
+    )
     width = None if sys.stdout.isatty() else 160
     t = Table(title=title)
-    for col in ("fleet", "done/total", "TTFT p50", "TTFT p95", "goodput tok/s", "SLO att.",
-                "spill", "residency viol.", "version mism.", "plans", "rollbacks", "wall s"):
+    for col in (
+        "fleet",
+        "done/total",
+        "TTFT p50",
+        "TTFT p95",
+        "goodput tok/s",
+        "SLO att.",
+        "spill",
+        "residency viol.",
+        "version mism.",
+        "plans",
+        "rollbacks",
+        "wall s",
+    ):
         t.add_column(col, justify="left" if col == "fleet" else "right")
     for r in runs:
         s = r.summary
-        t.add_row(r.policy, f"{s['completed']}/{s['requests']}",
-                  "-" if s["ttft_p50_s"] is None else f"{s['ttft_p50_s']:.3f}",
-                  "-" if s["ttft_p95_s"] is None else f"{s['ttft_p95_s']:.3f}",
-                  f"{s['goodput_tok_s']:.0f}",
-                  "-" if s["slo_attainment"] is None else f"{100 * s['slo_attainment']:.1f}%",
-                  f"{100 * r.spill_fraction:.1f}%", str(r.residency_violations),
-                  str(r.version_mismatches), str(len(r.plans)), str(len(r.rollbacks)),
-                  f"{r.wall_s:.1f}")
+        t.add_row(
+            r.policy,
+            f"{s['completed']}/{s['requests']}",
+            "-" if s["ttft_p50_s"] is None else f"{s['ttft_p50_s']:.3f}",
+            "-" if s["ttft_p95_s"] is None else f"{s['ttft_p95_s']:.3f}",
+            f"{s['goodput_tok_s']:.0f}",
+            "-" if s["slo_attainment"] is None else f"{100 * s['slo_attainment']:.1f}%",
+            f"{100 * r.spill_fraction:.1f}%",
+            str(r.residency_violations),
+            str(r.version_mismatches),
+            str(len(r.plans)),
+            str(len(r.rollbacks)),
+            f"{r.wall_s:.1f}",
+        )
     Console(width=width).print(t)
     t = Table(title="per datacenter")
-    for col in ("fleet", "DC", "requests", "spilled in", "goodput tok/s", "SLO att.",
-                "mean load", "replicas at end"):
-        t.add_column(col, justify="left" if col in ("fleet", "DC", "replicas at end")
-                     else "right")
+    for col in (
+        "fleet",
+        "DC",
+        "requests",
+        "spilled in",
+        "goodput tok/s",
+        "SLO att.",
+        "mean load",
+        "replicas at end",
+    ):
+        t.add_column(col, justify="left" if col in ("fleet", "DC", "replicas at end") else "right")
     for r in runs:
         for dc, d in r.per_dc.items():
             att = d["slo_attainment"]
-            t.add_row(r.policy, dc, str(d["requests"]), str(d["spilled_in"]),
-                      f"{d['goodput_tok_s']:.0f}", "-" if att is None else f"{100 * att:.1f}%",
-                      f"{d['load_mean']:.2f}",
-                      ", ".join(f"{k} x{v}" for k, v in d["replicas_end"].items()))
+            t.add_row(
+                r.policy,
+                dc,
+                str(d["requests"]),
+                str(d["spilled_in"]),
+                f"{d['goodput_tok_s']:.0f}",
+                "-" if att is None else f"{100 * att:.1f}%",
+                f"{d['load_mean']:.2f}",
+                ", ".join(f"{k} x{v}" for k, v in d["replicas_end"].items()),
+            )
     Console(width=width).print(t)
     if args.json:
-        _write_json(args.json, {
-            "config": vars_for_json(args),
-            "scenario": {"name": sc.topology.name, "file": args.topology,
-                         "duration_s": sc.duration_s,
-                         "sites": sorted(sc.topology.datacenters)},
-            "runs": [r.as_json() for r in runs]})
+        _write_json(
+            args.json,
+            {
+                "config": vars_for_json(args),
+                "scenario": {
+                    "name": sc.topology.name,
+                    "file": args.topology,
+                    "duration_s": sc.duration_s,
+                    "sites": sorted(sc.topology.datacenters),
+                },
+                "runs": [r.as_json() for r in runs],
+            },
+        )
     if args.plot:
         from tokenfleet.sim.plots_fleet import plot_fleet_runs
 

@@ -29,9 +29,25 @@ from tokenfleet.core.admission.base import (
 )
 
 __all__ = [
-    "ADMISSION", "ADMIT", "DISPATCH", "DROP", "QUEUE", "REJECT", "Action", "Admission",
-    "AdmissionDecision", "AdmissionSnapshot", "BaseAdmission", "InstanceLoad", "QueuedRequest",
-    "QueueTotals", "TierLoad", "TierQueue", "TierWindow", "WindowStats", "kv_reservation_tokens",
+    "ADMISSION",
+    "ADMIT",
+    "DISPATCH",
+    "DROP",
+    "QUEUE",
+    "REJECT",
+    "Action",
+    "Admission",
+    "AdmissionDecision",
+    "AdmissionSnapshot",
+    "BaseAdmission",
+    "InstanceLoad",
+    "QueuedRequest",
+    "QueueTotals",
+    "TierLoad",
+    "TierQueue",
+    "TierWindow",
+    "WindowStats",
+    "kv_reservation_tokens",
     "create_admission",
 ]
 

@@ -19,8 +19,9 @@ them. Policies never see a request's true output length: they get
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from tokenfleet.core.registry import Registry
 from tokenfleet.core.types import (
@@ -40,8 +41,11 @@ DISPATCH = "dispatch"
 DROP = "drop"
 
 
-def kv_reservation_tokens(request: RequestInfo, output_reserve_tokens: int | None = None,
-                          block_size_tokens: int = BLOCK_SIZE_TOKENS) -> int:
+def kv_reservation_tokens(
+    request: RequestInfo,
+    output_reserve_tokens: int | None = None,
+    block_size_tokens: int = BLOCK_SIZE_TOKENS,
+) -> int:
     """KV the engine may need for this request, rounded up to whole blocks.
 
     Reserving prompt + ``max_tokens`` (the default) is what makes "the engine
@@ -166,8 +170,7 @@ class QueueTotals:
 
     __slots__ = ("tier", "n", "input_tokens", "reserved_tokens")
 
-    def __init__(self, tier: str, n: int, input_tokens: int = 0,
-                 reserved_tokens: int = 0) -> None:
+    def __init__(self, tier: str, n: int, input_tokens: int = 0, reserved_tokens: int = 0) -> None:
         self.tier = tier
         self.n = max(0, n)
         self.input_tokens = input_tokens

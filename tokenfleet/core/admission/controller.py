@@ -35,8 +35,9 @@ state between ticks.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from tokenfleet.core.admission.base import WindowStats
 
@@ -48,8 +49,11 @@ class ControlState:
     reject_factor: float
 
     def as_dict(self) -> dict[str, float]:
-        return {"batch_share": self.batch_share, "long_share": self.long_share,
-                "reject_factor": self.reject_factor}
+        return {
+            "batch_share": self.batch_share,
+            "long_share": self.long_share,
+            "reject_factor": self.reject_factor,
+        }
 
 
 @dataclass(slots=True)
@@ -65,8 +69,7 @@ class _Knob:
     last_dir: int = 0
     run: int = 0
 
-    def move(self, direction: int, damping: float, regrow_after: int,
-             multiplicative: bool) -> None:
+    def move(self, direction: int, damping: float, regrow_after: int, multiplicative: bool) -> None:
         if direction == 0:
             return
         if self.last_dir and direction != self.last_dir:
@@ -92,7 +95,8 @@ class ControllerConfig:
     period_s: float = 5.0
     #: attainment targets for the protected tiers
     targets: Mapping[str, float] = field(
-        default_factory=lambda: {"interactive": 0.97, "long_context": 0.95})
+        default_factory=lambda: {"interactive": 0.97, "long_context": 0.95}
+    )
     #: hysteresis: act below target - band or above target + band/2 only
     band: float = 0.02
     #: below this, protect even at the cost of a batch deadline
@@ -125,13 +129,28 @@ class SLOMaxController:
         self.cfg = c = config or ControllerConfig()
         if c.period_s <= 0:
             raise ValueError("period_s must be > 0")
-        self.batch = _Knob(c.batch_share, *c.batch_share_bounds, step=c.batch_step,
-                           min_step=c.batch_step / 16, max_step=c.batch_step * 2)
-        self.long = _Knob(c.long_trim, *c.long_trim_bounds, step=c.long_step,
-                          min_step=c.long_step / 8, max_step=c.long_step * 2)
+        self.batch = _Knob(
+            c.batch_share,
+            *c.batch_share_bounds,
+            step=c.batch_step,
+            min_step=c.batch_step / 16,
+            max_step=c.batch_step * 2,
+        )
+        self.long = _Knob(
+            c.long_trim,
+            *c.long_trim_bounds,
+            step=c.long_step,
+            min_step=c.long_step / 8,
+            max_step=c.long_step * 2,
+        )
         self.long_work: float | None = None  # smoothed long-context share of prefill work
-        self.reject = _Knob(c.reject_factor, *c.reject_factor_bounds, step=c.reject_step,
-                            min_step=c.reject_step / 8, max_step=c.reject_step * 2)
+        self.reject = _Knob(
+            c.reject_factor,
+            *c.reject_factor_bounds,
+            step=c.reject_step,
+            min_step=c.reject_step / 8,
+            max_step=c.reject_step * 2,
+        )
         self.att: dict[str, float] = {}  # smoothed attainment per protected tier
         self.batch_rate: float | None = None  # smoothed batch completions per second
         self.last_reason = ""
@@ -202,7 +221,8 @@ class SLOMaxController:
             self.long_work = frac if self.long_work is None else a * frac + (1 - a) * self.long_work
         g_int = gaps.get("interactive")
         short_of_slots = lw is not None and (
-            lw.queued > 0 or lw.rejected > max(1.0, c.band * max(1, lw.finished)))
+            lw.queued > 0 or lw.rejected > max(1.0, c.band * max(1, lw.finished))
+        )
         if g_int is not None and g_int < -c.band:
             self.long.move(-1, c.damping, c.regrow_after, multiplicative=False)
             reasons.append("long-")
@@ -229,9 +249,14 @@ class SLOMaxController:
         def knob(k: _Knob) -> dict[str, float]:
             return {"value": k.value, "step": k.step, "last_dir": k.last_dir, "run": k.run}
 
-        return {"batch": knob(self.batch), "long": knob(self.long), "reject": knob(self.reject),
-                "att": dict(self.att), "batch_rate": self.batch_rate,
-                "long_work": self.long_work}
+        return {
+            "batch": knob(self.batch),
+            "long": knob(self.long),
+            "reject": knob(self.reject),
+            "att": dict(self.att),
+            "batch_rate": self.batch_rate,
+            "long_work": self.long_work,
+        }
 
     def load_state(self, data: Mapping[str, Any]) -> None:
         for name in ("batch", "long", "reject"):

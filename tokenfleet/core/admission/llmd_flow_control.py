@@ -43,7 +43,7 @@ Tier to band mapping: interactive 2, long_context 1, batch -1 (sheddable).
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from tokenfleet.core.admission.base import (
     ADMISSION,
@@ -63,35 +63,52 @@ from tokenfleet.core.types import RequestInfo
 DEFAULT_BANDS: dict[str, int] = {"interactive": 2, "long_context": 1, "batch": -1}
 
 
-def endpoint_score(inst: InstanceLoad, now_s: float, queue_threshold: float,
-                   kv_threshold: float, staleness_s: float) -> float:
+def endpoint_score(
+    inst: InstanceLoad,
+    now_s: float,
+    queue_threshold: float,
+    kv_threshold: float,
+    staleness_s: float,
+) -> float:
     m = inst.view.metrics
     if not m.healthy or now_s - m.scraped_at_s > staleness_s:
         return 1.0
     return max(m.num_waiting / queue_threshold, m.kv_usage / kv_threshold)
 
 
-def pool_saturation(instances: Sequence[InstanceLoad], now_s: float,
-                    queue_threshold: float = 5.0, kv_threshold: float = 0.8,
-                    staleness_s: float = 0.2) -> float:
+def pool_saturation(
+    instances: Sequence[InstanceLoad],
+    now_s: float,
+    queue_threshold: float = 5.0,
+    kv_threshold: float = 0.8,
+    staleness_s: float = 0.2,
+) -> float:
     """The utilization detector's ``Saturation``: mean endpoint score over the
     ready endpoints, 1.0 when there are none."""
     insts = [i for i in instances if i.view.ready]
     if not insts:
         return 1.0
-    return sum(endpoint_score(i, now_s, queue_threshold, kv_threshold, staleness_s)
-               for i in insts) / len(insts)
+    return sum(
+        endpoint_score(i, now_s, queue_threshold, kv_threshold, staleness_s) for i in insts
+    ) / len(insts)
 
 
 @ADMISSION.register("llmd_flow_control")
 class LlmdFlowControlAdmission(BaseAdmission):
     name = "llmd_flow_control"
 
-    def __init__(self, *, slo: SLOConfig | None = None,
-                 bands: Mapping[str, int] | None = None,
-                 queue_depth_threshold: int = 5, kv_cache_util_threshold: float = 0.8,
-                 metrics_staleness_s: float = 0.2, headroom: float = 0.0,
-                 usage_limit: float = 1.0, dispatch_tick_s: float = 0.001) -> None:
+    def __init__(
+        self,
+        *,
+        slo: SLOConfig | None = None,
+        bands: Mapping[str, int] | None = None,
+        queue_depth_threshold: int = 5,
+        kv_cache_util_threshold: float = 0.8,
+        metrics_staleness_s: float = 0.2,
+        headroom: float = 0.0,
+        usage_limit: float = 1.0,
+        dispatch_tick_s: float = 0.001,
+    ) -> None:
         if queue_depth_threshold < 1 or not 0 < kv_cache_util_threshold <= 1:
             raise ValueError("need queue_depth_threshold >= 1 and 0 < kv_cache_util_threshold <= 1")
         self.slo = slo or SLOConfig()
@@ -108,8 +125,9 @@ class LlmdFlowControlAdmission(BaseAdmission):
         self._last_slot = -1
 
     def saturation(self, snap: AdmissionSnapshot) -> float:
-        return pool_saturation(snap.instances, snap.now_s, self.queue_threshold,
-                               self.kv_threshold, self.staleness_s)
+        return pool_saturation(
+            snap.instances, snap.now_s, self.queue_threshold, self.kv_threshold, self.staleness_s
+        )
 
     def _sheddable(self, tier: str) -> bool:
         return self.bands.get(tier, 0) < 0

@@ -47,7 +47,8 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from tokenfleet.core.admission.base import (
     ADMISSION,
@@ -132,20 +133,24 @@ class _Costs:
 class SLOMaxAdmission(BaseAdmission):
     name = "slomax"
 
-    def __init__(self, *, slo: SLOConfig | None = None,
-                 controller: ControllerConfig | Mapping[str, Any] | None = None,
-                 adaptive: bool = True,
-                 long_prefill_per_instance: int = 1,
-                 long_inflight_per_instance: int = 8,
-                 batch_max_seats: int | None = None,
-                 interactive_seat_reserve: int = 32,
-                 interactive_kv_reserve: float = 0.10,
-                 kv_budget: float = 0.95,
-                 clean_ttft_fraction: float = 0.5,
-                 interactive_reject_factor: float = 3.0,
-                 prefill_fraction: float = 0.7,
-                 tpot_guard: float = 0.6,
-                 output_reserve: str = "max_tokens") -> None:
+    def __init__(
+        self,
+        *,
+        slo: SLOConfig | None = None,
+        controller: ControllerConfig | Mapping[str, Any] | None = None,
+        adaptive: bool = True,
+        long_prefill_per_instance: int = 1,
+        long_inflight_per_instance: int = 8,
+        batch_max_seats: int | None = None,
+        interactive_seat_reserve: int = 32,
+        interactive_kv_reserve: float = 0.10,
+        kv_budget: float = 0.95,
+        clean_ttft_fraction: float = 0.5,
+        interactive_reject_factor: float = 3.0,
+        prefill_fraction: float = 0.7,
+        tpot_guard: float = 0.6,
+        output_reserve: str = "max_tokens",
+    ) -> None:
         if long_prefill_per_instance < 1 or long_inflight_per_instance < 1:
             raise ValueError("long-context caps must be >= 1")
         if not 0 < kv_budget <= 1 or not 0 <= interactive_kv_reserve < kv_budget:
@@ -153,8 +158,11 @@ class SLOMaxAdmission(BaseAdmission):
         if output_reserve != "max_tokens" and not output_reserve.startswith("p"):
             raise ValueError("output_reserve must be 'max_tokens' or a quantile like 'p99'")
         self.slo = slo or SLOConfig()
-        cfg = controller if isinstance(controller, ControllerConfig) else \
-            ControllerConfig(**dict(controller or {}))
+        cfg = (
+            controller
+            if isinstance(controller, ControllerConfig)
+            else ControllerConfig(**dict(controller or {}))
+        )
         self.ctrl = SLOMaxController(cfg)
         self.adaptive = adaptive
         self.long_prefill_cap = long_prefill_per_instance
@@ -165,8 +173,9 @@ class SLOMaxAdmission(BaseAdmission):
         self.kv_budget = kv_budget
         self.clean_fraction = clean_ttft_fraction
         self.interactive_reject_factor = interactive_reject_factor
-        self.reserve_q = (None if output_reserve == "max_tokens"
-                          else float(output_reserve[1:]) / 100.0)
+        self.reserve_q = (
+            None if output_reserve == "max_tokens" else float(output_reserve[1:]) / 100.0
+        )
         st = self.ctrl.state
         self.batch_share = st.batch_share
         self.long_share = st.long_share
@@ -239,17 +248,18 @@ class SLOMaxAdmission(BaseAdmission):
         out = {}
         for inst in insts:
             prof = inst.view.profile
-            out[inst.instance_id] = (kappa * (self._ahead_s(inst) + self._own_s(req, prof))
-                                     + self._costs.decode_step_s(prof))
+            out[inst.instance_id] = kappa * (
+                self._ahead_s(inst) + self._own_s(req, prof)
+            ) + self._costs.decode_step_s(prof)
         return out
 
-    def _remember(self, req: RequestInfo, pred: Mapping[str, float],
-                  ids: Sequence[str]) -> None:
+    def _remember(self, req: RequestInfo, pred: Mapping[str, float], ids: Sequence[str]) -> None:
         self._pred[req.request_id] = {i: pred[i] for i in ids if i in pred}
 
     # -- interactive -----------------------------------------------------------------
-    def _interactive(self, req: RequestInfo, snap: AdmissionSnapshot, waited_s: float
-                     ) -> tuple[tuple[str, ...] | None, float]:
+    def _interactive(
+        self, req: RequestInfo, snap: AdmissionSnapshot, waited_s: float
+    ) -> tuple[tuple[str, ...] | None, float]:
         """Allowed instances (None: no room anywhere) and the best predicted TTFT.
 
         Preference: off the long-context lane and well inside the limit; off
@@ -266,8 +276,7 @@ class SLOMaxAdmission(BaseAdmission):
         tiers = (
             [i for i in off if pred[i.instance_id] <= self.clean_fraction * limit],
             [i for i in off if pred[i.instance_id] <= limit],
-            [i for i in room if i.tier(LONG).prefill_pending == 0
-             and pred[i.instance_id] <= limit],
+            [i for i in room if i.tier(LONG).prefill_pending == 0 and pred[i.instance_id] <= limit],
             [i for i in room if pred[i.instance_id] <= limit],
         )
         pick = next((t for t in tiers if t), None)
@@ -284,10 +293,12 @@ class SLOMaxAdmission(BaseAdmission):
         ready ones, by pool position. A stable set keeps long prompts' prefix
         cache together and the other instances free of multi-second prefills
         that would stall interactive streams."""
-        ready = sorted((i for i in snap.instances if i.view.ready and i.view.metrics.healthy),
-                       key=lambda i: i.view.index)
+        ready = sorted(
+            (i for i in snap.instances if i.view.ready and i.view.metrics.healthy),
+            key=lambda i: i.view.index,
+        )
         n = max(1, round(self.long_share * len(ready)))
-        return {i.instance_id for i in ready[len(ready) - n:]}
+        return {i.instance_id for i in ready[len(ready) - n :]}
 
     def _long_batch_pending(self, inst: InstanceLoad) -> bool:
         tb = inst.tier(BATCH)
@@ -308,8 +319,7 @@ class SLOMaxAdmission(BaseAdmission):
                 out.append(inst)
         return out
 
-    def _long_wait_s(self, snap: AdmissionSnapshot,
-                     queue: TierQueue | QueueTotals | None) -> float:
+    def _long_wait_s(self, snap: AdmissionSnapshot, queue: TierQueue | QueueTotals | None) -> float:
         """Predicted gateway wait for a long request joining the back of the queue."""
         ready = [i for i in snap.instances if i.view.ready]
         if not ready:
@@ -367,10 +377,15 @@ class SLOMaxAdmission(BaseAdmission):
         if best > self.interactive_reject_factor * limit:
             self._pred.pop(request.request_id, None)
             retry = best - limit
-            return AdmissionDecision(REJECT, retry_after_s=retry, predicted_wait_s=best,
-                                     reason=f"predicted TTFT {best:.2f}s >> limit {limit:.2f}s")
-        return AdmissionDecision(ADMIT, instance_ids=ids, predicted_wait_s=0.0,
-                                 reason=f"predicted TTFT {best:.2f}s")
+            return AdmissionDecision(
+                REJECT,
+                retry_after_s=retry,
+                predicted_wait_s=best,
+                reason=f"predicted TTFT {best:.2f}s >> limit {limit:.2f}s",
+            )
+        return AdmissionDecision(
+            ADMIT, instance_ids=ids, predicted_wait_s=0.0, reason=f"predicted TTFT {best:.2f}s"
+        )
 
     def _long_arrival(self, req: RequestInfo, snap: AdmissionSnapshot) -> AdmissionDecision:
         limit = self._limit(req)
@@ -384,23 +399,31 @@ class SLOMaxAdmission(BaseAdmission):
                 ok = [i.instance_id for i in slots if pred[i.instance_id] <= limit]
                 ids = tuple(ok) if ok else tuple(pred)
                 self._remember(req, pred, ids)
-                return AdmissionDecision(ADMIT, instance_ids=ids, predicted_wait_s=0.0,
-                                         reason="long-context slot free")
+                return AdmissionDecision(
+                    ADMIT, instance_ids=ids, predicted_wait_s=0.0, reason="long-context slot free"
+                )
         wait = self._long_wait_s(snap, queue)
         if wait + own > self.reject_factor * limit:
             retry = max(0.0, wait + own - limit)
             return AdmissionDecision(
-                REJECT, retry_after_s=retry, predicted_wait_s=wait,
-                reason=f"predicted TTFT {wait + own:.1f}s > {self.reject_factor:.2f} x {limit:.1f}s")
-        return AdmissionDecision(QUEUE, predicted_wait_s=wait,
-                                 reason=f"waiting for a long-context slot (~{wait:.1f}s)")
+                REJECT,
+                retry_after_s=retry,
+                predicted_wait_s=wait,
+                reason=(
+                    f"predicted TTFT {wait + own:.1f}s > {self.reject_factor:.2f} x {limit:.1f}s"
+                ),
+            )
+        return AdmissionDecision(
+            QUEUE, predicted_wait_s=wait, reason=f"waiting for a long-context slot (~{wait:.1f}s)"
+        )
 
     def _batch_arrival(self, req: RequestInfo, snap: AdmissionSnapshot) -> AdmissionDecision:
         if req.deadline_s is not None and snap.instances:
             prof = snap.instances[0].view.profile
             # Fastest possible finish: prefill plus max_tokens decode steps.
-            floor_s = (self._own_s(req, prof)
-                       + min(req.max_tokens, 16) * self._costs.decode_step_s(prof))
+            floor_s = self._own_s(req, prof) + min(req.max_tokens, 16) * self._costs.decode_step_s(
+                prof
+            )
             if snap.now_s + floor_s > req.deadline_s:
                 return AdmissionDecision(REJECT, reason="deadline cannot be met")
         return AdmissionDecision(QUEUE, reason="batch fills idle capacity")
@@ -423,8 +446,13 @@ class SLOMaxAdmission(BaseAdmission):
             req = head.request
             waited = snap.now_s - req.arrival_s
             if waited > self.interactive_reject_factor * self._limit(req):
-                return Action(DROP, tier, req.request_id, status="rejected",
-                              reason="waited far past its TTFT limit")
+                return Action(
+                    DROP,
+                    tier,
+                    req.request_id,
+                    status="rejected",
+                    reason="waited far past its TTFT limit",
+                )
             ids, _ = self._interactive(req, snap, waited)
             if ids is not None:
                 return Action(DISPATCH, tier, req.request_id, instance_ids=ids)
@@ -442,8 +470,13 @@ class SLOMaxAdmission(BaseAdmission):
         prof = snap.instances[0].view.profile
         own = self._kappa.get(LONG, 1.0) * self._own_s(req, prof)
         if waited + own > self.reject_factor * limit:
-            return Action(DROP, LONG, req.request_id, status="rejected",
-                          reason="can no longer meet its TTFT limit; dropped before prefill")
+            return Action(
+                DROP,
+                LONG,
+                req.request_id,
+                status="rejected",
+                reason="can no longer meet its TTFT limit; dropped before prefill",
+            )
         slots = self._long_slots(req, snap)
         if not slots:
             return None
@@ -462,8 +495,13 @@ class SLOMaxAdmission(BaseAdmission):
         req = head.request
         now = snap.now_s
         if req.deadline_s is not None and now >= req.deadline_s:
-            return Action(DROP, BATCH, req.request_id, status="timed_out",
-                          reason="deadline passed while queued")
+            return Action(
+                DROP,
+                BATCH,
+                req.request_id,
+                status="timed_out",
+                reason="deadline passed while queued",
+            )
         share = self.batch_share
         if req.input_tokens >= self.slo.long_context_min_input_tokens:
             return self._next_long_batch(snap, req)
@@ -478,8 +516,11 @@ class SLOMaxAdmission(BaseAdmission):
             seats = self.batch_max_seats or prof.max_num_seqs // 2
             if tb.inflight >= max(1, math.ceil(share * seats)):
                 continue
-            if tb.prefill_pending and \
-                    tb.prefill_pending_tokens + req.input_tokens > share * prof.max_num_batched_tokens:
+            if (
+                tb.prefill_pending
+                and tb.prefill_pending_tokens + req.input_tokens
+                > share * prof.max_num_batched_tokens
+            ):
                 continue
             if self._bucket_level(inst, now, share) <= 0.0 or not self._room(inst, req):
                 continue
@@ -502,15 +543,20 @@ class SLOMaxAdmission(BaseAdmission):
 
         def fits(i: InstanceLoad) -> bool:
             seats = self.batch_max_seats or i.view.profile.max_num_seqs // 2
-            return (i.tier(LONG).prefill_pending == 0 and not self._long_batch_pending(i)
-                    and i.tier(BATCH).inflight < max(1, math.ceil(self.batch_share * seats))
-                    and not self._slow_decode(i, now) and self._room(i, req))
+            return (
+                i.tier(LONG).prefill_pending == 0
+                and not self._long_batch_pending(i)
+                and i.tier(BATCH).inflight < max(1, math.ceil(self.batch_share * seats))
+                and not self._slow_decode(i, now)
+                and self._room(i, req)
+            )
 
         free = [i for i in snap.instances if i.instance_id in lane and fits(i)]
         if len(free) > (1 if len(lane) > 1 else 0):
             # any free slot: the router picks by prefix-cache affinity
-            return Action(DISPATCH, BATCH, req.request_id,
-                          instance_ids=tuple(i.instance_id for i in free))
+            return Action(
+                DISPATCH, BATCH, req.request_id, instance_ids=tuple(i.instance_id for i in free)
+            )
         return None
 
     def _bucket_level(self, inst: InstanceLoad, now_s: float, share: float) -> float:
@@ -558,16 +604,16 @@ class SLOMaxAdmission(BaseAdmission):
         ratio = min(4.0, max(0.25, event.ttft_s / pred))
         old = self._kappa.get(tier, 1.0)
         # log-space EWMA: a ratio of 2 and of 0.5 pull equally hard
-        self._kappa[tier] = min(3.0, max(0.5, math.exp(0.9 * math.log(old)
-                                                       + 0.1 * math.log(old * ratio))))
+        self._kappa[tier] = min(
+            3.0, max(0.5, math.exp(0.9 * math.log(old) + 0.1 * math.log(old * ratio)))
+        )
 
     def on_complete(self, event: CompletionEvent) -> None:
         self._pred.pop(event.request.request_id, None)
         if event.status != "completed":
             return
         req = event.request
-        if req.tier in (INTERACTIVE, LONG) and event.ttft_s is not None \
-                and event.output_tokens > 1:
+        if req.tier in (INTERACTIVE, LONG) and event.ttft_s is not None and event.output_tokens > 1:
             tpot = (event.e2e_s - event.ttft_s) / (event.output_tokens - 1)
             key = (event.instance_id, req.tier)
             prev = self._tpot.get(key)
@@ -586,8 +632,11 @@ class SLOMaxAdmission(BaseAdmission):
             self.batch_share = st.batch_share
             self.long_share = st.long_share
             self.reject_factor = st.reject_factor
-        out = {"batch_share": self.batch_share, "long_share": self.long_share,
-               "reject_factor": self.reject_factor}
+        out = {
+            "batch_share": self.batch_share,
+            "long_share": self.long_share,
+            "reject_factor": self.reject_factor,
+        }
         for tier, k in self._kappa.items():
             out[f"kappa_{tier}"] = k
         return out

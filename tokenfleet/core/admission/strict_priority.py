@@ -13,7 +13,7 @@ lowest tier starves, and nothing is turned away early.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from tokenfleet.core.admission.base import (
     ADMISSION,
@@ -31,8 +31,12 @@ from tokenfleet.core.tiers import SLOConfig
 from tokenfleet.core.types import TIERS, RequestInfo
 
 
-def instances_with_room(request: RequestInfo, instances: Sequence[InstanceLoad],
-                        max_pending: int, kv_budget: float = 1.0) -> tuple[str, ...]:
+def instances_with_room(
+    request: RequestInfo,
+    instances: Sequence[InstanceLoad],
+    max_pending: int,
+    kv_budget: float = 1.0,
+) -> tuple[str, ...]:
     """Instances that can start this request soon without evicting anything."""
     need = kv_reservation_tokens(request)
     out = []
@@ -54,8 +58,13 @@ def instances_with_room(request: RequestInfo, instances: Sequence[InstanceLoad],
 class StrictPriorityAdmission(BaseAdmission):
     name = "strict_priority"
 
-    def __init__(self, *, slo: SLOConfig | None = None, max_pending_per_instance: int = 2,
-                 order: Sequence[str] = TIERS) -> None:
+    def __init__(
+        self,
+        *,
+        slo: SLOConfig | None = None,
+        max_pending_per_instance: int = 2,
+        order: Sequence[str] = TIERS,
+    ) -> None:
         if max_pending_per_instance < 1:
             raise ValueError("max_pending_per_instance must be >= 1")
         self.slo = slo or SLOConfig()

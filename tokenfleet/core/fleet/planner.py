@@ -31,8 +31,8 @@ The planner is pure: no clock, no I/O; the driver enacts plans.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, Sequence
 
 PoolKey = tuple[str, str, str]  # (dc, model, version)
 
@@ -91,8 +91,12 @@ class DCStats:
         if att is not None and att < self.target and self.spilled_in_share >= min_spill_in:
             return True
         ratt = self.recent_attainment
-        return (self.recent_served >= min_recent and ratt is not None
-                and ratt < self.target and self.recent_spilled_in_share >= min_spill_in)
+        return (
+            self.recent_served >= min_recent
+            and ratt is not None
+            and ratt < self.target
+            and self.recent_spilled_in_share >= min_spill_in
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,15 +172,23 @@ class Planner:
         replicas = _actual(inp, cur)
         shares = dict(cur.spill_share)
         actions: list[PlanAction] = []
-        offenders = [st for _, st in sorted(inp.dcs.items())
-                     if st.hurt_by_spill(self.rollback_min_spill_in, self.rollback_min_recent)]
+        offenders = [
+            st
+            for _, st in sorted(inp.dcs.items())
+            if st.hurt_by_spill(self.rollback_min_spill_in, self.rollback_min_recent)
+        ]
         restored: dict[str, int] = {}
         for st in offenders:
             before = shares.get(st.dc, 1.0)
             shares[st.dc] = before * self.rollback_cut
-            actions.append(PlanAction("spill_share", st.dc, value=shares[st.dc],
-                                      reason="rollback: spilled-in traffic drove attainment "
-                                             "below target"))
+            actions.append(
+                PlanAction(
+                    "spill_share",
+                    st.dc,
+                    value=shares[st.dc],
+                    reason="rollback: spilled-in traffic drove attainment below target",
+                )
+            )
             prev = self._before_last_change(st.dc)
             restored[st.dc] = prev.plan_id
             for key in sorted(set(replicas) | set(prev.replicas)):
@@ -186,9 +198,16 @@ class Planner:
                 have = replicas.get(key, 0)
                 if want != have:
                     replicas[key] = want
-                    actions.append(PlanAction("add" if want > have else "remove", key[0],
-                                              key[1], key[2], abs(want - have),
-                                              reason=f"rollback: restore plan {prev.plan_id}"))
+                    actions.append(
+                        PlanAction(
+                            "add" if want > have else "remove",
+                            key[0],
+                            key[1],
+                            key[2],
+                            abs(want - have),
+                            reason=f"rollback: restore plan {prev.plan_id}",
+                        )
+                    )
         bad = {st.dc for st in offenders}
         for dc, st in sorted(inp.dcs.items()):
             share = shares.get(dc, 1.0)
@@ -196,28 +215,45 @@ class Planner:
             if dc not in bad and share < 1.0 and (att is None or att >= st.target):
                 new = min(1.0, share + self.recover_step)
                 shares[dc] = new
-                actions.append(PlanAction("spill_share", dc, value=new,
-                                          reason="recovered: attainment back at target"))
+                actions.append(
+                    PlanAction(
+                        "spill_share", dc, value=new, reason="recovered: attainment back at target"
+                    )
+                )
         actions.extend(self._capacity(inp, replicas, shares, bad))
         if not actions:
             return cur, []
-        plan = Plan(plan_id=cur.plan_id + 1, at_s=inp.now_s, replicas=replicas,
-                    spill_share=shares, actions=tuple(actions),
-                    kind="rollback" if offenders else "plan",
-                    reason="; ".join(dict.fromkeys(a.reason for a in actions)))
+        plan = Plan(
+            plan_id=cur.plan_id + 1,
+            at_s=inp.now_s,
+            replicas=replicas,
+            spill_share=shares,
+            actions=tuple(actions),
+            kind="rollback" if offenders else "plan",
+            reason="; ".join(dict.fromkeys(a.reason for a in actions)),
+        )
         self.history.append(plan)
-        events = [RollbackEvent(at_s=inp.now_s, dc=st.dc, attainment=st.attainment or 0.0,
-                                recent_attainment=st.recent_attainment,
-                                target=st.target, spilled_in_share=st.spilled_in_share,
-                                spill_share_before=cur.spill_share.get(st.dc, 1.0),
-                                spill_share_after=shares[st.dc],
-                                restored_plan_id=restored[st.dc], plan_id=plan.plan_id)
-                  for st in offenders]
+        events = [
+            RollbackEvent(
+                at_s=inp.now_s,
+                dc=st.dc,
+                attainment=st.attainment or 0.0,
+                recent_attainment=st.recent_attainment,
+                target=st.target,
+                spilled_in_share=st.spilled_in_share,
+                spill_share_before=cur.spill_share.get(st.dc, 1.0),
+                spill_share_after=shares[st.dc],
+                restored_plan_id=restored[st.dc],
+                plan_id=plan.plan_id,
+            )
+            for st in offenders
+        ]
         self.rollbacks.extend(events)
         return plan, events
 
     def _before_last_change(self, dc: str) -> Plan:
         """The plan in force before the latest change to ``dc``'s replicas."""
+
         def at(p: Plan) -> dict[PoolKey, int]:
             return {k: v for k, v in p.replicas.items() if k[0] == dc and v}
 
@@ -229,9 +265,14 @@ class Planner:
         return hist[-1]
 
     # -- capacity -----------------------------------------------------------------
-    def unmet_work_s(self, inp: PlannerInput, mv: tuple[str, str],
-                     replicas: Mapping[PoolKey, int], shares: Mapping[str, float],
-                     bad: set[str]) -> float:
+    def unmet_work_s(
+        self,
+        inp: PlannerInput,
+        mv: tuple[str, str],
+        replicas: Mapping[PoolKey, int],
+        shares: Mapping[str, float],
+        bad: set[str],
+    ) -> float:
         """Demand for ``mv`` (work-s/s) that no pool can carry under its ceilings.
 
         A pool carries its own DC's demand up to ``replicas x load_ceiling``;
@@ -254,13 +295,17 @@ class Planner:
                 room += max(0.0, min(cap, n * st.spill_in_ceiling) - p.demand_work_s)
         return max(0.0, deficit - room)
 
-    def _capacity(self, inp: PlannerInput, replicas: dict[PoolKey, int],
-                  shares: Mapping[str, float], bad: set[str]) -> list[PlanAction]:
+    def _capacity(
+        self,
+        inp: PlannerInput,
+        replicas: dict[PoolKey, int],
+        shares: Mapping[str, float],
+        bad: set[str],
+    ) -> list[PlanAction]:
         stats = {(p.dc, p.model, p.version): p for p in inp.pools}
         tp = {(p.model, p.version): p.tp for p in inp.pools}
         free = {dc: st.free_gpus for dc, st in inp.dcs.items()}
-        budget_left = (math.inf if inp.gpu_budget is None
-                       else inp.gpu_budget - inp.gpus_used)
+        budget_left = math.inf if inp.gpu_budget is None else inp.gpu_budget - inp.gpus_used
         actions: list[PlanAction] = []
         changes = 0
         versions = sorted({(p.model, p.version) for p in inp.pools})
@@ -268,42 +313,63 @@ class Planner:
         for mv in sorted(versions, key=lambda m: (-unmet[m], m)):
             if unmet[mv] <= 0.0:
                 continue
-            homes = sorted((p for p in inp.pools if (p.model, p.version) == mv
-                            and p.demand_work_s > 0),
-                           key=lambda p: (-(p.demand_work_s - p.replicas), p.dc))
+            homes = sorted(
+                (p for p in inp.pools if (p.model, p.version) == mv and p.demand_work_s > 0),
+                key=lambda p: (-(p.demand_work_s - p.replicas), p.dc),
+            )
             if not homes:
                 continue
             hot = homes[0].dc
             per_replica = inp.dcs[hot].load_ceiling if hot in inp.dcs else 0.8
             need = math.ceil(unmet[mv] / max(0.05, per_replica) - 1e-9)
             g = tp[mv]
-            order = sorted((d for d in inp.dcs if d not in bad),
-                           key=lambda d: (d != hot, self.rtt_s(hot, d), d))
+            order = sorted(
+                (d for d in inp.dcs if d not in bad),
+                key=lambda d: (d != hot, self.rtt_s(hot, d), d),
+            )
             # (a)+(b): new replicas in free slots, within the budget
             for dc in order:
-                while need > 0 and changes < self.max_changes and free.get(dc, 0) >= g \
-                        and budget_left >= g:
+                while (
+                    need > 0
+                    and changes < self.max_changes
+                    and free.get(dc, 0) >= g
+                    and budget_left >= g
+                ):
                     key = (dc, mv[0], mv[1])
                     replicas[key] = replicas.get(key, 0) + 1
                     free[dc] -= g
                     budget_left -= g
                     need -= 1
                     changes += 1
-                    _merge(actions, PlanAction("add", dc, mv[0], mv[1], 1,
-                                               reason=f"prewarm: {mv[0]}@{mv[1]} demand "
-                                                      f"exceeds capacity near {hot}"))
+                    _merge(
+                        actions,
+                        PlanAction(
+                            "add",
+                            dc,
+                            mv[0],
+                            mv[1],
+                            1,
+                            reason=f"prewarm: {mv[0]}@{mv[1]} demand exceeds capacity near {hot}",
+                        ),
+                    )
             # (c): convert under-used replicas of other versions, nearest first
-            donors = sorted((s for s in stats.values()
-                             if (s.model, s.version) != mv and s.load < self.donor_load
-                             and s.ready > 0 and s.dc not in bad
-                             and tp.get((s.model, s.version)) == g),
-                            key=lambda s: (self.rtt_s(hot, s.dc), s.load, s.dc))
+            donors = sorted(
+                (
+                    s
+                    for s in stats.values()
+                    if (s.model, s.version) != mv
+                    and s.load < self.donor_load
+                    and s.ready > 0
+                    and s.dc not in bad
+                    and tp.get((s.model, s.version)) == g
+                ),
+                key=lambda s: (self.rtt_s(hot, s.dc), s.load, s.dc),
+            )
             for d in donors:
                 key_d = (d.dc, d.model, d.version)
                 ceiling = inp.dcs[d.dc].load_ceiling if d.dc in inp.dcs else 0.8
                 own = max(d.served_work_s, d.demand_work_s)
-                own_need = max(1 if own > 0 else 0,
-                               math.ceil(own / max(0.05, ceiling) - 1e-9))
+                own_need = max(1 if own > 0 else 0, math.ceil(own / max(0.05, ceiling) - 1e-9))
                 spare = replicas.get(key_d, 0) - own_need
                 while need > 0 and spare > 0 and changes < self.max_changes:
                     key = (d.dc, mv[0], mv[1])
@@ -312,10 +378,11 @@ class Planner:
                     spare -= 1
                     need -= 1
                     changes += 1
-                    why = (f"move: {d.model}@{d.version} at {d.dc} is under-used "
-                           f"(load {d.load:.2f}); {mv[0]}@{mv[1]} short near {hot}")
-                    _merge(actions, PlanAction("remove", d.dc, d.model, d.version, 1,
-                                               reason=why))
+                    why = (
+                        f"move: {d.model}@{d.version} at {d.dc} is under-used "
+                        f"(load {d.load:.2f}); {mv[0]}@{mv[1]} short near {hot}"
+                    )
+                    _merge(actions, PlanAction("remove", d.dc, d.model, d.version, 1, reason=why))
                     _merge(actions, PlanAction("add", d.dc, mv[0], mv[1], 1, reason=why))
         return actions
 
@@ -332,8 +399,13 @@ def _actual(inp: PlannerInput, cur: Plan) -> dict[PoolKey, int]:
 def _merge(actions: list[PlanAction], a: PlanAction) -> None:
     """Fold repeated single-replica actions on one pool into one action."""
     for i, b in enumerate(actions):
-        if (b.kind, b.dc, b.model, b.version, b.reason) == (a.kind, a.dc, a.model,
-                                                             a.version, a.reason):
+        if (b.kind, b.dc, b.model, b.version, b.reason) == (
+            a.kind,
+            a.dc,
+            a.model,
+            a.version,
+            a.reason,
+        ):
             actions[i] = replace(b, count=b.count + a.count)
             return
     actions.append(a)

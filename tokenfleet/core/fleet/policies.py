@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 from tokenfleet.core.fleet.residency import compliant, may_cross_region
 from tokenfleet.core.fleet.state import (
@@ -54,8 +55,14 @@ class DCSelector(Protocol):
     #: True: the driver runs the long-cycle planner and enacts its plans.
     uses_planner: bool
 
-    def select(self, request: RequestInfo, origin: str, home: str | None,
-               fleet: FleetSnapshot, candidates: Sequence[DCView]) -> DCDecision: ...
+    def select(
+        self,
+        request: RequestInfo,
+        origin: str,
+        home: str | None,
+        fleet: FleetSnapshot,
+        candidates: Sequence[DCView],
+    ) -> DCDecision: ...
 
     def on_first_token(self, event: FleetFirstToken) -> None: ...
 
@@ -67,8 +74,14 @@ class BaseSelector:
     exact_version = True
     uses_planner = False
 
-    def select(self, request: RequestInfo, origin: str, home: str | None,
-               fleet: FleetSnapshot, candidates: Sequence[DCView]) -> DCDecision:
+    def select(
+        self,
+        request: RequestInfo,
+        origin: str,
+        home: str | None,
+        fleet: FleetSnapshot,
+        candidates: Sequence[DCView],
+    ) -> DCDecision:
         raise NotImplementedError
 
     def on_first_token(self, event: FleetFirstToken) -> None:
@@ -81,8 +94,9 @@ class BaseSelector:
 FLEET: Registry[DCSelector] = Registry("fleet policy")
 
 
-def candidates_for(request: RequestInfo, home: str | None, fleet: FleetSnapshot,
-                   exact_version: bool = True) -> list[DCView]:
+def candidates_for(
+    request: RequestInfo, home: str | None, fleet: FleetSnapshot, exact_version: bool = True
+) -> list[DCView]:
     """DCs that pass every hard filter: residency and permissions (always),
     then a ready pool serving the model (at the exact version if asked)."""
     tenant = fleet.tenant(request.tenant)
@@ -98,8 +112,9 @@ def candidates_for(request: RequestInfo, home: str | None, fleet: FleetSnapshot,
     return out
 
 
-def select_dc(selector: DCSelector, request: RequestInfo, origin: str, home: str | None,
-              fleet: FleetSnapshot) -> DCDecision:
+def select_dc(
+    selector: DCSelector, request: RequestInfo, origin: str, home: str | None, fleet: FleetSnapshot
+) -> DCDecision:
     """Filter, let the selector choose among the survivors, check the choice.
 
     Raises NoCandidateError when no DC may serve the request (the caller
@@ -110,12 +125,14 @@ def select_dc(selector: DCSelector, request: RequestInfo, origin: str, home: str
         raise NoCandidateError(
             f"no datacenter may serve tenant '{request.tenant}' model '{request.model}'"
             f"{' version ' + request.model_version if request.model_version else ''}: "
-            "check the tenant's allowed sites and regions and the deployments' readiness")
+            "check the tenant's allowed sites and regions and the deployments' readiness"
+        )
     decision = selector.select(request, origin, home, fleet, cands)
     if decision.dc not in {c.name for c in cands}:
         raise PolicyContractError(
             f"fleet policy '{selector.name}' chose '{decision.dc}', which is not among the "
-            f"compliant candidates {[c.name for c in cands]}; this is a bug in the policy")
+            f"compliant candidates {[c.name for c in cands]}; this is a bug in the policy"
+        )
     return decision
 
 
@@ -135,13 +152,21 @@ class HomeOnly(BaseSelector):
     def __init__(self, **_shared: object) -> None:
         pass
 
-    def select(self, request: RequestInfo, origin: str, home: str | None,
-               fleet: FleetSnapshot, candidates: Sequence[DCView]) -> DCDecision:
+    def select(
+        self,
+        request: RequestInfo,
+        origin: str,
+        home: str | None,
+        fleet: FleetSnapshot,
+        candidates: Sequence[DCView],
+    ) -> DCDecision:
         for c in candidates:
             if c.name == home:
                 return DCDecision(dc=c.name, reason="home")
-        raise NoCandidateError(f"home site '{home}' cannot serve the request and "
-                               "policy 'none' never sends it elsewhere")
+        raise NoCandidateError(
+            f"home site '{home}' cannot serve the request and "
+            "policy 'none' never sends it elsewhere"
+        )
 
 
 @FLEET.register("nearest")
@@ -153,8 +178,14 @@ class Nearest(BaseSelector):
     def __init__(self, **_shared: object) -> None:
         pass
 
-    def select(self, request: RequestInfo, origin: str, home: str | None,
-               fleet: FleetSnapshot, candidates: Sequence[DCView]) -> DCDecision:
+    def select(
+        self,
+        request: RequestInfo,
+        origin: str,
+        home: str | None,
+        fleet: FleetSnapshot,
+        candidates: Sequence[DCView],
+    ) -> DCDecision:
         best = min(candidates, key=lambda c: (fleet.rtt(origin, c.name), c.name))
         return DCDecision(dc=best.name, spilled=best.name != home, reason="nearest")
 
@@ -170,8 +201,14 @@ class LeastLoaded(BaseSelector):
     def __init__(self, **_shared: object) -> None:
         pass
 
-    def select(self, request: RequestInfo, origin: str, home: str | None,
-               fleet: FleetSnapshot, candidates: Sequence[DCView]) -> DCDecision:
+    def select(
+        self,
+        request: RequestInfo,
+        origin: str,
+        home: str | None,
+        fleet: FleetSnapshot,
+        candidates: Sequence[DCView],
+    ) -> DCDecision:
         now = fleet.now_s
         best: DCView | None = None
         best_load = math.inf
@@ -183,8 +220,9 @@ class LeastLoaded(BaseSelector):
             if best is None or load < best_load:
                 best, best_load = c, load
         assert best is not None  # candidates all have a pool for the model
-        return DCDecision(dc=best.name, spilled=best.name != home,
-                          reason=f"least_loaded:{best_load:.2f}")
+        return DCDecision(
+            dc=best.name, spilled=best.name != home, reason=f"least_loaded:{best_load:.2f}"
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -232,8 +270,14 @@ class SkyLB(BaseSelector):
     def threshold(self, dc: DCView) -> float:
         return dc.load_ceiling if self.load_threshold is None else self.load_threshold
 
-    def select(self, request: RequestInfo, origin: str, home: str | None,
-               fleet: FleetSnapshot, candidates: Sequence[DCView]) -> DCDecision:
+    def select(
+        self,
+        request: RequestInfo,
+        origin: str,
+        home: str | None,
+        fleet: FleetSnapshot,
+        candidates: Sequence[DCView],
+    ) -> DCDecision:
         now = fleet.now_s
         by_rtt = sorted(candidates, key=lambda c: (fleet.rtt(origin, c.name), c.name))
         local = next((c for c in candidates if c.name == home), None)
@@ -253,14 +297,15 @@ class SkyLB(BaseSelector):
                 continue
             remote = load_with(c)
             if remote <= min(self.threshold(c), c.spill_in_ceiling):
-                return DCDecision(c.name, spilled=c.name != home,
-                                  reason=f"spill:{remote:.2f}" if local is not None
-                                  else "failover")
+                return DCDecision(
+                    c.name,
+                    spilled=c.name != home,
+                    reason=f"spill:{remote:.2f}" if local is not None else "failover",
+                )
         if local is not None:
             return DCDecision(local.name, spilled=False, reason="local:no-room-elsewhere")
         # no home here at all and every candidate is full: the nearest one
-        return DCDecision(by_rtt[0].name, spilled=by_rtt[0].name != home,
-                          reason="failover:full")
+        return DCDecision(by_rtt[0].name, spilled=by_rtt[0].name != home, reason="failover:full")
 
 
 # ---------------------------------------------------------------------------
@@ -298,10 +343,18 @@ class FleetMind(BaseSelector):
     name = "fleetmind"
     uses_planner = True
 
-    def __init__(self, *, slo: SLOConfig | None = None, pressure: float = 0.5,
-                 slo_margin: float = 0.9, spill_margin_s: float = 0.05,
-                 batch_ttft_s: float = 30.0, correction_rate: float = 0.1,
-                 tie_s: float = 0.002, **_shared: object) -> None:
+    def __init__(
+        self,
+        *,
+        slo: SLOConfig | None = None,
+        pressure: float = 0.5,
+        slo_margin: float = 0.9,
+        spill_margin_s: float = 0.05,
+        batch_ttft_s: float = 30.0,
+        correction_rate: float = 0.1,
+        tie_s: float = 0.002,
+        **_shared: object,
+    ) -> None:
         self.slo = slo if slo is not None else SLOConfig()
         self.pressure = pressure
         self.slo_margin = slo_margin
@@ -323,21 +376,32 @@ class FleetMind(BaseSelector):
         tier = request.tier or classify(request, self.slo)
         slo = self.slo.slo_for(tier)
         ttft = slo.ttft_limit_s(request.input_tokens)
-        return (ttft if ttft is not None else self.batch_ttft_s,
-                slo.tpot_s if slo.tpot_s is not None else math.inf)
+        return (
+            ttft if ttft is not None else self.batch_ttft_s,
+            slo.tpot_s if slo.tpot_s is not None else math.inf,
+        )
 
-    def predict(self, request: RequestInfo, origin: str, dc: DCView, pool: PoolView,
-                fleet: FleetSnapshot) -> _Prediction:
+    def predict(
+        self, request: RequestInfo, origin: str, dc: DCView, pool: PoolView, fleet: FleetSnapshot
+    ) -> _Prediction:
         now = fleet.now_s
         _, prefill_s, work_s = fleet.estimate(pool, request)
         raw = pool.queue_s(now) + prefill_s
-        ttft = (fleet.rtt(origin, dc.name) + fleet.transfer_s(origin, dc.name, request)
-                + self.kappa(dc.name, pool).value * raw)
-        return _Prediction(dc, pool, ttft, raw, pool.tpot_s(now, prefill_s),
-                           pool.load(now, work_s))
+        ttft = (
+            fleet.rtt(origin, dc.name)
+            + fleet.transfer_s(origin, dc.name, request)
+            + self.kappa(dc.name, pool).value * raw
+        )
+        return _Prediction(dc, pool, ttft, raw, pool.tpot_s(now, prefill_s), pool.load(now, work_s))
 
-    def select(self, request: RequestInfo, origin: str, home: str | None,
-               fleet: FleetSnapshot, candidates: Sequence[DCView]) -> DCDecision:
+    def select(
+        self,
+        request: RequestInfo,
+        origin: str,
+        home: str | None,
+        fleet: FleetSnapshot,
+        candidates: Sequence[DCView],
+    ) -> DCDecision:
         ttft_lim, tpot_lim = self.limits_s(request)
         preds: dict[str, _Prediction] = {}
         for c in candidates:
@@ -349,10 +413,12 @@ class FleetMind(BaseSelector):
         if hp is not None:
             if pinned:
                 return DCDecision(home or "", hp.ttft_s, hp.raw_s, False, "home:pinned")
-            home_hot = (hp.load > hp.dc.load_ceiling
-                        or hp.tpot_s > tpot_lim)
-            if not home_hot and hp.ttft_s <= self.pressure * ttft_lim \
-                    and hp.tpot_s <= self.pressure * tpot_lim:
+            home_hot = hp.load > hp.dc.load_ceiling or hp.tpot_s > tpot_lim
+            if (
+                not home_hot
+                and hp.ttft_s <= self.pressure * ttft_lim
+                and hp.tpot_s <= self.pressure * tpot_lim
+            ):
                 return DCDecision(hp.dc.name, hp.ttft_s, hp.raw_s, False, "home")
         else:
             home_hot = True
@@ -374,8 +440,13 @@ class FleetMind(BaseSelector):
             if best is None or _better(p, best, self.tie_s):
                 best = p
         if best is not None:
-            return DCDecision(best.dc.name, best.ttft_s, best.raw_s, True,
-                              "spill" if hp is not None else "failover")
+            return DCDecision(
+                best.dc.name,
+                best.ttft_s,
+                best.raw_s,
+                True,
+                "spill" if hp is not None else "failover",
+            )
         if hp is not None:
             return DCDecision(hp.dc.name, hp.ttft_s, hp.raw_s, False, "home:no-better")
         # home cannot serve at all: the best-predicted candidate (failover)
@@ -409,8 +480,9 @@ def _better(p: _Prediction, best: _Prediction, tie_s: float) -> bool:
 class _Prediction:
     __slots__ = ("dc", "pool", "ttft_s", "raw_s", "tpot_s", "load")
 
-    def __init__(self, dc: DCView, pool: PoolView, ttft_s: float, raw_s: float,
-                 tpot_s: float, load: float) -> None:
+    def __init__(
+        self, dc: DCView, pool: PoolView, ttft_s: float, raw_s: float, tpot_s: float, load: float
+    ) -> None:
         self.dc = dc
         self.pool = pool
         self.ttft_s = ttft_s  # at the client, RTT included, corrected

@@ -18,7 +18,8 @@ The rule (docs/fleetmind.md):
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 from tokenfleet.core.fleet.topology import Tenant
 from tokenfleet.core.types import RequestInfo
@@ -44,8 +45,7 @@ def may_cross_region(request: RequestInfo, tenant: Tenant) -> bool:
     return tenant.allow_cross_region and request.allow_cross_region
 
 
-def compliant(request: RequestInfo, tenant: Tenant, site: _Site,
-              home_region: str | None) -> bool:
+def compliant(request: RequestInfo, tenant: Tenant, site: _Site, home_region: str | None) -> bool:
     """May ``request`` be processed at ``site`` at all (ignoring load)?"""
     if site.entry:
         return False
@@ -60,6 +60,7 @@ def compliant(request: RequestInfo, tenant: Tenant, site: _Site,
     return True
 
 
-def compliant_sites(request: RequestInfo, tenant: Tenant, sites: Iterable[_Site],
-                    home_region: str | None) -> list[str]:
+def compliant_sites(
+    request: RequestInfo, tenant: Tenant, sites: Iterable[_Site], home_region: str | None
+) -> list[str]:
     return [s.name for s in sites if compliant(request, tenant, s, home_region)]

@@ -18,8 +18,8 @@ engine profile, and a learned output length, never the true one.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 from tokenfleet.core.fleet.topology import Tenant, Topology
 from tokenfleet.core.prefix_index import PrefixIndex
@@ -40,8 +40,14 @@ class PoolCosts:
     """Per-profile cost model: prefill seconds, the price of a decode token, and
     the two step times that bound TPOT (a full prefill chunk, a decode step)."""
 
-    __slots__ = ("profile", "prefill", "decode_token_s", "chunk_step_s", "decode_step_s",
-                 "_ctx_memo")
+    __slots__ = (
+        "profile",
+        "prefill",
+        "decode_token_s",
+        "chunk_step_s",
+        "decode_step_s",
+        "_ctx_memo",
+    )
 
     def __init__(self, profile: EngineProfile) -> None:
         self.profile = profile
@@ -83,13 +89,15 @@ class PoolAccounting:
     _prefill_acc_s: float = 0.0
     _work_t_s: float = 0.0
 
-    def on_dispatch(self, now_s: float, prefill_s: float, work_s: float,
-                    ready_instances: int) -> None:
+    def on_dispatch(
+        self, now_s: float, prefill_s: float, work_s: float, ready_instances: int
+    ) -> None:
         self.pending_requests += 1
         self.pending_prefill_s += prefill_s
         self.drain_at_s = max(self.drain_at_s, now_s) + prefill_s / max(1, ready_instances)
-        self.mean_prefill_s += 0.05 * (prefill_s - self.mean_prefill_s) \
-            if self.dispatched_total else prefill_s
+        self.mean_prefill_s += (
+            0.05 * (prefill_s - self.mean_prefill_s) if self.dispatched_total else prefill_s
+        )
         decay = self._decay(now_s)
         self._work_acc_s = self._work_acc_s * decay + work_s
         self._prefill_acc_s = self._prefill_acc_s * decay + prefill_s
@@ -150,8 +158,9 @@ class PoolView:
         if self.ready_instances <= 0:
             return math.inf
         own = max(0.0, self.accounting.drain_at_s - now_s)
-        scraped = (self.waiting * self.accounting.mean_prefill_s / self.ready_instances
-                   - max(0.0, now_s - self.scraped_at_s))
+        scraped = self.waiting * self.accounting.mean_prefill_s / self.ready_instances - max(
+            0.0, now_s - self.scraped_at_s
+        )
         return own if own >= scraped else scraped
 
     def load(self, now_s: float, extra_work_s: float = 0.0) -> float:

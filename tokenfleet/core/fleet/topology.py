@@ -13,8 +13,9 @@ Every validation error names the offending field with a dotted path, e.g.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from tokenfleet.errors import ValidationError
 
@@ -107,16 +108,26 @@ class Topology:
         return self.tenants.get(name) or Tenant(name)
 
     def gpus_in_use(self, tp_of: Mapping[str, int]) -> int:
-        return sum(d.instances * tp_of[d.profile]
-                   for dc in self.datacenters.values() for d in dc.deployments)
+        return sum(
+            d.instances * tp_of[d.profile]
+            for dc in self.datacenters.values()
+            for d in dc.deployments
+        )
 
 
 # ---------------------------------------------------------------------------
 # parsing and validation
 # ---------------------------------------------------------------------------
 _TOP_KEYS = {"name", "description", "settings", "datacenters", "rtt_ms", "tenants"}
-_DC_KEYS = {"region", "entry", "gpus", "load_ceiling", "reserve_local",
-            "attainment_target", "deployments"}
+_DC_KEYS = {
+    "region",
+    "entry",
+    "gpus",
+    "load_ceiling",
+    "reserve_local",
+    "attainment_target",
+    "deployments",
+}
 _DEP_KEYS = {"model", "version", "profile", "instances", "ready", "router"}
 _TENANT_KEYS = {"home", "allowed_dcs", "allowed_regions", "allow_cross_region"}
 
@@ -148,14 +159,16 @@ class _Ctx:
             raise self.fail(fld, "must be a non-empty string")
         return v.strip()
 
-    def number(self, v: Any, fld: str, lo: float = 0.0, hi: float = math.inf,
-               lo_open: bool = False) -> float:
+    def number(
+        self, v: Any, fld: str, lo: float = 0.0, hi: float = math.inf, lo_open: bool = False
+    ) -> float:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise self.fail(fld, f"must be a finite number, got {v!r}")
         f = float(v)
         if f < lo or (lo_open and f == lo) or f > hi:
-            rng = f"{'>' if lo_open else '>='} {lo:g}" + ("" if hi == math.inf else
-                                                            f" and <= {hi:g}")
+            rng = f"{'>' if lo_open else '>='} {lo:g}" + (
+                "" if hi == math.inf else f" and <= {hi:g}"
+            )
             raise self.fail(fld, f"must be {rng}, got {v!r}")
         return f
 
@@ -178,16 +191,21 @@ class _Ctx:
         for i, x in enumerate(v):
             s = self.string(x, f"{fld}[{i}]")
             if s not in known:
-                raise self.fail(f"{fld}[{i}]", f"unknown {what} '{s}'; known: "
-                                f"{', '.join(sorted(known))}")
+                raise self.fail(
+                    f"{fld}[{i}]", f"unknown {what} '{s}'; known: {', '.join(sorted(known))}"
+                )
             out.add(s)
         return frozenset(out)
 
 
-def parse_topology(data: Mapping[str, Any], source: str = "<topology>", *,
-                   extra_keys: Sequence[str] = (),
-                   profile_tp: Mapping[str, int] | None = None,
-                   routers: Sequence[str] | None = None) -> Topology:
+def parse_topology(
+    data: Mapping[str, Any],
+    source: str = "<topology>",
+    *,
+    extra_keys: Sequence[str] = (),
+    profile_tp: Mapping[str, int] | None = None,
+    routers: Sequence[str] | None = None,
+) -> Topology:
     """Build and validate a :class:`Topology` from a parsed YAML mapping.
 
     ``extra_keys`` are top-level sections another layer owns (the simulator's
@@ -201,8 +219,7 @@ def parse_topology(data: Mapping[str, Any], source: str = "<topology>", *,
     name = c.string(data.get("name", "topology"), "name")
     settings = _settings(c, data.get("settings", {}) or {})
 
-    raw_dcs = c.mapping(data.get("datacenters"), "datacenters") \
-        if "datacenters" in data else None
+    raw_dcs = c.mapping(data.get("datacenters"), "datacenters") if "datacenters" in data else None
     if not raw_dcs:
         raise c.fail("datacenters", "must list at least one datacenter")
     dcs: dict[str, Datacenter] = {}
@@ -211,8 +228,10 @@ def parse_topology(data: Mapping[str, Any], source: str = "<topology>", *,
         dcs[dname] = _datacenter(c, dname, raw, settings, profile_tp, routers)
     entries = [d.name for d in dcs.values() if d.entry]
     if len(entries) > 1:
-        raise c.fail(f"datacenters.{entries[1]}.entry",
-                     f"only one entry site is supported, '{entries[0]}' is already one")
+        raise c.fail(
+            f"datacenters.{entries[1]}.entry",
+            f"only one entry site is supported, '{entries[0]}' is already one",
+        )
     if not any(d.deployments for d in dcs.values()):
         raise c.fail("datacenters", "no datacenter deploys a model; add deployments")
 
@@ -220,15 +239,24 @@ def parse_topology(data: Mapping[str, Any], source: str = "<topology>", *,
     tenants = _tenants(c, data.get("tenants", {}) or {}, dcs)
 
     if settings.gpu_budget is not None and profile_tp is not None:
-        used = sum(d.instances * profile_tp[d.profile]
-                   for dc in dcs.values() for d in dc.deployments)
+        used = sum(
+            d.instances * profile_tp[d.profile] for dc in dcs.values() for d in dc.deployments
+        )
         if used > settings.gpu_budget:
-            raise c.fail("settings.gpu_budget",
-                         f"the deployments already use {used} GPUs, more than the budget "
-                         f"of {settings.gpu_budget}; raise the budget or deploy fewer replicas")
+            raise c.fail(
+                "settings.gpu_budget",
+                f"the deployments already use {used} GPUs, more than the budget "
+                f"of {settings.gpu_budget}; raise the budget or deploy fewer replicas",
+            )
     desc = data.get("description", "")
-    return Topology(name=name, datacenters=dcs, rtt_s=rtt, tenants=tenants,
-                    settings=settings, description=str(desc or ""))
+    return Topology(
+        name=name,
+        datacenters=dcs,
+        rtt_s=rtt,
+        tenants=tenants,
+        settings=settings,
+        description=str(desc or ""),
+    )
 
 
 def _settings(c: _Ctx, raw: Any) -> FleetSettings:
@@ -244,8 +272,12 @@ def _settings(c: _Ctx, raw: Any) -> FleetSettings:
             kw[k] = "" if v in (None, "") else c.string(v, fld)
         elif k == "attainment_target":
             kw[k] = c.number(v, fld, 0.0, 1.0)
-        elif k in ("scrape_interval_s", "pool_scrape_interval_s", "long_cycle_s",
-                   "wan_bytes_per_s"):
+        elif k in (
+            "scrape_interval_s",
+            "pool_scrape_interval_s",
+            "long_cycle_s",
+            "wan_bytes_per_s",
+        ):
             kw[k] = c.number(v, fld, 0.0, lo_open=True)
         else:
             kw[k] = c.number(v, fld, 0.0)
@@ -255,9 +287,14 @@ def _settings(c: _Ctx, raw: Any) -> FleetSettings:
     return s
 
 
-def _datacenter(c: _Ctx, name: str, raw: Any, settings: FleetSettings,
-                profile_tp: Mapping[str, int] | None,
-                routers: Sequence[str] | None) -> Datacenter:
+def _datacenter(
+    c: _Ctx,
+    name: str,
+    raw: Any,
+    settings: FleetSettings,
+    profile_tp: Mapping[str, int] | None,
+    routers: Sequence[str] | None,
+) -> Datacenter:
     base = f"datacenters.{name}"
     m = c.mapping(raw, base)
     c.keys(m, _DC_KEYS, base)
@@ -268,14 +305,16 @@ def _datacenter(c: _Ctx, name: str, raw: Any, settings: FleetSettings,
     ceiling = c.number(m.get("load_ceiling", 0.85), f"{base}.load_ceiling", 0.0, 2.0)
     reserve = c.number(m.get("reserve_local", 0.0), f"{base}.reserve_local", 0.0, 1.0)
     target = m.get("attainment_target")
-    target_f = None if target is None else c.number(target, f"{base}.attainment_target",
-                                                    0.0, 1.0)
+    target_f = None if target is None else c.number(target, f"{base}.attainment_target", 0.0, 1.0)
     raw_deps = m.get("deployments", []) or []
     if not isinstance(raw_deps, list):
         raise c.fail(f"{base}.deployments", "must be a list of deployments")
     if entry and raw_deps:
-        raise c.fail(f"{base}.deployments", "an entry site holds no GPUs; move the "
-                     "deployments to another site or drop 'entry: true'")
+        raise c.fail(
+            f"{base}.deployments",
+            "an entry site holds no GPUs; move the "
+            "deployments to another site or drop 'entry: true'",
+        )
     deps: list[Deployment] = []
     seen: set[tuple[str, str]] = set()
     gpus_needed = 0
@@ -292,18 +331,27 @@ def _datacenter(c: _Ctx, name: str, raw: Any, settings: FleetSettings,
             profile=c.string(dm["profile"], f"{fld}.profile"),
             instances=c.integer(dm.get("instances", 1), f"{fld}.instances", 0),
             ready=c.boolean(dm.get("ready", True), f"{fld}.ready"),
-            router=("" if dm.get("router") in (None, "")
-                    else c.string(dm["router"], f"{fld}.router")),
+            router=(
+                "" if dm.get("router") in (None, "") else c.string(dm["router"], f"{fld}.router")
+            ),
         )
         if profile_tp is not None and dep.profile not in profile_tp:
-            raise c.fail(f"{fld}.profile", f"unknown engine profile '{dep.profile}'; "
-                         f"choose one of {', '.join(sorted(profile_tp))}")
+            raise c.fail(
+                f"{fld}.profile",
+                f"unknown engine profile '{dep.profile}'; "
+                f"choose one of {', '.join(sorted(profile_tp))}",
+            )
         if routers is not None and dep.router and dep.router not in routers:
-            raise c.fail(f"{fld}.router", f"unknown router '{dep.router}'; "
-                         f"choose one of {', '.join(sorted(routers))}")
+            raise c.fail(
+                f"{fld}.router",
+                f"unknown router '{dep.router}'; choose one of {', '.join(sorted(routers))}",
+            )
         if dep.key in seen:
-            raise c.fail(f"{fld}.version", f"{dep.model} version {dep.version} is deployed "
-                         f"twice at {name}; merge the two entries")
+            raise c.fail(
+                f"{fld}.version",
+                f"{dep.model} version {dep.version} is deployed "
+                f"twice at {name}; merge the two entries",
+            )
         seen.add(dep.key)
         if profile_tp is not None:
             gpus_needed += dep.instances * profile_tp[dep.profile]
@@ -313,11 +361,21 @@ def _datacenter(c: _Ctx, name: str, raw: Any, settings: FleetSettings,
     if entry and gpus:
         raise c.fail(f"{base}.gpus", "an entry site holds no GPUs; set it to 0")
     if gpus < gpus_needed:
-        raise c.fail(f"{base}.gpus", f"the deployments need {gpus_needed} GPUs but the "
-                     f"site has {gpus}; raise gpus or deploy fewer instances")
-    return Datacenter(name=name, region=region, entry=entry, gpus=gpus, load_ceiling=ceiling,
-                      reserve_local=reserve, attainment_target=target_f,
-                      deployments=tuple(deps))
+        raise c.fail(
+            f"{base}.gpus",
+            f"the deployments need {gpus_needed} GPUs but the "
+            f"site has {gpus}; raise gpus or deploy fewer instances",
+        )
+    return Datacenter(
+        name=name,
+        region=region,
+        entry=entry,
+        gpus=gpus,
+        load_ceiling=ceiling,
+        reserve_local=reserve,
+        attainment_target=target_f,
+        deployments=tuple(deps),
+    )
 
 
 def _rtt(c: _Ctx, raw: Any, names: list[str]) -> dict[tuple[str, str], float]:
@@ -327,8 +385,7 @@ def _rtt(c: _Ctx, raw: Any, names: list[str]) -> dict[tuple[str, str], float]:
     if len(names) == 1:
         return out
     if raw is None:
-        raise c.fail("rtt_ms", "missing; give the round trip in ms between every pair "
-                     "of sites")
+        raise c.fail("rtt_ms", "missing; give the round trip in ms between every pair of sites")
     m = c.mapping(raw, "rtt_ms")
     for a, row in m.items():
         a = c.string(a, "rtt_ms")
@@ -346,11 +403,14 @@ def _rtt(c: _Ctx, raw: Any, names: list[str]) -> dict[tuple[str, str], float]:
             s = ms / 1000.0
             prev = out.get((a, b))
             if prev is not None and abs(prev - s) > 1e-12:
-                raise c.fail(fld, f"conflicts with rtt_ms.{b}.{a} ({prev * 1000:g} ms); "
-                             "RTTs are symmetric, give one value")
+                raise c.fail(
+                    fld,
+                    f"conflicts with rtt_ms.{b}.{a} ({prev * 1000:g} ms); "
+                    "RTTs are symmetric, give one value",
+                )
             out[(a, b)] = out[(b, a)] = s
     for i, a in enumerate(names):
-        for b in names[i + 1:]:
+        for b in names[i + 1 :]:
             if (a, b) not in out:
                 raise c.fail(f"rtt_ms.{a}.{b}", "missing; every pair of sites needs an RTT")
     return out
@@ -370,24 +430,31 @@ def _tenants(c: _Ctx, raw: Any, dcs: Mapping[str, Datacenter]) -> dict[str, Tena
         if home is not None:
             home = c.string(home, f"{base}.home")
             if home not in dcs:
-                raise c.fail(f"{base}.home", f"unknown site '{home}'; known: "
-                             f"{', '.join(names)}")
+                raise c.fail(f"{base}.home", f"unknown site '{home}'; known: {', '.join(names)}")
             if not dcs[home].deployments:
-                raise c.fail(f"{base}.home", f"site '{home}' deploys no model; a home "
-                             "must serve requests")
-        adcs = (None if tm.get("allowed_dcs") is None
-                else c.names(tm["allowed_dcs"], f"{base}.allowed_dcs", names, "site"))
-        aregs = (None if tm.get("allowed_regions") is None
-                 else c.names(tm["allowed_regions"], f"{base}.allowed_regions", regions,
-                              "region"))
+                raise c.fail(
+                    f"{base}.home", f"site '{home}' deploys no model; a home must serve requests"
+                )
+        adcs = (
+            None
+            if tm.get("allowed_dcs") is None
+            else c.names(tm["allowed_dcs"], f"{base}.allowed_dcs", names, "site")
+        )
+        aregs = (
+            None
+            if tm.get("allowed_regions") is None
+            else c.names(tm["allowed_regions"], f"{base}.allowed_regions", regions, "region")
+        )
         cross = c.boolean(tm.get("allow_cross_region", True), f"{base}.allow_cross_region")
         if home is not None:
             if adcs is not None and home not in adcs:
-                raise c.fail(f"{base}.allowed_dcs", f"does not include the home site "
-                             f"'{home}'")
+                raise c.fail(f"{base}.allowed_dcs", f"does not include the home site '{home}'")
             if aregs is not None and dcs[home].region not in aregs:
-                raise c.fail(f"{base}.allowed_regions", f"does not include the home "
-                             f"region '{dcs[home].region}'")
-        out[t] = Tenant(name=t, home=home, allowed_dcs=adcs, allowed_regions=aregs,
-                        allow_cross_region=cross)
+                raise c.fail(
+                    f"{base}.allowed_regions",
+                    f"does not include the home region '{dcs[home].region}'",
+                )
+        out[t] = Tenant(
+            name=t, home=home, allowed_dcs=adcs, allowed_regions=aregs, allow_cross_region=cross
+        )
     return out

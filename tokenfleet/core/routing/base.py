@@ -69,8 +69,9 @@ def eligible(request: RequestInfo, pool: PoolSnapshot) -> list[InstanceView]:
         and inst.metrics.healthy
         and (request.model == "default" or inst.model == request.model)
         and (not request.model_version or inst.model_version == request.model_version)
-        and (inst.max_model_len_tokens == 0
-             or request.input_tokens + 1 <= inst.max_model_len_tokens)
+        and (
+            inst.max_model_len_tokens == 0 or request.input_tokens + 1 <= inst.max_model_len_tokens
+        )
     ]
     if not out:
         raise NoCandidateError(

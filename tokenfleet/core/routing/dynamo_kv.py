@@ -78,8 +78,9 @@ class _ActiveSequences:
         held = self.blocks.setdefault(req.worker, {})
         for h in req.block_hashes:
             held[h] = held.get(h, 0) + 1
-        self.prefill_tokens[req.worker] = (self.prefill_tokens.get(req.worker, 0)
-                                           + req.prefill_tokens)
+        self.prefill_tokens[req.worker] = (
+            self.prefill_tokens.get(req.worker, 0) + req.prefill_tokens
+        )
 
     def mark_prefill_completed(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -184,8 +185,9 @@ class DynamoKVRouter(BaseRouter):
     def active_prefill_tokens(self, instance_id: str) -> int:
         return self._active.prefill_tokens.get(instance_id, 0)
 
-    def costs(self, request: RequestInfo,
-              candidates: list[InstanceView]) -> dict[str, tuple[float, int]]:
+    def costs(
+        self, request: RequestInfo, candidates: list[InstanceView]
+    ) -> dict[str, tuple[float, int]]:
         """(cost, overlap blocks) per candidate."""
         bs = self.block_size_tokens
         overlaps = self._index.match(request.block_hashes)
@@ -196,8 +198,7 @@ class DynamoKVRouter(BaseRouter):
             overlap = overlaps.get(wid, 0)
             new_prefill = max(0, request.input_tokens - overlap * bs)
             prefill_blocks = (self._active.prefill_tokens.get(wid, 0) + new_prefill) / bs
-            decode_blocks = (self._active.active_blocks(wid)
-                             + self._active.new_blocks(wid, hashes))
+            decode_blocks = self._active.active_blocks(wid) + self._active.new_blocks(wid, hashes)
             out[wid] = (self.overlap_score_weight * prefill_blocks + decode_blocks, overlap)
         return out
 
@@ -211,9 +212,14 @@ class DynamoKVRouter(BaseRouter):
         cost, overlap = costs[chosen.instance_id]
         bs = self.block_size_tokens
         hashes = tuple(request.block_hashes)
-        self._active.add(request.request_id, _ActiveRequest(
-            worker=chosen.instance_id, block_hashes=hashes,
-            prefill_tokens=max(0, request.input_tokens - overlap * bs)))
+        self._active.add(
+            request.request_id,
+            _ActiveRequest(
+                worker=chosen.instance_id,
+                block_hashes=hashes,
+                prefill_tokens=max(0, request.input_tokens - overlap * bs),
+            ),
+        )
         if not self.exact:
             self._approx_insert(chosen, hashes, pool.now_s)
         return RouteDecision(
@@ -222,15 +228,14 @@ class DynamoKVRouter(BaseRouter):
             reason=f"cost:{cost:.1f}:overlap:{overlap}",
         )
 
-    def _select(self, candidates: list[InstanceView],
-                logits: dict[str, float]) -> InstanceView:
+    def _select(self, candidates: list[InstanceView], logits: dict[str, float]) -> InstanceView:
         if self.router_temperature == 0.0:
             low = min(logits.values())
             tied = [inst for inst in candidates if logits[inst.instance_id] == low]
             if len(tied) > 1:
                 sizes = [self._index.entries(inst.instance_id) for inst in tied]
                 smallest = min(sizes)
-                tied = [inst for inst, s in zip(tied, sizes) if s == smallest]
+                tied = [inst for inst, s in zip(tied, sizes, strict=False) if s == smallest]
             return self._rng.choice(tied)
         values = [logits[inst.instance_id] for inst in candidates]
         lo, hi = min(values), max(values)
@@ -242,8 +247,7 @@ class DynamoKVRouter(BaseRouter):
         return self._rng.choices(candidates, weights=weights, k=1)[0]
 
     # -- approximate index ----------------------------------------------------
-    def _approx_insert(self, inst: InstanceView, hashes: tuple[int, ...],
-                       now_s: float) -> None:
+    def _approx_insert(self, inst: InstanceView, hashes: tuple[int, ...], now_s: float) -> None:
         if not hashes:
             return
         wid = inst.instance_id

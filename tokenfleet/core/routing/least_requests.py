@@ -35,5 +35,4 @@ class LeastRequestsRouter(BaseRouter):
             load = inst.accounting.inflight_requests
             if load < best_load:
                 best, best_load = inst, load
-        return RouteDecision(instance_id=best.instance_id,
-                             reason=f"least_requests:{best_load}")
+        return RouteDecision(instance_id=best.instance_id, reason=f"least_requests:{best_load}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 from tokenfleet.core.routing.base import ROUTERS, BaseRouter, eligible
 from tokenfleet.core.types import (
@@ -221,8 +221,9 @@ class LlmdWeightedRouter(BaseRouter):
     def index_entries(self, instance_id: str) -> int:
         return self._index.entries(instance_id)
 
-    def _prefix_terms(self, request: RequestInfo, candidates: Sequence[InstanceView]
-                      ) -> tuple[dict[str, float], dict[str, int]]:
+    def _prefix_terms(
+        self, request: RequestInfo, candidates: Sequence[InstanceView]
+    ) -> tuple[dict[str, float], dict[str, int]]:
         """(prefix score in [0, 1], matched blocks) per candidate."""
         ids = [inst.instance_id for inst in candidates]
         if self.precise:
@@ -233,13 +234,13 @@ class LlmdWeightedRouter(BaseRouter):
         n = len(hashes)
         return {i: (matched.get(i, 0) / n if n else 0.0) for i in ids}, matched
 
-    def scores(self, request: RequestInfo,
-               candidates: Sequence[InstanceView]) -> dict[str, float]:
+    def scores(self, request: RequestInfo, candidates: Sequence[InstanceView]) -> dict[str, float]:
         """Weighted total per candidate (exposed for tests and explanations)."""
         return self._totals(candidates, self._prefix_terms(request, candidates)[0])
 
-    def _totals(self, candidates: Sequence[InstanceView],
-                prefix_scores: dict[str, float]) -> dict[str, float]:
+    def _totals(
+        self, candidates: Sequence[InstanceView], prefix_scores: dict[str, float]
+    ) -> dict[str, float]:
         waits = [inst.metrics.num_waiting for inst in candidates]
         min_wait, max_wait = min(waits), max(waits)
         out: dict[str, float] = {}
@@ -250,9 +251,9 @@ class LlmdWeightedRouter(BaseRouter):
             else:
                 queue = (max_wait - inst.metrics.num_waiting) / (max_wait - min_wait)
             kv = 1.0 - inst.metrics.kv_usage
-            out[inst.instance_id] = (self.prefix_weight * prefix
-                                     + self.queue_weight * queue
-                                     + self.kv_weight * kv)
+            out[inst.instance_id] = (
+                self.prefix_weight * prefix + self.queue_weight * queue + self.kv_weight * kv
+            )
         return out
 
     def route(self, request: RequestInfo, pool: PoolSnapshot) -> RouteDecision:
@@ -267,13 +268,15 @@ class LlmdWeightedRouter(BaseRouter):
             capacity = self.lru_capacity_per_server
             if self.auto_tune and chosen.kv_capacity_tokens > 0:
                 capacity = chosen.kv_capacity_tokens // self.block_size_tokens
-            self._index.add(request.block_hashes[: self.max_prefix_blocks],
-                            chosen.instance_id, capacity)
+            self._index.add(
+                request.block_hashes[: self.max_prefix_blocks], chosen.instance_id, capacity
+            )
         cached_blocks = matched.get(chosen.instance_id, 0)
         return RouteDecision(
             instance_id=chosen.instance_id,
-            expected_cached_tokens=min(request.input_tokens,
-                                       cached_blocks * self.block_size_tokens),
+            expected_cached_tokens=min(
+                request.input_tokens, cached_blocks * self.block_size_tokens
+            ),
             reason=f"score:{best_score:.3f}",
         )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 from tokenfleet.core.routing.base import ROUTERS, BaseRouter, eligible
 from tokenfleet.core.routing.dynamo_kv import held_prefix_blocks
@@ -125,21 +125,28 @@ class SGLangCacheAwareRouter(BaseRouter):
         candidates = eligible(request, pool)
         hashes = request.block_hashes
         chosen, reason = self._select(request, candidates, hashes)
-        cached_tokens = min(request.input_tokens,
-                            self._trees.match_worker(chosen.instance_id, hashes)
-                            * self.block_size_tokens)
+        cached_tokens = min(
+            request.input_tokens,
+            self._trees.match_worker(chosen.instance_id, hashes) * self.block_size_tokens,
+        )
         self._trees.insert(chosen.instance_id, hashes)
         self._maybe_evict(pool.now_s)
-        return RouteDecision(instance_id=chosen.instance_id,
-                             expected_cached_tokens=cached_tokens, reason=reason)
+        return RouteDecision(
+            instance_id=chosen.instance_id, expected_cached_tokens=cached_tokens, reason=reason
+        )
 
-    def _select(self, request: RequestInfo, candidates: list[InstanceView],
-                hashes: Sequence[int]) -> tuple[InstanceView, str]:
+    def _select(
+        self, request: RequestInfo, candidates: list[InstanceView], hashes: Sequence[int]
+    ) -> tuple[InstanceView, str]:
         loads = [inst.accounting.inflight_requests for inst in candidates]
         max_load, min_load = max(loads), min(loads)
-        if (max_load - min_load > self.balance_abs_threshold
-                and max_load > self.balance_rel_threshold * min_load):
-            least = [inst for inst, load in zip(candidates, loads) if load == min_load]
+        if (
+            max_load - min_load > self.balance_abs_threshold
+            and max_load > self.balance_rel_threshold * min_load
+        ):
+            least = [
+                inst for inst, load in zip(candidates, loads, strict=False) if load == min_load
+            ]
             return self._rng.choice(least), "imbalanced:shortest_queue"
 
         depths = [self._trees.match_worker(inst.instance_id, hashes) for inst in candidates]
@@ -147,12 +154,12 @@ class SGLangCacheAwareRouter(BaseRouter):
         matched_tokens = min(request.input_tokens, depth * self.block_size_tokens)
         match_rate = matched_tokens / request.input_tokens if request.input_tokens else 0.0
         if match_rate > self.cache_threshold:
-            best = [inst for inst, d in zip(candidates, depths) if d == depth]
+            best = [inst for inst, d in zip(candidates, depths, strict=False) if d == depth]
             return self._rng.choice(best), f"cache_hit:{match_rate:.2f}"
 
         sizes = [self._trees.size_blocks(inst.instance_id) for inst in candidates]
         smallest = min(sizes)
-        small = [inst for inst, s in zip(candidates, sizes) if s == smallest]
+        small = [inst for inst, s in zip(candidates, sizes, strict=False) if s == smallest]
         return self._rng.choice(small), f"smallest_tree:{match_rate:.2f}"
 
     def _maybe_evict(self, now_s: float) -> None:

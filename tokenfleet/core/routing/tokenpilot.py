@@ -40,7 +40,7 @@ import hashlib
 import math
 import random
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 from tokenfleet.core.routing.base import ROUTERS, BaseRouter, eligible
 from tokenfleet.core.tokenpilot.cache import PrefixKnowledge
@@ -86,13 +86,33 @@ def _family_key(block_hashes: Sequence[int]) -> int:
 class _Flight:
     """One of our requests, from dispatch to completion."""
 
-    __slots__ = ("request", "instance_id", "dispatch_s", "work_s", "base_pred_s",
-                 "cached_tokens", "kv_tokens", "probes", "prefilling", "blind", "ttft_s",
-                 "ticket")
+    __slots__ = (
+        "request",
+        "instance_id",
+        "dispatch_s",
+        "work_s",
+        "base_pred_s",
+        "cached_tokens",
+        "kv_tokens",
+        "probes",
+        "prefilling",
+        "blind",
+        "ttft_s",
+        "ticket",
+    )
 
-    def __init__(self, request: RequestInfo, instance_id: str, dispatch_s: float,
-                 work_s: float, base_pred_s: float, cached_tokens: int,
-                 kv_tokens: int, probes: tuple[int, ...], blind: bool) -> None:
+    def __init__(
+        self,
+        request: RequestInfo,
+        instance_id: str,
+        dispatch_s: float,
+        work_s: float,
+        base_pred_s: float,
+        cached_tokens: int,
+        kv_tokens: int,
+        probes: tuple[int, ...],
+        blind: bool,
+    ) -> None:
         self.request = request
         self.instance_id = instance_id
         self.dispatch_s = dispatch_s
@@ -111,17 +131,48 @@ class _Flight:
 class _InstState:
     """This replica's model of one instance; scrape-derived parts are absolute times."""
 
-    __slots__ = ("instance_id", "profile", "prefill", "inflation", "kappa", "drain_at_s",
-                 "pending", "inflight", "mean_work_base_s", "since_scrape_s", "since_scrape_kv",
-                 "scrape_seen_s", "scrape_prev_s", "scraped_done_at_s", "eng_busy_until_s",
-                 "last_queries", "last_hits", "scraped_load", "free_kv_tokens", "cap_tokens",
-                 "own_uncached_tokens", "pending_token_s", "dispatched",
-                 "infl_factor", "infl_wait_s", "decode_step_s",
-                 "last_dispatch_s", "stamp", "slot", "pos",
-                 "last_running", "last_kappa")
+    __slots__ = (
+        "instance_id",
+        "profile",
+        "prefill",
+        "inflation",
+        "kappa",
+        "drain_at_s",
+        "pending",
+        "inflight",
+        "mean_work_base_s",
+        "since_scrape_s",
+        "since_scrape_kv",
+        "scrape_seen_s",
+        "scrape_prev_s",
+        "scraped_done_at_s",
+        "eng_busy_until_s",
+        "last_queries",
+        "last_hits",
+        "scraped_load",
+        "free_kv_tokens",
+        "cap_tokens",
+        "own_uncached_tokens",
+        "pending_token_s",
+        "dispatched",
+        "infl_factor",
+        "infl_wait_s",
+        "decode_step_s",
+        "last_dispatch_s",
+        "stamp",
+        "slot",
+        "pos",
+        "last_running",
+        "last_kappa",
+    )
 
-    def __init__(self, inst: InstanceView, prefill: PrefillModel,
-                 inflation: StepInflation, kappa: LogRatioCorrector) -> None:
+    def __init__(
+        self,
+        inst: InstanceView,
+        prefill: PrefillModel,
+        inflation: StepInflation,
+        kappa: LogRatioCorrector,
+    ) -> None:
         self.instance_id = inst.instance_id
         self.profile = inst.profile
         self.prefill = prefill
@@ -209,8 +260,9 @@ class TokenPilotRouter(BaseRouter):
         self._stamp = 0
         self._states: dict[str, _InstState] = {}
         self._flights: dict[str, _Flight] = {}
-        self._models: dict[int, tuple[EngineProfile, PrefillModel, StepInflation,
-                                      LogRatioCorrector]] = {}
+        self._models: dict[
+            int, tuple[EngineProfile, PrefillModel, StepInflation, LogRatioCorrector]
+        ] = {}
         self._mean_work_s = 0.3  # kappa-corrected, pool-wide, for the herd window
         self._mean_input_tokens = 4096.0
         self._typical_out = float(output_prior_tokens)
@@ -230,9 +282,12 @@ class TokenPilotRouter(BaseRouter):
             key = id(inst.profile)
             models = self._models.get(key)
             if models is None or models[0] is not inst.profile:
-                models = (inst.profile, PrefillModel(inst.profile),
-                          StepInflation(inst.profile),
-                          LogRatioCorrector(1.0, self.correction_step))
+                models = (
+                    inst.profile,
+                    PrefillModel(inst.profile),
+                    StepInflation(inst.profile),
+                    LogRatioCorrector(1.0, self.correction_step),
+                )
                 self._models[key] = models
             new = _InstState(inst, models[1], models[2], models[3])
             if st is not None:  # profile changed (redeploy): keep what is in flight
@@ -254,8 +309,7 @@ class TokenPilotRouter(BaseRouter):
         st.scrape_seen_s = at
         if st.last_dispatch_s > at:
             st.since_scrape_s = sum(f.work_s for f in st.pending.values() if f.dispatch_s > at)
-            st.since_scrape_kv = sum(f.kv_tokens for f in st.inflight.values()
-                                     if f.dispatch_s > at)
+            st.since_scrape_kv = sum(f.kv_tokens for f in st.inflight.values() if f.dispatch_s > at)
         else:  # the common case: nothing sent since this scrape was taken
             st.since_scrape_s = 0.0
             st.since_scrape_kv = 0
@@ -265,8 +319,11 @@ class TokenPilotRouter(BaseRouter):
             du = (queries - st.last_queries) - (m.prefix_hits_total - st.last_hits)
             if du > 0:
                 pm = st.prefill
-                base = du * (pm.per_token_s + pm.per_pair_s * 0.5 * self._mean_input_tokens
-                             + pm.overhead_s / pm.chunk_tokens)
+                base = du * (
+                    pm.per_token_s
+                    + pm.per_pair_s * 0.5 * self._mean_input_tokens
+                    + pm.overhead_s / pm.chunk_tokens
+                )
                 prev = st.scrape_prev_s
                 start = st.eng_busy_until_s if st.eng_busy_until_s > prev else prev
                 st.eng_busy_until_s = start + kappa * base
@@ -278,8 +335,11 @@ class TokenPilotRouter(BaseRouter):
         load = m.num_running + m.num_waiting
         self._scraped_total += load - st.scraped_load
         st.scraped_load = load
-        st.free_kv_tokens = (st.cap_tokens * (1.0 - m.kv_usage) * self.kv_safety
-                             - st.since_scrape_kv - m.num_running * 0.5 * self._typical_out)
+        st.free_kv_tokens = (
+            st.cap_tokens * (1.0 - m.kv_usage) * self.kv_safety
+            - st.since_scrape_kv
+            - m.num_running * 0.5 * self._typical_out
+        )
         running = m.num_running
         if running != st.last_running or kappa != st.last_kappa:
             st.last_running = running
@@ -334,8 +394,10 @@ class TokenPilotRouter(BaseRouter):
             m = inst.metrics
             if not inst.ready or not m.healthy:
                 continue
-            if check_model and ((model != "default" and inst.model != model)
-                                or (version and inst.model_version != version)):
+            if check_model and (
+                (model != "default" and inst.model != model)
+                or (version and inst.model_version != version)
+            ):
                 continue
             ml = inst.max_model_len_tokens
             if ml and n_in >= ml:
@@ -432,8 +494,9 @@ class TokenPilotRouter(BaseRouter):
         # the sum over replicas is smooth. Use rendezvous when blind routing to
         # it has been paying off (another replica's cache was there), and for a
         # fixed share of families always, so that payoff keeps being measured.
-        rendezvous = (self.ghost_hit_frac > self.ghost_threshold
-                      or ((key >> 7) & 63) < self._rendezvous_cut)
+        rendezvous = (
+            self.ghost_hit_frac > self.ghost_threshold or ((key >> 7) & 63) < self._rendezvous_cut
+        )
         j = -1
         jr = n_pool
         if rendezvous:
@@ -453,10 +516,10 @@ class TokenPilotRouter(BaseRouter):
                             j, jl, jr = k, load, rank
         st = states[j]
         c = hits.get(st.instance_id, 0)
-        pred = (queues[j] + st.kappa.value * st.prefill.seconds(n_in - c, c)) \
-            * st.infl_factor + st.infl_wait_s
-        return self._dispatch(request, now, st, pred, c, probes, reserve_out,
-                              blind and j == top)
+        pred = (
+            queues[j] + st.kappa.value * st.prefill.seconds(n_in - c, c)
+        ) * st.infl_factor + st.infl_wait_s
+        return self._dispatch(request, now, st, pred, c, probes, reserve_out, blind and j == top)
 
     def _home_slot(self, instances: Sequence[InstanceView], home: int, stamp: int) -> int:
         """Slot of the first candidate at or after pool position ``home``."""
@@ -468,8 +531,9 @@ class TokenPilotRouter(BaseRouter):
                 return st.slot
         raise AssertionError("no candidate")  # pragma: no cover
 
-    def _sample(self, instances: Sequence[InstanceView], hits: dict[str, int] | None,
-                home: int) -> list[InstanceView]:
+    def _sample(
+        self, instances: Sequence[InstanceView], hits: dict[str, int] | None, home: int
+    ) -> list[InstanceView]:
         """Power-of-d for big pools: instances with a cache hit, the family's
         rendezvous instances, and ``sample_size`` random others."""
         n = len(instances)
@@ -491,8 +555,9 @@ class TokenPilotRouter(BaseRouter):
             picked[id(v)] = v
         return list(picked.values())
 
-    def _expected_hits(self, confirmed: dict[str, int], spec: dict[str, int],
-                       max_cached: int) -> dict[str, int]:
+    def _expected_hits(
+        self, confirmed: dict[str, int], spec: dict[str, int], max_cached: int
+    ) -> dict[str, int]:
         """Instance id -> cached tokens we expect, from confirmed or speculative entries."""
         out: dict[str, int] = {}
         realize = self.hit_realization
@@ -516,9 +581,17 @@ class TokenPilotRouter(BaseRouter):
         deficit = (need_tokens - st.free_kv_tokens) / max(1.0, float(need_tokens))
         return min(1.0, deficit) * typical_out * st.decode_step_s
 
-    def _dispatch(self, request: RequestInfo, now: float, st: _InstState, pred: float,
-                  cached: int, probes: tuple[int, ...], reserve_out: int,
-                  blind: bool) -> RouteDecision:
+    def _dispatch(
+        self,
+        request: RequestInfo,
+        now: float,
+        st: _InstState,
+        pred: float,
+        cached: int,
+        probes: tuple[int, ...],
+        reserve_out: int,
+        blind: bool,
+    ) -> RouteDecision:
         kappa = st.kappa.value
         base_own = st.prefill.seconds(request.input_tokens - cached, cached)
         work = kappa * base_own
@@ -587,8 +660,7 @@ class TokenPilotRouter(BaseRouter):
         flight = self._flights.pop(rid, None)
         completed = event.status == "completed"
         if completed:
-            self.outputs.observe(event.request.tenant, event.request.task_type,
-                                 event.output_tokens)
+            self.outputs.observe(event.request.tenant, event.request.task_type, event.output_tokens)
             self._typical_out += 0.02 * (event.output_tokens - self._typical_out)
         if flight is None:
             return
@@ -604,15 +676,20 @@ class TokenPilotRouter(BaseRouter):
             # Learn the rate only when our cache guess was right: a surprise hit
             # or miss is a cache-knowledge error, not a wrong profile.
             miss = abs(event.cached_tokens - flight.cached_tokens)
-            if (completed and flight.ttft_s > 0.0 and flight.base_pred_s > 0.0
-                    and miss <= 0.1 * flight.request.input_tokens + 2 * BLOCK_SIZE_TOKENS):
+            if (
+                completed
+                and flight.ttft_s > 0.0
+                and flight.base_pred_s > 0.0
+                and miss <= 0.1 * flight.request.input_tokens + 2 * BLOCK_SIZE_TOKENS
+            ):
                 st.kappa.update(flight.ttft_s / flight.base_pred_s)
         if not completed:
             return
         if flight.blind:
             n_in = max(1, flight.request.input_tokens - 1)
-            self.ghost_hit_frac += 0.05 * (min(1.0, event.cached_tokens / n_in)
-                                           - self.ghost_hit_frac)
+            self.ghost_hit_frac += 0.05 * (
+                min(1.0, event.cached_tokens / n_in) - self.ghost_hit_frac
+            )
         elif flight.cached_tokens >= BLOCK_SIZE_TOKENS:
             got = min(1.0, event.cached_tokens / flight.cached_tokens)
             self.hit_realization += 0.02 * (got - self.hit_realization)

@@ -27,7 +27,7 @@ deep ones and are evicted last (vLLM evicts tails first too).
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from tokenfleet.core.prefix_index import PrefixIndex
 
@@ -41,8 +41,9 @@ _SPEC_EVERY = 4
 _NARROW_ABOVE = 8
 
 
-def _depths(table: Mapping[int, Mapping[str, object] | set[str]],
-            probes: Sequence[int], stride: int) -> dict[str, int]:
+def _depths(
+    table: Mapping[int, Mapping[str, object] | set[str]], probes: Sequence[int], stride: int
+) -> dict[str, int]:
     """Leading probes each instance holds, times ``stride`` (engine blocks)."""
     n = len(probes)
     if n == 0:
@@ -108,8 +109,11 @@ class PrefixKnowledge:
             for inst in self.exact_instances:
                 confirmed.pop(inst, None)
             confirmed.update(_depths(self._exact, probes, s))
-        spec = (_depths(self._spec, probes[_SPEC_EVERY - 1 :: _SPEC_EVERY], s * _SPEC_EVERY)
-                if self._spec else {})
+        spec = (
+            _depths(self._spec, probes[_SPEC_EVERY - 1 :: _SPEC_EVERY], s * _SPEC_EVERY)
+            if self._spec
+            else {}
+        )
         return confirmed, spec
 
     # -- updates from routing and first tokens -------------------------------

@@ -56,8 +56,11 @@ class PrefillModel:
         """Prefill time alone on an idle engine (the roofline, chunk by chunk)."""
         u = uncached_tokens if uncached_tokens > 0 else 1  # vLLM recomputes >= 1 token
         steps = -(-u // self.chunk_tokens)
-        t = (steps * self.overhead_s + self.per_token_s * u
-             + self.per_pair_s * (u * cached_tokens + u * (u + 1) * 0.5))
+        t = (
+            steps * self.overhead_s
+            + self.per_token_s * u
+            + self.per_pair_s * (u * cached_tokens + u * (u + 1) * 0.5)
+        )
         floor = steps * self.floor_step_s
         return t if t > floor else floor
 
@@ -94,8 +97,9 @@ class StepInflation:
             return hit
         ctx = (bucket + 0.5) * self.CTX_BUCKET_TOKENS
         p = self._profile
-        with_decodes = p.step_time_s(self._chunk, self._pairs, 0, decode_seqs,
-                                     int(decode_seqs * ctx))
+        with_decodes = p.step_time_s(
+            self._chunk, self._pairs, 0, decode_seqs, int(decode_seqs * ctx)
+        )
         factor = with_decodes / self._base_s if self._base_s > 0 else 1.0
         wait = 0.5 * p.decode_step_time_s(decode_seqs, ctx)
         out = (max(1.0, factor), wait)
@@ -117,8 +121,9 @@ class OutputLengthModel:
     BUCKETS_PER_OCTAVE = 4
     N_BUCKETS = 4 * 21  # up to ~2M tokens
 
-    def __init__(self, prior_tokens: int = 256, min_samples: int = 20,
-                 decay: float = 0.998) -> None:
+    def __init__(
+        self, prior_tokens: int = 256, min_samples: int = 20, decay: float = 0.998
+    ) -> None:
         self.prior_tokens = prior_tokens
         self.min_samples = min_samples
         self.decay = decay
@@ -203,8 +208,14 @@ class LogRatioCorrector:
 
     __slots__ = ("value", "step", "warmup", "lo", "hi", "samples")
 
-    def __init__(self, value: float = 1.0, step: float = 0.02, warmup: int = 8,
-                 lo: float = 0.05, hi: float = 20.0) -> None:
+    def __init__(
+        self,
+        value: float = 1.0,
+        step: float = 0.02,
+        warmup: int = 8,
+        lo: float = 0.05,
+        hi: float = 20.0,
+    ) -> None:
         self.value = value
         self.step = step
         self.warmup = warmup
