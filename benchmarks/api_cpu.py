@@ -28,8 +28,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.*, tests.support
 
 #: a job of the size the gateway publishes for a short chat request
 JOB = {"rid": "0" * 32, "attempt": 1, "tenant": "t", "tier": "interactive", "model": "m",
@@ -57,7 +61,7 @@ def _redis_url() -> Iterator[str]:
     if url:
         yield url
         return
-    from tokenfleet.service.testing import embedded_redis, temp_data_dir
+    from tests.support.stores import embedded_redis, temp_data_dir
 
     with temp_data_dir("tokenfleet-api-cpu-") as d, embedded_redis(d) as server:
         yield server.url
@@ -156,7 +160,7 @@ def request_context(n: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tokenfleet.live.overhead import wakeup_rtt_us
+    from benchmarks.live_overhead import wakeup_rtt_us
 
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -20,6 +20,9 @@ import argparse
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.*, tests.support
 
 SERVER = r"""
 import sys
@@ -42,7 +45,7 @@ srv.serve_forever()
 
 
 def measure(linger_s: float, n: int, rate_rps: float) -> tuple[float, float]:
-    from tokenfleet.live.overhead import _Caller, _pct
+    from benchmarks.live_overhead import _Caller, _pct
 
     child = subprocess.Popen([sys.executable, "-c", SERVER, str(linger_s)],
                              stdout=subprocess.PIPE, text=True)

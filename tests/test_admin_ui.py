@@ -30,7 +30,7 @@ from flask import Flask
 from flask.testing import FlaskClient
 
 from tokenfleet.service.embedded import EmbeddedPostgres, EmbeddedRedis
-from tokenfleet.service.testing import embedded_postgres, embedded_redis, fresh_database, temp_data_dir
+from tests.support.stores import embedded_postgres, embedded_redis, fresh_database, temp_data_dir
 from tokenfleet.tenancy import admin as tenants
 from web.admin.auth import set_admin_password
 from web.batch_api import init_app, start_runner
@@ -215,10 +215,8 @@ def browser() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[Any]:
-    from tokenfleet.live.testing import running_stack
-
-    with running_stack(router="round_robin", time_scale=0.02) as stack:
+def live(live_stack: Any) -> Iterator[Any]:
+    with live_stack(router="round_robin", time_scale=0.02) as stack:
         svc = stack.app.extensions["tokenfleet.tenancy"]
         set_admin_password(svc.engine, "root", PASSWORD, actor="test")
         start_runner(stack.app)  # the live stack turns the API's runner off by default

@@ -32,7 +32,7 @@ from tokenfleet.batch.runner import BatchRunner, RunnerConfig
 from tokenfleet.emulator.server import EmulatorServer
 from tokenfleet.service.embedded import EmbeddedPostgres, EmbeddedRedis
 from tokenfleet.service.ledger import BatchLine
-from tokenfleet.service.testing import fresh_database
+from tests.support.stores import fresh_database
 from tokenfleet.tenancy import admin
 from web.batch_api import init_app
 from web.batch_api.services import TenancyServices
@@ -458,12 +458,12 @@ def test_5000_line_batch_survives_a_killed_runner_process(
 
 
 # ---- through the live path: SLOMax/router/Celery workers/engines --------------------------
-def test_batch_lines_run_through_the_live_path_in_the_batch_tier() -> None:
+def test_batch_lines_run_through_the_live_path_in_the_batch_tier(live_stack: Any) -> None:
     openai = pytest.importorskip("openai")
-    from tokenfleet.live.testing import API_KEY, TENANT, running_stack
+    from tests.support.stack import API_KEY, TENANT
     from web.batch_api import start_runner
 
-    with running_stack(router="round_robin", time_scale=0.02) as stack:
+    with live_stack(router="round_robin", time_scale=0.02) as stack:
         svc = stack.app.extensions["tokenfleet.tenancy"]
         start_runner(stack.app)
         try:

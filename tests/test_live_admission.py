@@ -17,15 +17,13 @@ from typing import Any, Iterator
 import pytest
 import requests
 
-from tokenfleet.live.testing import API_KEY
+from tests.support.stack import API_KEY
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Any]:
-    from tokenfleet.live.testing import running_stack
-
-    with running_stack(router="tokenpilot", admission="slomax", time_scale=0.02,
-                       app_config={"CHAT_QUOTAS": False}) as s:
+def stack(live_stack: Any) -> Iterator[Any]:
+    with live_stack(router="tokenpilot", admission="slomax", time_scale=0.02,
+                    app_config={"CHAT_QUOTAS": False}) as s:
         yield s
         s.app.extensions["tokenfleet.tenancy"].close()
 

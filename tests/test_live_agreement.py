@@ -47,6 +47,7 @@ DRAWS = 8
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.traces,
+    pytest.mark.stack,
     pytest.mark.skipif(not TRACE.exists(), reason=f"shared traces not found at {TRACES}"),
 ]
 
@@ -55,8 +56,8 @@ def test_sim_and_live_ttft_agree_on_a_trace_slice() -> None:
     from tokenfleet.core.tiers import SLOConfig
     from tokenfleet.engine.profiles import get_profile
     from tokenfleet.live.bench import path_delays, path_latency, replay, summary
-    from tokenfleet.live.testing import PROFILE, API_KEY, InstanceSpec, LiveStack
-    from tokenfleet.service.testing import temp_data_dir
+    from tests.support.stack import PROFILE, API_KEY, InstanceSpec, LiveStack
+    from tests.support.stores import temp_data_dir
     from tokenfleet.sim.runner import SimSettings, run_policies
     from tokenfleet.workloads import load_workload
 

@@ -8,22 +8,22 @@ Celery worker processes, the API on a real socket); nothing is mocked.
 from __future__ import annotations
 
 import json
-from typing import Iterator
+from typing import Any, Iterator
 
 import openai
 import pytest
 import requests
 
-from tokenfleet.live.testing import API_KEY, TENANT, InstanceSpec, LiveStack, running_stack
+from tests.support.stack import API_KEY, TENANT, InstanceSpec, LiveStack
 
 MAX_LEN = 8192  # small context so the "prompt too long" case stays cheap
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[LiveStack]:
+def stack(live_stack: Any) -> Iterator[LiveStack]:
     emu = {"max_model_len_tokens": MAX_LEN}
-    with running_stack(router="tokenpilot", instances=[InstanceSpec("dc-a", "a0", dict(emu)),
-                                                       InstanceSpec("dc-b", "b0", dict(emu))]) as s:
+    with live_stack(router="tokenpilot", instances=[InstanceSpec("dc-a", "a0", dict(emu)),
+                                                    InstanceSpec("dc-b", "b0", dict(emu))]) as s:
         yield s
 
 

@@ -7,20 +7,20 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
 from tokenfleet.core.types import RequestInfo
 from tokenfleet.emulator.tokenizer import chat_block_hashes
 from tokenfleet.live.bench import BYTES_PER_BLOCK, block_text, prompt_text
-from tokenfleet.live.testing import API_KEY, LiveStack, running_stack
+from tests.support.stack import API_KEY, LiveStack
 from tokenfleet.workloads.trace import TraceRequest
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[LiveStack]:
-    with running_stack(router="tokenpilot", time_scale=0.1) as s:
+def stack(live_stack: Any) -> Iterator[LiveStack]:
+    with live_stack(router="tokenpilot", time_scale=0.1) as s:
         yield s
 
 

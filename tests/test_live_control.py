@@ -8,22 +8,22 @@ over ZeroMQ and the workers relay them into the shared prefix index.
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 import requests
 import sqlalchemy as sa
 
 from tokenfleet.emulator.tokenizer import chat_block_hashes
-from tokenfleet.live.testing import InstanceSpec, LiveStack, running_stack
+from tests.support.stack import InstanceSpec, LiveStack
 from tokenfleet.service.db import make_engine
 
 KV = {"kv_events_endpoint": "tcp://127.0.0.1:*"}
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[LiveStack]:
-    with running_stack(router="tokenpilot", with_beat=True,
+def stack(live_stack: Any) -> Iterator[LiveStack]:
+    with live_stack(router="tokenpilot", with_beat=True,
                        live_overrides={"control_period_s": 0.5, "fleet_period_s": 2.0},
                        instances=[InstanceSpec("dc-a", "a0", dict(KV)),
                                   InstanceSpec("dc-b", "b0", dict(KV))]) as s:

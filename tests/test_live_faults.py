@@ -17,7 +17,7 @@ import openai
 import pytest
 import requests
 
-from tokenfleet.live.testing import API_KEY, InstanceSpec, LiveStack, running_stack
+from tests.support.stack import API_KEY, InstanceSpec, LiveStack
 
 # ~40k tokens: about 2.7 s of prefill on the emulated H200
 _LONG = " ".join(f"Paragraph {i} of the contract, with clauses." for i in range(3700))
@@ -29,13 +29,13 @@ def long_prompt() -> str:
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[LiveStack]:
+def stack(live_stack: Any) -> Iterator[LiveStack]:
     # Tenant quotas (web.batch_api) look keys up in PostgreSQL when their cache
     # lapses, which turns a database outage into 503s; the live path itself must
     # keep serving, which is what this file checks, so they are off here.
     # DC selection off: the router alternates over both instances, so each fault
     # below meets traffic (FleetMind would learn to avoid a failing DC instead)
-    with running_stack(router="round_robin", time_scale=1.0,
+    with live_stack(router="round_robin", time_scale=1.0,
                        live_overrides={"engine_fail_threshold": 2, "fleet_policy": "off"},
                        app_config={"CHAT_QUOTAS": False},
                        instances=[InstanceSpec("dc-a", "a0"), InstanceSpec("dc-b", "b0")]) as s:

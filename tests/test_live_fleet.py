@@ -176,9 +176,7 @@ def test_accounting_is_released_once_whatever_ends_the_request() -> None:
 
 # ---- through the live stack --------------------------------------------------------------
 @pytest.fixture(scope="module")
-def regional(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from tokenfleet.live.testing import running_stack
-
+def regional(tmp_path_factory: pytest.TempPathFactory, live_stack: Any) -> Iterator[Any]:
     topo: Path = tmp_path_factory.mktemp("topo") / "topology.yaml"
     topo.write_text(textwrap.dedent(f"""\
         name: two-regions
@@ -187,7 +185,7 @@ def regional(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
           dc-b: {{region: us, deployments: [{{model: m, version: "1", profile: {PROFILE.name}}}]}}
         rtt_ms: {{dc-a: {{dc-b: 40}}}}
         """))
-    with running_stack(router="tokenpilot", time_scale=0.02,
+    with live_stack(router="tokenpilot", time_scale=0.02,
                        live_overrides={"topology": str(topo)}) as stack:
         yield stack
         stack.app.extensions["tokenfleet.tenancy"].close()

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import pytest
 
 from tokenfleet.live.queues import worker_queues
-from tokenfleet.live.testing import InstanceSpec, LiveStack, running_stack
+from tests.support.stack import InstanceSpec, LiveStack
 
 BROKER = os.environ.get("TOKENFLEET_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 LONG = " ".join(f"Section {i} of the appendix, revised." for i in range(3300))
@@ -36,11 +36,11 @@ pytestmark = pytest.mark.skipif(not _rabbit_up(),
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[LiveStack]:
+def stack(live_stack: Any) -> Iterator[LiveStack]:
     tag = uuid.uuid4().hex[:6]
     specs = [InstanceSpec(f"rq{tag}a", "a0"), InstanceSpec(f"rq{tag}b", "b0")]
     try:
-        with running_stack(router="round_robin", time_scale=1.0, broker_url=BROKER,
+        with live_stack(router="round_robin", time_scale=1.0, broker_url=BROKER,
                            app_config={"CHAT_QUOTAS": False}, instances=specs) as s:
             yield s
     finally:

@@ -107,7 +107,7 @@ def test_fleet_cycle_turns_ledger_demand_into_a_replica_target(
     from tokenfleet.live.state import InstanceInfo, LiveState
     from tokenfleet.service.db import make_engine
     from tokenfleet.service.ledger import RequestRow
-    from tokenfleet.service.testing import fresh_database
+    from tests.support.stores import fresh_database
     from workers import control
 
     topo = tmp_path / "topo.yaml"
@@ -150,11 +150,9 @@ def test_fleet_cycle_turns_ledger_demand_into_a_replica_target(
 
 # ---- tokenfleet up's actuator with a real engine and worker ---------------------------
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Any]:
-    from tokenfleet.live.testing import running_stack
-
+def stack(live_stack: Any) -> Iterator[Any]:
     # DC selection off: round robin over every instance, so a new one gets its turn
-    with running_stack(router="round_robin", time_scale=0.05, with_postgres=False,
+    with live_stack(router="round_robin", time_scale=0.05, with_postgres=False,
                        live_overrides={"fleet_policy": "off"}) as s:
         yield s
 
@@ -170,8 +168,8 @@ def _healthy(url: str) -> bool:
 def test_up_actuator_prewarms_then_retires_a_replica(stack: Any) -> None:
     from tokenfleet.emulator import EmulatorServer
     from tokenfleet.live.replicas import LocalReplicas
-    from tokenfleet.live.testing import PROFILE as STACK_PROFILE
-    from tokenfleet.live.testing import InstanceSpec
+    from tests.support.stack import PROFILE as STACK_PROFILE
+    from tests.support.stack import InstanceSpec
 
     st = stack.gateway.state
 

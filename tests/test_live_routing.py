@@ -13,14 +13,14 @@ from typing import Any, Iterator
 import pytest
 import requests
 
-from tokenfleet.live.testing import API_KEY, InstanceSpec, LiveStack, running_stack
+from tests.support.stack import API_KEY, InstanceSpec, LiveStack
 
 SYSTEM = " ".join(f"Rule {i}: be concise, cite the handbook, never guess." for i in range(260))
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[LiveStack]:
-    with running_stack(router="tokenpilot", time_scale=0.2,
+def stack(live_stack: Any) -> Iterator[LiveStack]:
+    with live_stack(router="tokenpilot", time_scale=0.2,
                        instances=[InstanceSpec("dc-a", "a0", slots=4),
                                   InstanceSpec("dc-a", "a1", slots=4)]) as s:
         yield s
@@ -176,11 +176,11 @@ def test_batch_share_caps_batch_slots(stack: LiveStack) -> None:
     assert 1 <= peak <= 1, f"batch share 0.25 of 4 slots allows 1 running, saw {peak}"
 
 
-def test_a_pinned_key_overrides_a_router_that_picks_elsewhere() -> None:
+def test_a_pinned_key_overrides_a_router_that_picks_elsewhere(live_stack: Any) -> None:
     """Round robin alternates between the two instances, so every other request
     of a pinned conversation is routed away from its pin: it must still run
     on the pinned instance (its own queue), not wherever the pool sends it."""
-    with running_stack(router="round_robin", time_scale=0.2,
+    with live_stack(router="round_robin", time_scale=0.2,
                        instances=[InstanceSpec("dc-a", "a0", slots=4),
                                   InstanceSpec("dc-a", "a1", slots=4)]) as s:
         assert len(_conversation_instances(s, "conversation-7", 6)) == 1

@@ -20,7 +20,7 @@ from tokenfleet.live.queues import affinity_queue, pool_queue, tier_of_queue, wo
 from tokenfleet.live.relay import RelayReader, RelayWriter
 from tokenfleet.live.scrape import Scraper, parse_metrics
 from tokenfleet.live.state import InstanceInfo, LiveState
-from tokenfleet.service.testing import embedded_redis, temp_data_dir
+from tests.support.stores import embedded_redis, temp_data_dir
 from web.errors import ApiError, retry_after_header
 from workers.runtime import WorkerRuntime
 

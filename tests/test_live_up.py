@@ -16,9 +16,11 @@ import openai
 import pytest
 
 from tokenfleet.service.embedded import free_port
-from tokenfleet.service.testing import temp_data_dir
+from tests.support.stores import temp_data_dir
 
 KEY = "tf-up-test-key"
+
+pytestmark = pytest.mark.stack  # `tokenfleet up` as a subprocess: the whole stack
 
 
 def _descendants(pid: int) -> set[int]:

@@ -32,7 +32,7 @@ from tokenfleet.service.embedded import (
     pid_alive,
 )
 from tokenfleet.service.ledger import ALL_TABLES, ApiKey, RequestStatus
-from tokenfleet.service.testing import (
+from tests.support.stores import (
     FAST_POSTGRES_SETTINGS,
     epoch,
     fresh_database,

@@ -23,7 +23,7 @@ from tokenfleet.errors import ConfigError
 from tokenfleet.service.db import make_engine
 from tokenfleet.service.embedded import EmbeddedPostgres, EmbeddedRedis
 from tokenfleet.service.ledger import ApiKey, AuditLog
-from tokenfleet.service.testing import fresh_database
+from tests.support.stores import fresh_database
 from tokenfleet.tenancy import admin
 from tokenfleet.tenancy.directory import TenantDirectory
 from tokenfleet.tenancy.gate import TenancyError, TenancyGate
@@ -354,10 +354,8 @@ def test_admin_rejects_bad_input(engine: sa.Engine) -> None:
 
 # ---- through the live HTTP API (real workers and engines) ------------------------------------
 @pytest.fixture(scope="module")
-def live() -> Iterator[Any]:
-    from tokenfleet.live.testing import running_stack
-
-    with running_stack(router="round_robin", time_scale=0.02) as stack:
+def live(live_stack: Any) -> Iterator[Any]:
+    with live_stack(router="round_robin", time_scale=0.02) as stack:
         yield stack
         stack.app.extensions["tokenfleet.tenancy"].close()
 

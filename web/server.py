@@ -5,7 +5,7 @@ Why not werkzeug's development server: it answers every request with
 the next request line), so each request pays a TCP handshake and a new
 thread, and every per-thread cache (Celery's producer and backend, redis-py
 connections) starts cold. Measured on the live path at 50 req/s
-(``python -m tokenfleet.live.overhead``): time to first token through the API
+(``python benchmarks/live_overhead.py``): time to first token through the API
 fell by about 1.5 ms with cheroot (docs/live.md). Why not waitress: it
 writes responses from its I/O thread, one more hand-off per streamed chunk,
 which cost more than keep-alive saved (docs/live.md).

@@ -4,7 +4,7 @@ Kombu's Redis channel builds a new ``redis.Redis`` object for every publish
 and every acknowledgement bookkeeping step (``Channel.conn_or_acquire``); the
 connections come from the channel's pool either way, but redis-py 8 builds a
 table of about 170 response callbacks in each client's constructor. Profiled
-on the live path (``python -m tokenfleet.live.overhead``), that was about a
+on the live path (``python benchmarks/live_overhead.py``), that was about a
 fifth of the API's ``send_task`` and sat on the worker's receive path too
 (``QoS.append`` runs before a message is handed to the pool).
 

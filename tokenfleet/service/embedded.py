@@ -640,14 +640,23 @@ class EmbeddedPostgres(_EmbeddedServer):
     def _after_start(self) -> None:
         self.create_database(self.database)
 
-    def create_database(self, name: str) -> None:
-        """CREATE DATABASE if it does not exist (PostgreSQL has no IF NOT EXISTS for it)."""
+    def create_database(self, name: str, *, template: str | None = None) -> None:
+        """CREATE DATABASE if it does not exist (PostgreSQL has no IF NOT EXISTS for it);
+        with ``template``, as a copy of that database."""
         from psycopg import sql
 
         with self._connect("postgres") as conn:
             exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
             if not exists:
-                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+                stmt = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+                if template:
+                    stmt += sql.SQL(" TEMPLATE {}").format(sql.Identifier(template))
+                conn.execute(stmt)
+
+    def has_database(self, name: str) -> bool:
+        with self._connect("postgres") as conn:
+            return conn.execute("SELECT 1 FROM pg_database WHERE datname = %s",
+                                (name,)).fetchone() is not None
 
     def drop_database(self, name: str) -> None:
         from psycopg import sql

@@ -1,5 +1,8 @@
 """A whole live stack for integration tests and benchmarks: no mocks.
 
+(Test support, not part of the package: ``benchmarks/live_overhead.py`` uses it
+from the checkout too.)
+
 Real Redis and (optionally) PostgreSQL from the embedded wheels, emulated
 engines over real HTTP (in this process), Celery workers as real child
 processes (so a test can ``kill -9`` one) and the Flask API on a real socket
@@ -21,7 +24,6 @@ from typing import Any, Callable
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.supervisor import Supervisor
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 PROFILE = "llama3-8b-h200"
 API_KEY = "tf-test-key"
 TENANT = "test-tenant"
@@ -61,6 +63,9 @@ class LiveStack:
     #: them (``--kv-events``), so routers get exact cache knowledge
     engine_kv_events: bool = False
     kv_endpoints: dict[str, str] = field(default_factory=dict)
+    #: a running PostgreSQL to take a fresh database from (the test session's
+    #: shared server); None: the stack starts its own under data_dir
+    shared_postgres: Any = None
     _state: Any = None
 
     redis: Any = None
@@ -86,15 +91,19 @@ class LiveStack:
     def _start(self) -> None:
         from tokenfleet.emulator import EmulatorServer
         from tokenfleet.service.embedded import EmbeddedPostgres, EmbeddedRedis
-        from tokenfleet.service.testing import FAST_POSTGRES_SETTINGS, fresh_database
+
+        from .stores import FAST_POSTGRES_SETTINGS, fresh_database
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.data_dir, 0o755)
         self.redis = EmbeddedRedis(self.data_dir).start()
         if self.with_postgres:
-            self.postgres = EmbeddedPostgres(self.data_dir, settings=FAST_POSTGRES_SETTINGS)
-            self.postgres.start()
-            self.database_url = fresh_database(self.postgres, "tokenfleet_live")
+            pg = self.shared_postgres
+            if pg is None:
+                self.postgres = pg = EmbeddedPostgres(self.data_dir,
+                                                      settings=FAST_POSTGRES_SETTINGS)
+                pg.start()
+            self.database_url = fresh_database(pg)
         overrides = {"scrape_interval_s": 0.25, "stale_after_s": 1.5, "lease_ttl_s": 1.5,
                      "engine_stall_timeout_s": 3.0, "affinity_dead_after_s": 1.0,
                      "engine_unhealthy_s": 3.0, "control_period_s": 0.5,
@@ -348,7 +357,7 @@ class _StateOnly:
 def running_stack(**kwargs: Any) -> Any:
     """A started :func:`two_dc_stack` in a fresh world-traversable temp dir
     (PostgreSQL runs as another user when we are root), stopped and removed on exit."""
-    from tokenfleet.service.testing import temp_data_dir
+    from .stores import temp_data_dir
 
     with temp_data_dir("tokenfleet-live-") as d:
         stack = two_dc_stack(d, **kwargs)

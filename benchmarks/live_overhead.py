@@ -1,4 +1,4 @@
-"""Benchmarks of the live path itself (``python -m tokenfleet.live.overhead``).
+"""Benchmarks of the live path itself (``python benchmarks/live_overhead.py``).
 
 1. **Overhead** of API + Celery + worker + Redis Stream over calling the
    emulator directly, at a fixed open-loop rate (default 50 req/s): every
@@ -24,14 +24,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from tokenfleet.live.httpclient import KeepAliveClient
-from tokenfleet.live.testing import API_KEY, InstanceSpec, LiveStack
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.*, tests.support
+
+from tests.support.stack import API_KEY, InstanceSpec, LiveStack  # noqa: E402
+from tokenfleet.live.httpclient import KeepAliveClient  # noqa: E402
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -333,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the API server's linger on a keep-alive connection "
                         "(LiveConfig.api_linger_s; 0 hands connections straight back)")
     args = p.parse_args(argv)
-    from tokenfleet.service.testing import temp_data_dir
+    from tests.support.stores import temp_data_dir
 
     report: dict[str, Any] = {}
     with temp_data_dir("tokenfleet-overhead-") as d:
