@@ -72,7 +72,8 @@ def publish(n: int) -> dict[str, float]:
 
     from tokenfleet.live.config import LiveConfig
     from tokenfleet.live.redis_transport import PipelinePublisher, publishes_into
-    from workers.app import TASK_CHAT, create_celery
+    from tokenfleet.live.jobs import TASK_CHAT
+    from workers.app import create_celery
 
     with _redis_url() as url:
         app = create_celery(url, LiveConfig())

@@ -30,9 +30,10 @@ from flask import Flask
 from flask.testing import FlaskClient
 
 from tokenfleet.service.embedded import EmbeddedPostgres, EmbeddedRedis
-from tests.support.stores import embedded_postgres, embedded_redis, fresh_database, temp_data_dir
+from tests.support.stores import embedded_redis, fresh_database, temp_data_dir
 from tokenfleet.tenancy import admin as tenants
 from web.admin.auth import set_admin_password
+from web.admin import init_app as init_admin
 from web.batch_api import init_app, start_runner
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,8 +45,8 @@ PASSWORD = "correct-horse-battery"
 
 # ---- server-side behaviour (no browser) -------------------------------------------------
 @pytest.fixture(scope="module")
-def stores() -> Iterator[tuple[Path, EmbeddedRedis, EmbeddedPostgres]]:
-    with temp_data_dir() as d, embedded_redis(d) as r, embedded_postgres(d) as pg:
+def stores(pg: EmbeddedPostgres) -> Iterator[tuple[Path, EmbeddedRedis, EmbeddedPostgres]]:
+    with temp_data_dir() as d, embedded_redis(d) as r:
         yield d, r, pg
 
 
@@ -56,7 +57,8 @@ def app(stores: tuple[Path, EmbeddedRedis, EmbeddedPostgres]) -> Iterator[Flask]
     url = fresh_database(pg, name)
     flask_app = Flask(name)
     init_app(flask_app, DATABASE_URL=url, REDIS_URL=r.url, DATA_DIR=str(d / name),
-             BATCH_RUNNER=False, REDIS_PREFIX=name)
+             REDIS_PREFIX=name)
+    init_admin(flask_app)
     svc = flask_app.extensions["tokenfleet.tenancy"]
     set_admin_password(svc.engine, "root", PASSWORD, actor="test")
     yield flask_app

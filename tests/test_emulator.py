@@ -25,7 +25,7 @@ from tokenfleet.emulator.kv_events import (
     decode_batch,
     encode_batch,
 )
-from tokenfleet.emulator.tokenizer import approx_num_tokens, render_chat
+from tokenfleet.tokenizer import approx_num_tokens, render_chat
 from tokenfleet.engine.profiles import get_profile
 
 PROFILE = "llama3-8b-h200"

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import pytest
 
 from tokenfleet.core.types import RequestInfo
-from tokenfleet.emulator.tokenizer import chat_block_hashes
+from tokenfleet.tokenizer import chat_block_hashes
 from tokenfleet.live.bench import BYTES_PER_BLOCK, block_text, prompt_text
 from tests.support.stack import API_KEY, LiveStack
 from tokenfleet.workloads.trace import TraceRequest

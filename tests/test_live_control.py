@@ -14,7 +14,7 @@ import pytest
 import requests
 import sqlalchemy as sa
 
-from tokenfleet.emulator.tokenizer import chat_block_hashes
+from tokenfleet.tokenizer import chat_block_hashes
 from tests.support.stack import InstanceSpec, LiveStack
 from tokenfleet.service.db import make_engine
 

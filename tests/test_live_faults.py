@@ -34,11 +34,12 @@ def stack(live_stack: Any) -> Iterator[LiveStack]:
     # lapses, which turns a database outage into 503s; the live path itself must
     # keep serving, which is what this file checks, so they are off here.
     # DC selection off: the router alternates over both instances, so each fault
-    # below meets traffic (FleetMind would learn to avoid a failing DC instead)
-    with live_stack(router="round_robin", time_scale=1.0,
-                       live_overrides={"engine_fail_threshold": 2, "fleet_policy": "off"},
-                       app_config={"CHAT_QUOTAS": False},
-                       instances=[InstanceSpec("dc-a", "a0"), InstanceSpec("dc-b", "b0")]) as s:
+    # below meets traffic (FleetMind would learn to avoid a failing DC instead).
+    # Its own PostgreSQL (not the session's): a test below stops and restarts it.
+    with live_stack(router="round_robin", time_scale=1.0, shared_postgres=None,
+                    live_overrides={"engine_fail_threshold": 2, "fleet_policy": "off"},
+                    app_config={"CHAT_QUOTAS": False},
+                    instances=[InstanceSpec("dc-a", "a0"), InstanceSpec("dc-b", "b0")]) as s:
         yield s
 
 

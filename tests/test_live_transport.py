@@ -24,7 +24,8 @@ from tokenfleet.live.httpclient import KeepAliveClient
 from tokenfleet.live.redis_transport import (Channel, PipelinePublisher, publishes_into,
                                              same_database)
 from web.server import LINGER_S, ApiServer
-from workers.app import TASK_CHAT, create_celery
+from tokenfleet.live.jobs import TASK_CHAT
+from workers.app import create_celery
 
 
 def test_same_database_normalises_urls() -> None:

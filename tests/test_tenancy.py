@@ -256,19 +256,24 @@ def test_quota_change_and_disable_reach_warm_caches_within_one_second(
     assert warm.authenticate(key) is None
 
 
-def test_gate_authenticates_checks_models_and_answers_openai_errors(
+def test_api_authenticates_and_gate_checks_models_and_answers_openai_errors(
     engine: sa.Engine, rc: Any
 ) -> None:
+    from web.auth import Authenticator
+    from web.errors import ApiError
+
     directory = TenantDirectory(engine, rc, prefix="gate")
+    auth = Authenticator({}, directory)
     gate = TenancyGate(directory, QuotaEnforcer(rc, prefix="gate"), UsageRecorder(rc, engine, prefix="gate"))
     admin.create_tenant(engine, "gated", actor="test", allowed_models=["m1"])
     admin.set_quota(engine, "gated", "interactive", {"requests_per_minute": 1}, actor="test")
     key, _ = admin.create_key(engine, "gated", actor="test")
 
-    with pytest.raises(TenancyError) as e:
-        gate.authenticate("Bearer tf-not-a-key")
-    assert e.value.status == 401 and e.value.body()["error"]["code"] == "invalid_api_key"
-    ctx = gate.authenticate(f"Bearer {key}")
+    with pytest.raises(ApiError) as bad:
+        auth.authenticate("Bearer tf-not-a-key")
+    assert bad.value.status == 401 and bad.value.body()["error"]["code"] == "invalid_api_key"
+    ctx = auth.authenticate(f"Bearer {key}").context
+    assert ctx is not None and ctx.id == "gated"
     with pytest.raises(TenancyError) as e:
         gate.admit(ctx, "interactive", model="m2", prompt_tokens=1, max_tokens=1)
     assert e.value.status == 404 and e.value.code == "model_not_found"

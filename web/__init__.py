@@ -10,14 +10,22 @@
 * ``API_KEYS``: {key: tenant} seed keys, added to ``LIVE.seed_api_keys``;
 * ``ADMISSION``: admission policy name in ``tokenfleet.core.admission.ADMISSION``
   (default ``"slomax"``; ``"none"`` admits everything);
-* ``SLO``: a :class:`tokenfleet.core.tiers.SLOConfig`.
+* ``SLO``: a :class:`tokenfleet.core.tiers.SLOConfig`;
+* with ``DATABASE_URL``, the files/batches API (:mod:`web.batch_api`) and:
+  ``CHAT_QUOTAS`` (default True: tenant quotas on chat completions),
+  ``ADMIN_UI`` (default True: the admin UI at ``/admin``), ``BATCH_RUNNER``
+  (default True: a batch runner thread in this process) and the keys those
+  modules document.
 
-Call ``app.extensions["tokenfleet"].close()`` (or :func:`close_app`) to stop
-its background thread and flush its ledger writer.
+``web/`` speaks HTTP only: the live driver is :class:`tokenfleet.live.gateway.Gateway`
+(``app.extensions["tokenfleet"]``), whose refusals (``GatewayError``) become
+OpenAI-shaped responses here. Call :func:`close_app` to stop its background
+threads, the batch runner, and flush the ledger writer.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any, Mapping
@@ -28,10 +36,11 @@ from sqlalchemy import exc as sa_exc
 from werkzeug.exceptions import HTTPException
 
 from tokenfleet.live.config import LiveConfig
+from tokenfleet.live.gateway import Gateway, GatewayError
 from tokenfleet.live.state import LiveState
+from tokenfleet.tenancy.gate import TenancyError
 from web.auth import Authenticator
 from web.errors import ApiError
-from web.gateway import Gateway
 from web.metrics import ApiMetrics
 
 log = logging.getLogger("tokenfleet.api")
@@ -51,14 +60,12 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     state = LiveState.from_url(cfg["REDIS_URL"], prefix=live.redis_prefix)
     celery = create_celery(cfg.get("BROKER_URL") or cfg["REDIS_URL"], live)
     ledger = None
-    engine = None
     if cfg.get("DATABASE_URL"):
         from tokenfleet.service.db import make_engine
         from tokenfleet.service.writer import LedgerWriter
 
         data_dir = Path(cfg.get("DATA_DIR") or ".tokenfleet")
-        engine = make_engine(cfg["DATABASE_URL"])
-        ledger = LedgerWriter(engine, spill_dir=data_dir / "spill", name="api-ledger")
+        ledger = LedgerWriter(make_engine(cfg["DATABASE_URL"]), spill_dir=data_dir / "spill", name="api-ledger")
     admission = None
     adm_name = cfg.get("ADMISSION", "slomax")
     if adm_name and adm_name != "none":
@@ -79,24 +86,50 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     keys = live.seed_keys()
     keys.update(cfg.get("API_KEYS") or {})
     app.extensions["tokenfleet"] = gw
-    app.extensions["tokenfleet.auth"] = Authenticator(keys, engine)
+    app.extensions["tokenfleet.auth"] = Authenticator(keys)
     app.extensions["tokenfleet.metrics"] = metrics
     app.extensions["tokenfleet.celery"] = celery
 
-    from web.routes import openai_bp, ops_bp
+    from web.chat import chat_bp
+    from web.routes import models_bp, ops_bp
 
-    app.register_blueprint(openai_bp)
+    app.register_blueprint(chat_bp)
+    app.register_blueprint(models_bp)
     app.register_blueprint(ops_bp)
 
-    # tenancy (quotas on chat), /v1/files + /v1/batches and the batch runner: web/batch_api
+    # with a database: tenants (keys, quotas, regions), /v1/files, /v1/batches, /v1/usage
     from web.batch_api import init_app as init_batch_api
+    from web.batch_api import start_runner
 
-    init_batch_api(app)
+    tenancy = init_batch_api(app, REDIS_PREFIX=cfg.get("REDIS_PREFIX") or live.redis_prefix)
+    if tenancy is not None:
+        gw.tenant_regions = tenancy.allowed_regions  # FleetMind honours them
+        if cfg.get("CHAT_QUOTAS", True):
+            app.extensions["tokenfleet.quota"] = tenancy  # web.chat charges each request
+        if cfg.get("ADMIN_UI", True):
+            from web.admin import init_app as init_admin
+
+            init_admin(app)
+        if cfg.get("BATCH_RUNNER", True):
+            start_runner(app)
 
     @app.errorhandler(ApiError)
     def _api_error(err: ApiError) -> Response:
         metrics.error(err.status)
         return err.response()
+
+    @app.errorhandler(GatewayError)
+    def _refused(err: GatewayError) -> Response:
+        metrics.error(err.status)
+        return ApiError.from_gateway(err).response()
+
+    @app.errorhandler(TenancyError)
+    def _quota(err: TenancyError) -> Response:
+        metrics.error(err.status)
+        resp = Response(json.dumps(err.body()), status=err.status, mimetype="application/json")
+        for k, v in err.headers.items():
+            resp.headers[k] = v
+        return resp
 
     @app.errorhandler(redis.RedisError)
     def _redis_down(err: redis.RedisError) -> Response:

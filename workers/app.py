@@ -57,10 +57,6 @@ from celery import Celery
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.redis_transport import TRANSPORT_PATH
 
-TASK_CHAT = "tokenfleet.chat"
-TASK_CONTROL = "tokenfleet.control_tick"
-TASK_FLEET = "tokenfleet.fleet_cycle"
-
 
 def celery_settings(broker_url: str, live: LiveConfig) -> dict[str, Any]:
     transport: dict[str, Any] = {"visibility_timeout": live.visibility_timeout_s}

@@ -270,7 +270,7 @@ def _rtt_of(topo: Any) -> Any:
 
 def beat_schedule(live: LiveConfig) -> dict[str, Any]:
     from tokenfleet.live.queues import CONTROL_QUEUE
-    from workers.app import TASK_CONTROL, TASK_FLEET
+    from tokenfleet.live.jobs import TASK_CONTROL, TASK_FLEET
 
     opts = {"queue": CONTROL_QUEUE, "routing_key": CONTROL_QUEUE,
             "expires": max(1.0, live.control_period_s)}

@@ -1,7 +1,7 @@
 """How one batch line is executed: the seam between the batch runner and serving.
 
 * :class:`GatewayExecutor` sends the line through the live request path
-  in-process (``web.gateway.Gateway``: SLOMax admission, router, Celery
+  in-process (``tokenfleet.live.gateway.Gateway``: SLOMax admission, router, Celery
   queue ``<dc>.batch``, worker, engine) with tier ``batch``. This is what the
   API process uses under ``tokenfleet up``.
 * :class:`HttpExecutor` POSTs to any OpenAI-compatible base URL (an engine
@@ -106,25 +106,25 @@ class HttpExecutor:
 
 
 class GatewayExecutor:
-    """Through the live path in this process (``web.gateway.Gateway``), tier ``batch``."""
+    """Through the live path in this process (``tokenfleet.live.gateway.Gateway``), tier ``batch``."""
 
     def __init__(self, gateway: Any) -> None:
         self.gateway = gateway
 
     def execute(self, tenant_id: str, body: dict[str, Any], *, request_id: str,
                 slo_class: str | None = None, promoted: bool = False) -> LineResult:
-        from web.errors import ApiError
+        from tokenfleet.live.gateway import GatewayError
 
         gw = self.gateway
         payload = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         try:
-            prep = gw.prepare(payload, tenant_id, {"X-TokenFleet-Tier": "batch"}, slo_class)
-            d = gw.dispatch(prep)
-        except ApiError as err:
+            req = gw.validate(payload, tenant=tenant_id, tier_hint="batch", slo_class=slo_class)
+            d = gw.dispatch(req)
+        except GatewayError as err:
             return LineResult(err.status, err.body(), request_id,
                               transient=err.status in TRANSIENT_STATUSES,
                               retry_after_s=err.retry_after_s)
-        rid = prep.info.request_id
+        rid = req.info.request_id
         parts: list[str] = []
         for ev in gw.events(d):
             if ev.kind == "d":
@@ -137,7 +137,7 @@ class GatewayExecutor:
             elif ev.kind == "end":
                 usage = ev.usage or {}
                 out = {"id": f"chatcmpl-{rid}", "object": "chat.completion",
-                       "created": prep.created, "model": prep.model,
+                       "created": req.created, "model": req.model,
                        "choices": [{"index": 0, "message": {"role": "assistant",
                                                             "content": "".join(parts)},
                                     "logprobs": None,

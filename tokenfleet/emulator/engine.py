@@ -23,7 +23,7 @@ from tokenfleet.emulator.kv_events import (
     RawEvent,
 )
 from tokenfleet.emulator.metrics import EmulatorMetrics, EngineState
-from tokenfleet.emulator.tokenizer import BYTES_PER_TOKEN, token_ids
+from tokenfleet.tokenizer import BYTES_PER_TOKEN, token_ids
 from tokenfleet.engine.instance import EngineInstance, EngineRequest, StepResult
 from tokenfleet.engine.profiles import EngineProfile
 

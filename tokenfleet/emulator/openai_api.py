@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from tokenfleet.emulator.tokenizer import (
+from tokenfleet.tokenizer import (
     encode_text,
     encode_token_ids,
     num_tokens,

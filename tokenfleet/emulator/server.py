@@ -41,7 +41,7 @@ from tokenfleet.emulator.openai_api import (
     usage,
     usage_chunk,
 )
-from tokenfleet.emulator.tokenizer import block_hashes, filler_word
+from tokenfleet.tokenizer import block_hashes, filler_word
 from tokenfleet.engine.profiles import EngineProfile, get_profile
 from tokenfleet.errors import CapacityError, ConfigError
 

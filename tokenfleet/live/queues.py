@@ -11,8 +11,6 @@ used when the router expects a valuable prefix-cache hit there.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
 from tokenfleet.core.types import TIERS
 
 #: tier order = priority order: a worker consumes its queues in this order
@@ -58,14 +56,3 @@ def tier_of_queue(queue: str) -> str:
 def is_pool_queue(queue: str) -> bool:
     """``<dc>.<tier>`` (shared by a DC's workers), not ``<dc>.<instance>.<tier>``."""
     return queue.count(".") == 1 and tier_of_queue(queue) in TIER_PRIORITY
-
-
-PREFILL_HEADER = "tf_prefill_tokens"
-
-
-def prefill_header(job: Mapping[str, Any]) -> dict[str, int]:
-    """Uncached prompt tokens the request will prefill (the router's estimate),
-    in a message header so a worker can weigh it on receipt without decoding
-    the body."""
-    return {PREFILL_HEADER: max(0, int(job["input_tokens"]) - int(job.get("expected_cached")
-                                                                   or 0))}

@@ -344,6 +344,30 @@ class LiveState:
         return {k.decode(): (float(v) if v else None)
                 for k, v in self.r.hgetall(self.k("thresholds")).items()}
 
+    def spill_shares(self) -> dict[str, float]:
+        """FleetMind's spill shares per datacenter, as beat's long cycle wrote them."""
+        shares: dict[str, float] = {}
+        for k, v in self.r.hgetall(self.k("fleet")).items():
+            key = k.decode()
+            if key.startswith("spill_share:"):
+                try:
+                    shares[key.partition(":")[2]] = float(v)
+                except ValueError:
+                    continue
+        return shares
+
+    # -- prompt_cache_key pins ------------------------------------------------------------
+    def pin(self, tenant: str, key: str) -> str | None:
+        """The instance a tenant's ``prompt_cache_key`` is pinned to, if any."""
+        raw = self.r.get(self.k("pck", tenant, key))
+        return raw.decode() if raw is not None else None
+
+    def set_pin(self, tenant: str, key: str, instance_id: str, ttl_s: int) -> None:
+        self.r.set(self.k("pck", tenant, key), instance_id, ex=ttl_s)
+
+    def renew_pin(self, tenant: str, key: str, ttl_s: int) -> None:
+        self.r.expire(self.k("pck", tenant, key), ttl_s)
+
     # -- counters (read by the control loop) -------------------------------------------------
     def count(self, **deltas: int) -> None:
         with self.r.pipeline(transaction=False) as pipe:
@@ -362,6 +386,10 @@ class LiveState:
         return {k.decode(): max(0, int(v)) for k, v in self.r.hgetall(self.k("queued")).items()}
 
     # -- request state ----------------------------------------------------------------
+    def set_request_status(self, rid: str, status: str) -> None:
+        """Put a request back in ``status`` (the API undoing a re-send the broker refused)."""
+        self.r.hset(self.k("req", rid), "status", status)
+
     def _req_keys(self, rid: str) -> list[str]:
         return [self.k("req", rid), self.k("lease", rid), self.k("cancel", rid)]
 

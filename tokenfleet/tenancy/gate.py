@@ -1,7 +1,7 @@
 """The tenancy checks of the request path, in the order a request meets them.
 
-``authenticate`` (key -> tenant) -> ``admit`` (model allowed? quota?) ->
-the request runs -> ``finish`` (reconcile the token reservation, free the
+The API authenticates the key (``web.auth``, the one authenticator) ->
+``admit`` (model allowed? quota?) -> the request runs -> ``finish`` (reconcile the token reservation, free the
 concurrency slot, record usage). The chat endpoint and the batch runner both
 go through this object; failures come back as :class:`TenancyError` carrying
 the HTTP status, OpenAI ``type``/``code`` and headers of the error response.
@@ -46,12 +46,6 @@ def quota_error(decision: QuotaDecision) -> TenancyError:
                         param=decision.limit_name, headers=decision.retry_after_header())
 
 
-def unauthorized() -> TenancyError:
-    return TenancyError(401, "invalid or revoked API key; pass 'Authorization: Bearer <key>' "
-                        "with a key from `tokenfleet tenants keys create`",
-                        type_="invalid_request_error", code="invalid_api_key")
-
-
 @dataclass(slots=True)
 class Admission:
     tenant: TenantContext
@@ -66,18 +60,6 @@ class TenancyGate:
         self.directory = directory
         self.quotas = quotas
         self.usage = usage
-
-    def authenticate(self, authorization: str | None) -> TenantContext:
-        """From an ``Authorization: Bearer`` header value; raises 401."""
-        token = ""
-        if authorization:
-            scheme, _, rest = authorization.strip().partition(" ")
-            if scheme.lower() == "bearer":
-                token = rest.strip()
-        ctx = self.directory.authenticate(token) if token else None
-        if ctx is None:
-            raise unauthorized()
-        return ctx
 
     def admit(self, tenant: TenantContext, budget: str, *, model: str | None,
               prompt_tokens: int, max_tokens: int, ticket_id: str | None = None) -> Admission:
@@ -123,11 +105,11 @@ def estimate_chat_cost(body: dict[str, Any]) -> tuple[int, int]:
     """(prompt tokens, reserved output tokens) of a chat request, before it runs.
 
     The prompt is counted like the gateway does (rendered chat, 4 bytes per
-    token, ``tokenfleet.emulator.tokenizer``); the output reservation is
+    token, ``tokenfleet.tokenizer``); the output reservation is
     ``max_completion_tokens``/``max_tokens`` or :data:`DEFAULT_MAX_TOKENS`.
     Both are reconciled with real usage when the request finishes.
     """
-    from tokenfleet.emulator.tokenizer import BYTES_PER_TOKEN, encode_text, render_chat
+    from tokenfleet.tokenizer import BYTES_PER_TOKEN, encode_text, render_chat
 
     try:
         prompt = len(encode_text(render_chat(body.get("messages") or []))) // BYTES_PER_TOKEN

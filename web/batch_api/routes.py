@@ -21,6 +21,7 @@ from tokenfleet.tenancy.gate import TenancyError
 from tokenfleet.tenancy.quota import BUDGETS
 from tokenfleet.tenancy.usage import usage_for
 from web.batch_api.services import TenancyServices
+from web.errors import ApiError
 
 batch_bp = Blueprint("batch_api", __name__, url_prefix="/v1")
 
@@ -31,7 +32,11 @@ def services() -> TenancyServices:
 
 
 def tenant() -> TenantContext:
-    return services().authenticate(request.headers.get("Authorization"))
+    """The caller's tenancy record (the app's one authenticator, :mod:`web.auth`)."""
+    principal = current_app.extensions["tokenfleet.auth"].authenticate(
+        request.headers.get("Authorization"))
+    ctx: TenantContext = principal.context
+    return ctx
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -54,6 +59,11 @@ def not_found(kind: str, ident: str) -> Response:
 @batch_bp.errorhandler(TenancyError)
 def _tenancy_error(err: TenancyError) -> Response:
     return _json(err.body(), err.status, err.headers)
+
+
+@batch_bp.errorhandler(ApiError)
+def _api_error(err: ApiError) -> Response:  # a 401 from the authenticator
+    return err.response()
 
 
 @batch_bp.errorhandler(jobs.BatchRequestError)

@@ -1,6 +1,11 @@
-"""Approximate tokenizer and prefix-block hashing for the engine emulator.
+"""Approximate prompt tokenizer and prefix-block hashing.
 
-The emulator has no model vocabulary, so it uses a byte tokenizer: the UTF-8
+Shared by the live path (the API sizes a prompt and hashes its prefix blocks
+once per request with :func:`tokenize_chat`; a worker publishes approximate
+KV events), tenancy's quota estimates and the engine emulator, which counts
+and caches prompts the same way.
+
+There is no model vocabulary, so this is a byte tokenizer: the UTF-8
 prompt is cut into 4-byte pieces and each piece, read as a little-endian
 uint32 (the last one NUL-padded), is one token id. Four bytes per token is
 close to the English average of BPE tokenizers (~4 characters per token), it
@@ -21,7 +26,9 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from tokenfleet.core.types import BLOCK_SIZE_TOKENS
 
@@ -120,6 +127,24 @@ def message_text(content: Any, index: int = 0) -> str:
 def prompt_block_hashes(text: str, block_size_tokens: int = BLOCK_SIZE_TOKENS) -> tuple[int, ...]:
     """Hashes a router should use for a prompt sent to an emulator."""
     return tuple(block_hashes(encode_text(text), block_size_tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """One chat request's prompt, tokenized once: what every step needs of it."""
+
+    text: str
+    input_tokens: int
+    block_hashes: tuple[int, ...]
+
+
+def tokenize_chat(messages: Sequence[Any],
+                  block_size_tokens: int = BLOCK_SIZE_TOKENS) -> ChatPrompt:
+    """Render, count and hash a chat prompt in one pass (``ValueError``: bad content)."""
+    text = render_chat(messages)
+    stream = encode_text(text)
+    return ChatPrompt(text, len(stream) // BYTES_PER_TOKEN,
+                      tuple(block_hashes(stream, block_size_tokens)))
 
 
 def chat_block_hashes(messages: Sequence[Any],
