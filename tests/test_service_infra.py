@@ -137,7 +137,10 @@ def test_config_layers_defaults_file_env_overrides(tmp_path: Path) -> None:
     assert cfg.ledger_batch_size == 90 and cfg.sources["ledger_batch_size"] == "override"
     # derived Celery URLs and masking of secrets
     assert cfg.effective_broker_url() == "redis://file-host:6379/0"
-    assert cfg.effective_result_backend_url() == "redis://file-host:6379/1"
+    # the live path's knobs come from the same layers
+    assert cfg.live.router == "tokenpilot" and cfg.sources["router"] == "default"
+    assert load_config(env={**env, "TOKENFLEET_ROUTER": "round_robin"}).live.router == \
+        "round_robin"
     assert "secret" not in cfg.redacted()["database_url"]
 
     # an explicit path beats $TOKENFLEET_CONFIG, and YAML reads the same way
@@ -196,7 +199,7 @@ def test_stack_uses_external_urls_and_starts_nothing(
     with ServiceStack(cfg) as endpoints:
         assert endpoints.redis_url == redis_server.url
         assert endpoints.database_url == pg.url
-        assert endpoints.broker_url.endswith("/0") and endpoints.result_backend_url.endswith("/1")
+        assert endpoints.broker_url.endswith("/0")
     assert not (tmp_path / "other" / "run").exists()
 
 

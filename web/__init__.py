@@ -9,7 +9,7 @@
 * ``LIVE``: a :class:`tokenfleet.live.config.LiveConfig` (default: from env);
 * ``API_KEYS``: {key: tenant} seed keys, added to ``LIVE.seed_api_keys``;
 * ``ADMISSION``: admission policy name in ``tokenfleet.core.admission.ADMISSION``
-  (default ``"slomax"``; ``"none"`` admits everything);
+  (default: ``LIVE.admission``, ``"slomax"``; ``"none"`` admits everything);
 * ``SLO``: a :class:`tokenfleet.core.tiers.SLOConfig`;
 * with ``DATABASE_URL``, the files/batches API (:mod:`web.batch_api`) and:
   ``CHAT_QUOTAS`` (default True: tenant quotas on chat completions),
@@ -67,7 +67,7 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
         data_dir = Path(cfg.get("DATA_DIR") or ".tokenfleet")
         ledger = LedgerWriter(make_engine(cfg["DATABASE_URL"]), spill_dir=data_dir / "spill", name="api-ledger")
     admission = None
-    adm_name = cfg.get("ADMISSION", "slomax")
+    adm_name = cfg.get("ADMISSION") or live.admission
     if adm_name and adm_name != "none":
         from tokenfleet.core.admission import ADMISSION
 

@@ -679,7 +679,6 @@ class Endpoints:
     redis_url: str
     database_url: str
     broker_url: str
-    result_backend_url: str
 
     def as_env(self) -> dict[str, str]:
         """TOKENFLEET_* variables that point child processes at these stores."""
@@ -687,7 +686,6 @@ class Endpoints:
             "TOKENFLEET_REDIS_URL": self.redis_url,
             "TOKENFLEET_DATABASE_URL": self.database_url,
             "TOKENFLEET_BROKER_URL": self.broker_url,
-            "TOKENFLEET_RESULT_BACKEND_URL": self.result_backend_url,
         }
 
 
@@ -696,8 +694,6 @@ def _endpoints(config: ServiceConfig, redis_url: str, database_url: str) -> Endp
         redis_url=redis_url,
         database_url=database_url,
         broker_url=config.effective_broker_url(redis_url) or with_redis_db(redis_url, 0),
-        result_backend_url=config.effective_result_backend_url(redis_url)
-        or with_redis_db(redis_url, 1),
     )
 
 

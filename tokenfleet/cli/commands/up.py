@@ -45,7 +45,8 @@ def register(subparsers: Any) -> None:
                    help="cap on engines per DC when the FleetMind plan adds replicas "
                         "(default 3)")
     p.add_argument("--router", default=None, help="router policy (default: tokenpilot)")
-    p.add_argument("--admission", default="slomax", help="admission policy (default slomax)")
+    p.add_argument("--admission", default=None,
+                   help="admission policy (default: the 'admission' setting, slomax)")
     p.add_argument("--topology", default=None,
                    help="topology YAML: regions, RTTs, ceilings, tenants (default: "
                         "tokenfleet/live/local_topology.yaml, dc-east in us-east and "
@@ -101,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
         "tf-demo-" + secrets.token_urlsafe(18)
     topology = args.topology or os.environ.get("TOKENFLEET_TOPOLOGY") or str(
         Path(__file__).resolve().parents[2] / "live" / "local_topology.yaml")
-    live = LiveConfig.load(router=args.router, topology=str(Path(topology).resolve()))
+    live = LiveConfig.load(path=args.config, router=args.router, admission=args.admission,
+                           topology=str(Path(topology).resolve()))
     from tokenfleet.live.fleet import load_topology
 
     load_topology(live.topology)  # a bad file fails here, with the field named
@@ -156,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
                 engines.append(inst)
         sup.start("beat", py + ["beat", "--loglevel", args.loglevel], env)
         sup.start("api", py + ["api", "--host", host, "--port", str(port),
-                               "--admission", args.admission, "--loglevel", args.loglevel], env)
+                               "--admission", live.admission, "--loglevel", args.loglevel], env)
         url = f"http://{host}:{port}"
         _wait_ready(sup, url, len(engines), stopping)
         if not stopping["flag"]:
