@@ -24,13 +24,8 @@ from tokenfleet.cli.main import main as cli_main
 from tokenfleet.errors import ConfigError
 from tokenfleet.service import db, queries
 from tokenfleet.service.config import config_reference_markdown, load_config
-from tokenfleet.service.embedded import (
-    EmbeddedPostgres,
-    EmbeddedRedis,
-    ServiceStack,
-    discover_endpoints,
-    pid_alive,
-)
+from tokenfleet.service.embedded import EmbeddedPostgres, EmbeddedRedis, pid_alive
+from tokenfleet.service.endpoints import ServiceStack, discover
 from tokenfleet.service.ledger import ALL_TABLES, ApiKey, RequestStatus
 from tests.support.stores import (
     FAST_POSTGRES_SETTINGS,
@@ -203,13 +198,17 @@ def test_stack_uses_external_urls_and_starts_nothing(
     assert not (tmp_path / "other" / "run").exists()
 
 
-def test_discover_endpoints_needs_running_services_or_urls(
+def test_discover_needs_running_services_or_urls(
     data_dir: Path, redis_server: EmbeddedRedis, pg: EmbeddedPostgres, tmp_path: Path
 ) -> None:
     with pytest.raises(ConfigError, match="tokenfleet services up"):
-        discover_endpoints(isolated_config(tmp_path / "empty"))
-    found = discover_endpoints(isolated_config(data_dir))
+        discover(isolated_config(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match="no PostgreSQL found"):
+        discover(isolated_config(tmp_path / "empty"), require=("database",))
+    found = discover(isolated_config(data_dir))
     assert (found.redis_url, found.database_url) == (redis_server.url, pg.url)
+    # what a process may run without is None, not an error
+    assert discover(isolated_config(tmp_path / "empty"), require=()).database_url is None
 
 
 def test_stopped_server_leaves_no_process(tmp_path: Path) -> None:

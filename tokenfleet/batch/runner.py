@@ -382,18 +382,6 @@ class BatchRunner:
             self.stats["failed"] += bad
         return len(batch)
 
-    def drain(self, timeout_s: float = 60.0) -> None:
-        """Tests: run ticks until nothing is in flight or queued for recording."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.tick()
-            with self._lock:
-                idle = not self._flights and not self._done
-            if idle:
-                return
-            time.sleep(0.01)
-        raise TimeoutError("batch runner did not drain")
-
     # ---- housekeeping ------------------------------------------------------------------
     def revalidate_stuck(self) -> None:
         cutoff = utcnow() - timedelta(seconds=self.cfg.stuck_s)

@@ -208,10 +208,6 @@ class LiveState:
         self.r.hset(self.k("inst", instance_id), mapping={
             "unhealthy_until": time.time() + for_s, "unhealthy_reason": reason[:200]})
 
-    def clear_unhealthy(self, instance_id: str) -> None:
-        self.r.hset(self.k("inst", instance_id), mapping={"unhealthy_until": 0,
-                                                          "unhealthy_reason": ""})
-
     def deregister_instance(self, instance_id: str) -> None:
         with self.r.pipeline() as pipe:
             pipe.srem(self.k("instances"), instance_id)
@@ -314,9 +310,6 @@ class LiveState:
     def batch(self) -> Batch:
         """Several small writes in one round trip (``with state.batch() as b: ...``)."""
         return Batch(self)
-
-    def account_dispatch(self, instance_id: str, req: RequestInfo, cached: int) -> None:
-        self._acct_delta(instance_id, self._delta("on_dispatch", req, cached))
 
     def account_first_token(self, instance_id: str, req: RequestInfo, cached: int) -> None:
         self._acct_delta(instance_id, self._delta("on_first_token", req, cached))

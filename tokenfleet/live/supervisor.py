@@ -150,6 +150,3 @@ class Supervisor:
         child = self.children[name]
         assert child.proc is not None
         os.kill(child.proc.pid, sig)
-
-    def pids(self) -> list[int]:
-        return [c.pid for c in self.children.values() if c.pid is not None]

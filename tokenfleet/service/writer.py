@@ -47,7 +47,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Mapping
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -163,10 +163,6 @@ class WriterStats:
     last_error: str | None = None
     healthy: bool = True
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def snapshot(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "_lock"}
-
 
 _TRANSIENT = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError,
               sa.exc.ProgrammingError, sa.exc.DisconnectionError)
@@ -563,12 +559,3 @@ def upsert_statement(dialect: str) -> Any:
             update[name] = sa.func.coalesce(ex[name], cur[name])
     update["updated_at"] = ex.updated_at
     return stmt.on_conflict_do_update(index_elements=[cur.request_id], set_=update)
-
-
-def iter_spill_rows(spill_dir: str | Path) -> Iterator[dict[str, Any]]:
-    """Every row currently sitting in spill files (diagnostics, ``tokenfleet db spill``)."""
-    for path in sorted(Path(spill_dir).glob("ledger-*")):
-        with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                if line.strip():
-                    yield _row_from_json(line)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 #: the two budgets of every tenant
@@ -101,10 +101,6 @@ class TenantQuotas:
         if budget not in BUDGETS:
             raise ValueError(f"unknown budget '{budget}'; use one of {', '.join(BUDGETS)}")
         return self.interactive if budget == "interactive" else self.batch
-
-    def with_budget(self, budget: str, limits: QuotaLimits) -> TenantQuotas:
-        self.for_budget(budget)
-        return replace(self, **{budget: limits})
 
     def as_dict(self) -> dict[str, dict[str, int | None]]:
         return {b: self.for_budget(b).as_dict() for b in BUDGETS}

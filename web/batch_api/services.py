@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy.engine import Engine
 
 from tokenfleet.batch.files import FileStore
-from tokenfleet.tenancy.directory import TenantContext, TenantDirectory
+from tokenfleet.tenancy.directory import TenantDirectory
 from tokenfleet.tenancy.gate import TenancyGate
 from tokenfleet.tenancy.quota import QuotaEnforcer
 from tokenfleet.tenancy.usage import UsageRecorder

@@ -32,7 +32,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tokenfleet.errors import ConfigError
-    from tokenfleet.live.endpoints import resolve_endpoints
+    from tokenfleet.service.endpoints import discover
     from tokenfleet.service.config import config_from_args
     from web import close_app, create_app
     from web.server import ApiServer
@@ -41,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
 
     setup_logging(args.loglevel)
     cfg = config_from_args(args, admission=args.admission)
-    ep = resolve_endpoints(cfg)
+    ep = discover(cfg, require=("redis",))
+    assert ep.redis_url is not None and ep.broker_url is not None
     keys = {cfg.api_key: "demo"} if cfg.api_key else {}
     app = create_app({"REDIS_URL": ep.redis_url, "BROKER_URL": ep.broker_url,
                       "DATABASE_URL": ep.database_url, "DATA_DIR": str(cfg.resolved_data_dir()),

@@ -163,9 +163,9 @@ def _cmd_runner(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     db_url, redis_url = args.database_url or cfg.database_url, args.redis_url or cfg.redis_url
     if not db_url or not redis_url:
-        from tokenfleet.service.embedded import discover_endpoints
+        from tokenfleet.service.endpoints import discover
 
-        ep = discover_endpoints(cfg)
+        ep = discover(cfg)
         db_url, redis_url = db_url or ep.database_url, redis_url or ep.redis_url
     engine = make_engine(db_url, pool_size=4)
     client = redis.Redis.from_url(redis_url)

@@ -20,7 +20,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenfleet.live.endpoints import resolve_endpoints
+    from tokenfleet.service.endpoints import discover
     from tokenfleet.service.config import config_from_args
     from workers.beat import run_beat
 
@@ -28,7 +28,8 @@ def run(args: argparse.Namespace) -> int:
 
     setup_logging(args.loglevel)
     cfg = config_from_args(args)
-    ep = resolve_endpoints(cfg)
+    ep = discover(cfg, require=("redis",))
+    assert ep.redis_url is not None and ep.broker_url is not None
     return run_beat(redis_url=ep.redis_url, broker_url=ep.broker_url,
                     database_url=ep.database_url, data_dir=cfg.resolved_data_dir(),
                     loglevel=args.loglevel.upper())

@@ -20,9 +20,11 @@ from tokenfleet.service.config import add_config_arguments, config_from_args, re
 def _database_url(args: argparse.Namespace) -> str:
     if getattr(args, "database_url", None):
         return str(args.database_url)
-    from tokenfleet.service.embedded import discover_database_url
+    from tokenfleet.service.endpoints import discover
 
-    return discover_database_url(config_from_args(args))
+    url = discover(config_from_args(args), require=("database",)).database_url
+    assert url is not None
+    return url
 
 
 def _parse_time(text: str | None, default: datetime) -> datetime:

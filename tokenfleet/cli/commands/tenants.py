@@ -33,19 +33,16 @@ class _Stores:
         cfg = config_from_args(args)
         db_url = getattr(args, "database_url", None)
         if not db_url:
-            from tokenfleet.service.embedded import discover_database_url
+            from tokenfleet.service.endpoints import discover
 
-            db_url = discover_database_url(cfg)
+            db_url = discover(cfg, require=("database",)).database_url
         self.engine = make_engine(db_url, pool_size=2)
         self.cache: Any = None
-        redis_url = getattr(args, "redis_url", None) or cfg.redis_url
+        redis_url = getattr(args, "redis_url", None)
         if not redis_url:
-            from tokenfleet.service.embedded import make_embedded_redis
+            from tokenfleet.service.endpoints import discover
 
-            r = make_embedded_redis(cfg)
-            state = r._read_state()
-            if state and r._state_pid_is_ours(state):
-                redis_url = str(state["url"])
+            redis_url = discover(cfg, require=()).redis_url
         if redis_url:
             import redis
 

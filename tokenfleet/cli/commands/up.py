@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from tokenfleet.live.config import LiveConfig
     from tokenfleet.live.supervisor import Supervisor
     from tokenfleet.service.config import config_from_args
-    from tokenfleet.service.embedded import ServiceStack
+    from tokenfleet.service.endpoints import ServiceStack
 
     if args.instances_per_dc < 1:
         raise ConfigError("--instances-per-dc must be >= 1")

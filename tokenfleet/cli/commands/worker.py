@@ -37,7 +37,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tokenfleet.errors import ConfigError
-    from tokenfleet.live.endpoints import resolve_endpoints
+    from tokenfleet.service.endpoints import discover
     from tokenfleet.service.config import config_from_args
     from workers.worker import WorkerOptions, run_worker
 
@@ -47,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
     if args.slots < 1:
         raise ConfigError("--slots must be >= 1")
     cfg = config_from_args(args)
-    ep = resolve_endpoints(cfg)
+    ep = discover(cfg, require=("redis",))
+    assert ep.redis_url is not None and ep.broker_url is not None
     instance = args.instance or f"{args.dc}-pool"
     opts = WorkerOptions(dc=args.dc, instance_id=instance, engine_url=args.engine_url,
                          profile=args.profile, slots=args.slots, pool_mode=bool(args.pool),
