@@ -29,14 +29,15 @@ import argparse
 import json
 import sys
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from tokenfleet.engine.profiles import EngineProfile, get_profile
 from tokenfleet.workloads.loader import load_workload
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / \
-    "mooncake_synthetic.jsonl"
+DEFAULT_TRACE = (
+    Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "mooncake_synthetic.jsonl"
+)
 PEERS = ("llmd_weighted", "sglang_cache_aware", "dynamo_kv")
 
 
@@ -45,8 +46,13 @@ def _pct(xs: Sequence[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def replay(prompts: Sequence[tuple[int, ...]], inputs: Sequence[int], capacity_blocks: int | None,
-           oracle: bool, block_tokens: int) -> tuple[list[int], float]:
+def replay(
+    prompts: Sequence[tuple[int, ...]],
+    inputs: Sequence[int],
+    capacity_blocks: int | None,
+    oracle: bool,
+    block_tokens: int,
+) -> tuple[list[int], float]:
     """Cached tokens per request, and the token hit ratio."""
     last_use: dict[int, int] = {}
     if oracle:  # the last request that uses each block
@@ -93,14 +99,19 @@ def main() -> int:
     prompts = [tuple(r.info.block_hashes) for r in reqs]
     inputs = [r.info.input_tokens for r in reqs]
     cap = args.instances * prof.kv_capacity_blocks
-    print(f"{len(reqs)} requests, {args.instances} x {prof.kv_capacity_tokens:,} KV tokens "
-          f"({prof.name}), prefill alone, no queueing")
+    print(
+        f"{len(reqs)} requests, {args.instances} x {prof.kv_capacity_tokens:,} KV tokens "
+        f"({prof.name}), prefill alone, no queueing"
+    )
     print(f"{'cache':<18} {'hit ratio':>9} {'p50 s':>7} {'p95 s':>7}")
     rows = {}
-    for name, capacity, oracle in (("lru_pooled", cap, False), ("oracle_admission", cap, True),
-                                   ("infinite", None, False)):
+    for name, capacity, oracle in (
+        ("lru_pooled", cap, False),
+        ("oracle_admission", cap, True),
+        ("infinite", None, False),
+    ):
         cached, ratio = replay(prompts, inputs, capacity, oracle, prof.block_size_tokens)
-        ttft = [prof.prefill_time_s(max(1, n - c), c) for n, c in zip(inputs, cached)]
+        ttft = [prof.prefill_time_s(max(1, n - c), c) for n, c in zip(inputs, cached, strict=True)]
         rows[name] = _pct(ttft, 0.95)
         print(f"{name:<18} {ratio:>9.1%} {_pct(ttft, 0.50):>7.3f} {_pct(ttft, 0.95):>7.3f}")
     if args.against:
@@ -115,9 +126,11 @@ def main() -> int:
         if p95:
             best = min(p95, key=lambda k: p95[k])
             need = 0.85 * p95[best]
-            print(f"best peer p95 {p95[best]:.3f} s ({best}); 15% below it is {need:.3f} s; "
-                  f"the no-future bound is {rows['lru_pooled']:.3f} s "
-                  f"({'below' if rows['lru_pooled'] < need else 'ABOVE'} the target)")
+            print(
+                f"best peer p95 {p95[best]:.3f} s ({best}); 15% below it is {need:.3f} s; "
+                f"the no-future bound is {rows['lru_pooled']:.3f} s "
+                f"({'below' if rows['lru_pooled'] < need else 'ABOVE'} the target)"
+            )
     return 0
 
 

@@ -58,8 +58,9 @@ def redis_server(data_dir: Path) -> Iterator[EmbeddedRedis]:
 
 
 @pytest.fixture(scope="session")
-def live_stack(session_postgres: EmbeddedPostgres
-               ) -> Callable[..., contextlib.AbstractContextManager[Any]]:
+def live_stack(
+    session_postgres: EmbeddedPostgres,
+) -> Callable[..., contextlib.AbstractContextManager[Any]]:
     """``with live_stack(router=..., ...) as stack``: a started two-DC live stack
     whose ledger is a fresh database on the session's PostgreSQL."""
     from tests.support.stack import running_stack

@@ -68,8 +68,9 @@ def approx_num_tokens(text: str) -> int:
     return -(-len(text.encode("utf-8")) // BYTES_PER_TOKEN)
 
 
-def block_hashes(stream: bytes, block_size_tokens: int = BLOCK_SIZE_TOKENS,
-                 parent: int | None = None) -> list[int]:
+def block_hashes(
+    stream: bytes, block_size_tokens: int = BLOCK_SIZE_TOKENS, parent: int | None = None
+) -> list[int]:
     """Chained 64-bit hashes of every *full* block of the token stream."""
     step = block_size_tokens * BYTES_PER_TOKEN
     full = len(stream) // step
@@ -77,7 +78,7 @@ def block_hashes(stream: bytes, block_size_tokens: int = BLOCK_SIZE_TOKENS,
     prev = (parent or 0).to_bytes(8, "little")
     blake = hashlib.blake2b
     for j in range(full):
-        digest = blake(prev + stream[j * step:(j + 1) * step], digest_size=8).digest()
+        digest = blake(prev + stream[j * step : (j + 1) * step], digest_size=8).digest()
         out.append(int.from_bytes(digest, "little"))
         prev = digest
     return out
@@ -117,8 +118,7 @@ def message_text(content: Any, index: int = 0) -> str:
                 texts.append(part)
             else:
                 raise ValueError(
-                    f"messages[{index}].content: only text parts are supported by the "
-                    "emulator"
+                    f"messages[{index}].content: only text parts are supported by the emulator"
                 )
         return "".join(texts)
     raise ValueError(f"messages[{index}].content must be a string or a list of parts")
@@ -138,26 +138,57 @@ class ChatPrompt:
     block_hashes: tuple[int, ...]
 
 
-def tokenize_chat(messages: Sequence[Any],
-                  block_size_tokens: int = BLOCK_SIZE_TOKENS) -> ChatPrompt:
+def tokenize_chat(
+    messages: Sequence[Any], block_size_tokens: int = BLOCK_SIZE_TOKENS
+) -> ChatPrompt:
     """Render, count and hash a chat prompt in one pass (``ValueError``: bad content)."""
     text = render_chat(messages)
     stream = encode_text(text)
-    return ChatPrompt(text, len(stream) // BYTES_PER_TOKEN,
-                      tuple(block_hashes(stream, block_size_tokens)))
+    return ChatPrompt(
+        text, len(stream) // BYTES_PER_TOKEN, tuple(block_hashes(stream, block_size_tokens))
+    )
 
 
-def chat_block_hashes(messages: Sequence[Any],
-                      block_size_tokens: int = BLOCK_SIZE_TOKENS) -> tuple[int, ...]:
+def chat_block_hashes(
+    messages: Sequence[Any], block_size_tokens: int = BLOCK_SIZE_TOKENS
+) -> tuple[int, ...]:
     return prompt_block_hashes(render_chat(messages), block_size_tokens)
 
 
 # Deterministic filler for generated text: one word per output token.
 FILLER_WORDS = (
-    "the", "fleet", "routes", "tokens", "across", "many", "engines", "while",
-    "cache", "blocks", "stay", "warm", "and", "every", "request", "finds",
-    "a", "quiet", "queue", "with", "enough", "memory", "to", "decode",
-    "quickly", "under", "load", "so", "latency", "remains", "low", "today",
+    "the",
+    "fleet",
+    "routes",
+    "tokens",
+    "across",
+    "many",
+    "engines",
+    "while",
+    "cache",
+    "blocks",
+    "stay",
+    "warm",
+    "and",
+    "every",
+    "request",
+    "finds",
+    "a",
+    "quiet",
+    "queue",
+    "with",
+    "enough",
+    "memory",
+    "to",
+    "decode",
+    "quickly",
+    "under",
+    "load",
+    "so",
+    "latency",
+    "remains",
+    "low",
+    "today",
 )
 
 

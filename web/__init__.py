@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import redis
 from flask import Flask, Response
@@ -65,22 +66,33 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
         from tokenfleet.service.writer import LedgerWriter
 
         data_dir = Path(cfg.get("DATA_DIR") or ".tokenfleet")
-        ledger = LedgerWriter(make_engine(cfg["DATABASE_URL"]), spill_dir=data_dir / "spill", name="api-ledger")
+        ledger = LedgerWriter(
+            make_engine(cfg["DATABASE_URL"]), spill_dir=data_dir / "spill", name="api-ledger"
+        )
     admission = None
     adm_name = cfg.get("ADMISSION") or live.admission
     if adm_name and adm_name != "none":
         from tokenfleet.core.admission import ADMISSION
 
-        admission = ADMISSION.create(adm_name, adaptive=False) if adm_name == "slomax" \
+        admission = (
+            ADMISSION.create(adm_name, adaptive=False)
+            if adm_name == "slomax"
             else ADMISSION.create(adm_name)
+        )
     _warm_publisher(celery)
     from tokenfleet.live.redis_transport import TRANSPORT_PATH, same_database
 
-    gw = Gateway(state=state, celery=celery, live=live, slo=cfg.get("SLO"), ledger=ledger,
-                 admission=admission,
-                 # the broker is the live-state Redis: a task's LPUSH joins the state writes
-                 publish_with_state=celery.conf.broker_transport == TRANSPORT_PATH
-                 and same_database(celery.conf.broker_url, cfg["REDIS_URL"]))
+    gw = Gateway(
+        state=state,
+        celery=celery,
+        live=live,
+        slo=cfg.get("SLO"),
+        ledger=ledger,
+        admission=admission,
+        # the broker is the live-state Redis: a task's LPUSH joins the state writes
+        publish_with_state=celery.conf.broker_transport == TRANSPORT_PATH
+        and same_database(celery.conf.broker_url, cfg["REDIS_URL"]),
+    )
     metrics = ApiMetrics(gw)
     gw.metrics = metrics
     keys = live.seed_keys()
@@ -136,16 +148,23 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
         # any code on the request path (ours or a hook) that needs Redis while it
         # is down or restarting: a retryable 503, not an internal error
         metrics.error(503)
-        return ApiError(503, f"the live state store is unavailable ({err.__class__.__name__});"
-                        " retry shortly", code="service_unavailable",
-                        retry_after_s=2).response()
+        return ApiError(
+            503,
+            f"the live state store is unavailable ({err.__class__.__name__}); retry shortly",
+            code="service_unavailable",
+            retry_after_s=2,
+        ).response()
 
     @app.errorhandler(sa_exc.OperationalError)
     @app.errorhandler(sa_exc.InterfaceError)
     def _db_down(err: Exception) -> Response:
         metrics.error(503)
-        return ApiError(503, "the database is unavailable; retry shortly",
-                        code="service_unavailable", retry_after_s=5).response()
+        return ApiError(
+            503,
+            "the database is unavailable; retry shortly",
+            code="service_unavailable",
+            retry_after_s=5,
+        ).response()
 
     @app.errorhandler(HTTPException)
     def _http_error(err: HTTPException) -> Response:
@@ -158,8 +177,9 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     def _unexpected(err: Exception) -> Response:
         log.exception("unhandled error")
         metrics.error(500)
-        return ApiError(500, "internal error in TokenFleet; it was logged",
-                        code="internal_error").response()
+        return ApiError(
+            500, "internal error in TokenFleet; it was logged", code="internal_error"
+        ).response()
 
     return app
 
@@ -170,8 +190,9 @@ def _warm_publisher(celery: Any, connections: int = 8) -> None:
     client lazily on first publish). Best effort: a broker that is down now is
     retried on the first publish."""
     try:
-        producers = [celery.producer_pool.acquire(block=True, timeout=2.0)
-                     for _ in range(connections)]
+        producers = [
+            celery.producer_pool.acquire(block=True, timeout=2.0) for _ in range(connections)
+        ]
         try:
             for p in producers:
                 p.connection.ensure_connection(max_retries=1)

@@ -38,28 +38,36 @@ class Authenticator:
     def authenticate(self, header: str | None) -> Principal:
         """From an ``Authorization`` header value; raises a 401 :class:`ApiError`."""
         if not header:
-            raise ApiError(401, "You didn't provide an API key. Provide it in the "
-                           "Authorization header as 'Bearer YOUR_KEY'.",
-                           code="invalid_api_key")
+            raise ApiError(
+                401,
+                "You didn't provide an API key. Provide it in the "
+                "Authorization header as 'Bearer YOUR_KEY'.",
+                code="invalid_api_key",
+            )
         scheme, _, key = header.strip().partition(" ")
         key = key.strip()
         if scheme.lower() != "bearer" or not key:
-            raise ApiError(401, "Malformed Authorization header; use 'Bearer YOUR_KEY'.",
-                           code="invalid_api_key")
+            raise ApiError(
+                401,
+                "Malformed Authorization header; use 'Bearer YOUR_KEY'.",
+                code="invalid_api_key",
+            )
         tenant = self.seed.get(key)
         if tenant is not None:
             known = self._seed_tenant(tenant)
             if known is None or not known.disabled:
-                return Principal(tenant, None,
-                                 known or TenantContext(id=tenant, name=tenant))
+                return Principal(tenant, None, known or TenantContext(id=tenant, name=tenant))
         elif self.directory is not None:
             ctx = self.directory.authenticate(key)
             if ctx is not None:
                 return Principal(ctx.id, ctx.slo_class, ctx)
         shown = key[:6] + "..." if len(key) > 8 else "***"
-        raise ApiError(401, f"Incorrect API key provided: {shown}. Ask your TokenFleet "
-                       "operator for a key (`tokenfleet up` prints a demo key).",
-                       code="invalid_api_key")
+        raise ApiError(
+            401,
+            f"Incorrect API key provided: {shown}. Ask your TokenFleet "
+            "operator for a key (`tokenfleet up` prints a demo key).",
+            code="invalid_api_key",
+        )
 
     def _seed_tenant(self, tenant: str) -> TenantContext | None:
         """The tenancy record of a seed key's tenant (its quotas; disabled or not).
@@ -70,7 +78,10 @@ class Authenticator:
         try:
             ctx: TenantContext | None = self.directory.tenant(tenant)
             return ctx
-        except Exception:  # noqa: BLE001 - store down: the configured key still holds
-            log.warning("tenant %s of a seed key: record unavailable; serving it without "
-                        "quotas", tenant, exc_info=log.isEnabledFor(logging.DEBUG))
+        except Exception:
+            log.warning(
+                "tenant %s of a seed key: record unavailable; serving it without quotas",
+                tenant,
+                exc_info=log.isEnabledFor(logging.DEBUG),
+            )
             return None

@@ -18,10 +18,18 @@ from tokenfleet.live.gateway.errors import GatewayError, error_type, openai_erro
 
 MAX_RETRY_AFTER_S = 120
 
+
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type_: str | None = None,
-                 retry_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -33,12 +41,19 @@ class ApiError(Exception):
     @classmethod
     def from_gateway(cls, err: GatewayError) -> ApiError:
         """The response to a request the live path refused."""
-        return cls(err.status, err.message, param=err.param, code=err.code, type_=err.type_,
-                   retry_after_s=err.retry_after_s)
+        return cls(
+            err.status,
+            err.message,
+            param=err.param,
+            code=err.code,
+            type_=err.type_,
+            retry_after_s=err.retry_after_s,
+        )
 
     def body(self) -> dict[str, Any]:
-        return openai_error_body(self.status, self.message, param=self.param, code=self.code,
-                                 type_=self.type)
+        return openai_error_body(
+            self.status, self.message, param=self.param, code=self.code, type_=self.type
+        )
 
     def headers(self) -> dict[str, str]:
         if self.retry_after_s is None and self.status not in (429, 503):
@@ -46,8 +61,7 @@ class ApiError(Exception):
         return {"Retry-After": str(retry_after_header(self.retry_after_s))}
 
     def response(self) -> Response:
-        resp = Response(json.dumps(self.body()), status=self.status,
-                        mimetype="application/json")
+        resp = Response(json.dumps(self.body()), status=self.status, mimetype="application/json")
         for k, v in self.headers().items():
             resp.headers[k] = v
         return resp

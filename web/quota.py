@@ -30,9 +30,13 @@ class ChatQuota:
         or ``CHAT_QUOTAS`` off)."""
         if tenancy is None or principal.context is None:
             return cls()
-        adm = tenancy.gate.admit(principal.context, req.budget, model=req.model,
-                                 prompt_tokens=req.info.input_tokens,
-                                 max_tokens=req.info.max_tokens)
+        adm = tenancy.gate.admit(
+            principal.context,
+            req.budget,
+            model=req.model,
+            prompt_tokens=req.info.input_tokens,
+            max_tokens=req.info.max_tokens,
+        )
         return cls(tenancy.gate, adm)
 
     def finish(self, usage: dict[str, Any] | None) -> None:
@@ -41,8 +45,7 @@ class ChatQuota:
         if adm is None or self.gate is None:
             return
         if usage is None:  # no usage known: keep the whole reservation charged
-            self.gate.finish(adm, completion_tokens=adm.ticket.reserved_tokens
-                             - adm.prompt_tokens)
+            self.gate.finish(adm, completion_tokens=adm.ticket.reserved_tokens - adm.prompt_tokens)
             return
         try:
             prompt = int(usage.get("prompt_tokens") or 0)

@@ -33,27 +33,51 @@ def _models() -> dict[str, int]:
     try:
         return gateway().models()
     except redis.RedisError:
-        raise ApiError(503, "the live state store is unavailable; retry shortly",
-                       code="service_unavailable", retry_after_s=2) from None
+        raise ApiError(
+            503,
+            "the live state store is unavailable; retry shortly",
+            code="service_unavailable",
+            retry_after_s=2,
+        ) from None
 
 
 @models_bp.get("/models")
 def list_models() -> Response:
     models = _models()
     created = int(time.time())
-    return _json({"object": "list", "data": [
-        {"id": m, "object": "model", "created": created, "owned_by": "tokenfleet",
-         "max_model_len": n} for m, n in sorted(models.items())]})
+    return _json(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": m,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "tokenfleet",
+                    "max_model_len": n,
+                }
+                for m, n in sorted(models.items())
+            ],
+        }
+    )
 
 
 @models_bp.get("/models/<path:model>")
 def get_model(model: str) -> Response:
     models = _models()
     if model not in models:
-        raise ApiError(404, f"The model `{model}` does not exist.", param="model",
-                       code="model_not_found")
-    return _json({"id": model, "object": "model", "created": int(time.time()),
-                  "owned_by": "tokenfleet", "max_model_len": models[model]})
+        raise ApiError(
+            404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+        )
+    return _json(
+        {
+            "id": model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "tokenfleet",
+            "max_model_len": models[model],
+        }
+    )
 
 
 @ops_bp.get("/health")
@@ -62,11 +86,17 @@ def health() -> Response:
     try:
         h = gw.health()
     except redis.RedisError as exc:
-        return _json({"status": "unavailable", "redis": f"down: {exc.__class__.__name__}"},
-                     503, {"Retry-After": "2"})
+        return _json(
+            {"status": "unavailable", "redis": f"down: {exc.__class__.__name__}"},
+            503,
+            {"Retry-After": "2"},
+        )
     healthy = h["healthy"]
-    body: dict[str, Any] = {"status": "ok" if healthy else "degraded", "redis": "ok",
-                            "instances": h["instances"]}
+    body: dict[str, Any] = {
+        "status": "ok" if healthy else "degraded",
+        "redis": "ok",
+        "instances": h["instances"],
+    }
     ledger = gw.ledger
     if ledger is not None:
         body["ledger"] = {"healthy": ledger.stats.healthy, "pending": ledger.pending()}

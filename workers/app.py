@@ -98,8 +98,9 @@ def celery_settings(broker_url: str, live: LiveConfig) -> dict[str, Any]:
     }
 
 
-def create_celery(broker_url: str, live: LiveConfig | None = None,
-                  name: str = "tokenfleet") -> Celery:
+def create_celery(
+    broker_url: str, live: LiveConfig | None = None, name: str = "tokenfleet"
+) -> Celery:
     """A configured Celery app; the API uses one only to publish."""
     app = Celery(name, set_as_current=False)
     app.conf.update(celery_settings(broker_url, live or LiveConfig.load()))
@@ -107,8 +108,11 @@ def create_celery(broker_url: str, live: LiveConfig | None = None,
 
 
 def _default_broker() -> str:
-    return (os.environ.get("TOKENFLEET_BROKER_URL") or os.environ.get("TOKENFLEET_REDIS_URL")
-            or "redis://127.0.0.1:6379/0")
+    return (
+        os.environ.get("TOKENFLEET_BROKER_URL")
+        or os.environ.get("TOKENFLEET_REDIS_URL")
+        or "redis://127.0.0.1:6379/0"
+    )
 
 
 #: the worker/beat app; ``tokenfleet worker`` re-points it at the real broker

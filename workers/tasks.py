@@ -31,16 +31,15 @@ from tokenfleet.live.jobs import (
 from tokenfleet.live.queues import pool_queue
 from tokenfleet.live.relay import RelayWriter
 from tokenfleet.live.resend import pick_resend_target
-from tokenfleet.tokenizer import chat_block_hashes
 from tokenfleet.service.writer import RequestRecord
+from tokenfleet.tokenizer import chat_block_hashes
 from workers.app import app
 from workers.runtime import Flight, WorkerRuntime, runtime
 
 log = logging.getLogger("tokenfleet.worker")
 
 
-@app.task(name=TASK_CHAT, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
-          bind=True)
+@app.task(name=TASK_CHAT, acks_late=True, reject_on_worker_lost=True, ignore_result=True, bind=True)
 def chat(self: Any, message: dict[str, Any]) -> str:
     rt = runtime()
     received = rt.started(self.request.id)
@@ -60,8 +59,11 @@ def _on_received(request: Any = None, **_: Any) -> None:
         info = getattr(request, "delivery_info", None) or {}
         headers = getattr(request, "request_dict", None) or {}
         prefill = headers.get(PREFILL_HEADER)
-        rt_mod.RUNTIME.on_received(request.id, str(info.get("routing_key") or ""),
-                                   int(prefill) if prefill is not None else None)
+        rt_mod.RUNTIME.on_received(
+            request.id,
+            str(info.get("routing_key") or ""),
+            int(prefill) if prefill is not None else None,
+        )
 
 
 def _row(job: ChatJob, rt: WorkerRuntime, status: str, **cols: Any) -> RequestRecord:
@@ -74,31 +76,46 @@ def _record(rt: WorkerRuntime, row: RequestRecord) -> None:
         return
     try:
         rt.ledger.record(row)
-    except Exception:  # noqa: BLE001 - a bad row must not fail the request
+    except Exception:
         log.exception("ledger row for %s not recorded", row.request_id)
 
 
 def _record_duplicate(rt: WorkerRuntime, job: ChatJob, why: str) -> str:
     rt.state.count(duplicates=1)
-    log.info("duplicate delivery of %s attempt %s (%s): not run", job.request_id,
-             job.attempt, why)
-    _record(rt, _row(job, rt, "duplicate",
-                     request_id=f"{job.request_id}:dup:{uuid.uuid4().hex[:8]}",
-                     finished_ts=time.time(), error=f"duplicate delivery ({why})"))
+    log.info("duplicate delivery of %s attempt %s (%s): not run", job.request_id, job.attempt, why)
+    _record(
+        rt,
+        _row(
+            job,
+            rt,
+            "duplicate",
+            request_id=f"{job.request_id}:dup:{uuid.uuid4().hex[:8]}",
+            finished_ts=time.time(),
+            error=f"duplicate delivery ({why})",
+        ),
+    )
     return "duplicate"
 
 
-def run_job(rt: WorkerRuntime, job: ChatJob, received_ts: float | None = None,
-            task_id: str | None = None) -> str:
+def run_job(
+    rt: WorkerRuntime, job: ChatJob, received_ts: float | None = None, task_id: str | None = None
+) -> str:
     state = rt.state
     rid = job.request_id
     attempt = job.attempt
     info = job.info()
     accounted = job.accounted == rt.info.instance_id
     cached_est = job.expected_cached
-    verdict = state.claim(rid, attempt, rt.worker_id, rt.live.lease_ttl_s,
-                          rt.info.instance_id, received_ts or time.time(), queue=job.queue,
-                          dispatch=None if accounted else (info, cached_est))
+    verdict = state.claim(
+        rid,
+        attempt,
+        rt.worker_id,
+        rt.live.lease_ttl_s,
+        rt.info.instance_id,
+        received_ts or time.time(),
+        queue=job.queue,
+        dispatch=None if accounted else (info, cached_est),
+    )
     relay = RelayWriter(state, rid, rt.live.stream_ttl_s, rt.info.instance_id)
     if verdict != "run":
         state.queued_incr(job.queue, -1)
@@ -114,10 +131,21 @@ def run_job(rt: WorkerRuntime, job: ChatJob, received_ts: float | None = None,
         # a partial answer we cannot continue, so end it cleanly.
         won, _ = state.finish(rid, "failed")
         if won:
-            relay.error("the worker serving this request was lost after streaming began; "
-                        "retry the request", 502, "server_error")
-            _record(rt, _row(job, rt, "failed", finished_ts=time.time(),
-                             error="worker lost after first token"))
+            relay.error(
+                "the worker serving this request was lost after streaming began; retry the request",
+                502,
+                "server_error",
+            )
+            _record(
+                rt,
+                _row(
+                    job,
+                    rt,
+                    "failed",
+                    finished_ts=time.time(),
+                    error="worker lost after first token",
+                ),
+            )
         return "failed"
 
     if not rt.is_engine_healthy() and attempt < rt.live.max_attempts:
@@ -134,10 +162,14 @@ def run_job(rt: WorkerRuntime, job: ChatJob, received_ts: float | None = None,
     usage: dict[str, Any] | None = None
     finish_reason = "stop"
     engine_rid = f"{rid}-{attempt}"
-    call = EngineCall(rt.info.url, job.body, engine_rid,
-                      connect_timeout_s=rt.live.engine_connect_timeout_s,
-                      stall_timeout_s=rt.live.engine_stall_timeout_s,
-                      headers=job.engine_headers or None)
+    call = EngineCall(
+        rt.info.url,
+        job.body,
+        engine_rid,
+        connect_timeout_s=rt.live.engine_connect_timeout_s,
+        stall_timeout_s=rt.live.engine_stall_timeout_s,
+        headers=job.engine_headers or None,
+    )
     flight.call = call
     streamed = False
     try:
@@ -148,8 +180,11 @@ def run_job(rt: WorkerRuntime, job: ChatJob, received_ts: float | None = None,
                 first_ts = time.time()
                 flight.first_token = True
                 with state.batch() as b:
-                    b.xadd(relay.key, relay.delta_fields(piece.text, piece.tokens),
-                           ttl_s=rt.live.stream_ttl_s)
+                    b.xadd(
+                        relay.key,
+                        relay.delta_fields(piece.text, piece.tokens),
+                        ttl_s=rt.live.stream_ttl_s,
+                    )
                     b.first_token(rid)
                     b.account(rt.info.instance_id, "on_first_token", info, cached_est)
                 relay.mark_expiry_set()
@@ -192,35 +227,70 @@ def run_job(rt: WorkerRuntime, job: ChatJob, received_ts: float | None = None,
         deadline_in = None
         if job.deadline_ts:
             deadline_in = job.deadline_ts - job.arrival_ts
-        ok = meets_slo(slo, status="completed", input_tokens=prompt, ttft_s=ttft, tpot_s=tpot,
-                       e2e_s=finished - job.arrival_ts, deadline_in_s=deadline_in)
+        ok = meets_slo(
+            slo,
+            status="completed",
+            input_tokens=prompt,
+            ttft_s=ttft,
+            tpot_s=tpot,
+            e2e_s=finished - job.arrival_ts,
+            deadline_in_s=deadline_in,
+        )
         status = "completed" if ok else "slo_missed"
-        end = relay.end_fields(finish_reason, usage or {
-            "prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}})
+        end = relay.end_fields(
+            finish_reason,
+            usage
+            or {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached},
+            },
+        )
         # settle and append the end entry atomically: only the winner ends the stream
-        won, final = state.finish(rid, status, rt.worker_id, end_event=end,
-                                  stream_ttl_s=rt.live.stream_ttl_s)
+        won, final = state.finish(
+            rid, status, rt.worker_id, end_event=end, stream_ttl_s=rt.live.stream_ttl_s
+        )
     finally:
         # the instance's accounting and the winner's counters: one round trip,
         # after the end entry (the client's answer does not wait for them)
         with state.batch() as b:
-            b.account(rt.info.instance_id, "on_finish", info, cached_est,
-                      got_first_token=got_first_token)
+            b.account(
+                rt.info.instance_id, "on_finish", info, cached_est, got_first_token=got_first_token
+            )
             if won:
-                b.count(**{f"finished_{job.tier}": 1, f"slo_met_{job.tier}": int(ok),
-                           "completion_tokens": completion})
+                b.count(
+                    **{
+                        f"finished_{job.tier}": 1,
+                        f"slo_met_{job.tier}": int(ok),
+                        "completion_tokens": completion,
+                    }
+                )
     if not won:
         status = final or status
-    _record(rt, _row(job, rt, status, dispatched_ts=dispatched, first_token_ts=first_ts,
-                     finished_ts=finished, prompt_tokens=prompt, cached_tokens=cached,
-                     completion_tokens=completion))
+    _record(
+        rt,
+        _row(
+            job,
+            rt,
+            status,
+            dispatched_ts=dispatched,
+            first_token_ts=first_ts,
+            finished_ts=finished,
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            completion_tokens=completion,
+        ),
+    )
     return status
 
 
-def run_job_guarded(rt: WorkerRuntime, message: dict[str, Any],
-                    received_ts: float | None = None, task_id: str | None = None) -> str:
+def run_job_guarded(
+    rt: WorkerRuntime,
+    message: dict[str, Any],
+    received_ts: float | None = None,
+    task_id: str | None = None,
+) -> str:
     """Decode the task's message and :func:`run_job` it; an unexpected error (a
     bug, a malformed message) ends the request with an error event at once:
     otherwise the client would wait for its request timeout, since nothing
@@ -229,25 +299,31 @@ def run_job_guarded(rt: WorkerRuntime, message: dict[str, Any],
     try:
         job = ChatJob.from_message(message)
         return run_job(rt, job, received_ts=received_ts, task_id=task_id)
-    except Exception as exc:  # noqa: BLE001 - reported to the client and the log
+    except Exception as exc:
         msg = message if isinstance(message, dict) else {}
         rid = msg.get("rid")
         log.exception("request %s attempt %s failed inside the worker", rid, msg.get("attempt"))
         if not rid:
             return "failed"
-        err = RelayWriter.error_fields(f"internal error in the worker "
-                                       f"({exc.__class__.__name__}); retry the request")
+        err = RelayWriter.error_fields(
+            f"internal error in the worker ({exc.__class__.__name__}); retry the request"
+        )
         try:
-            won, _ = rt.state.finish(str(rid), "failed", rt.worker_id, end_event=err,
-                                     stream_ttl_s=rt.live.stream_ttl_s)
+            won, _ = rt.state.finish(
+                str(rid), "failed", rt.worker_id, end_event=err, stream_ttl_s=rt.live.stream_ttl_s
+            )
             if won:
                 rt.state.count(**{f"failed_{msg.get('tier') or 'unknown'}": 1})
-        except Exception:  # noqa: BLE001 - Redis gone too: the API's own checks remain
+        except Exception:
             log.exception("request %s could not be settled after the error", rid)
             return "failed"
         if won and job is not None:  # a malformed message has no row to record
-            _record(rt, _row(job, rt, "failed", finished_ts=time.time(),
-                             error=f"worker error: {exc!r}"[:500]))
+            _record(
+                rt,
+                _row(
+                    job, rt, "failed", finished_ts=time.time(), error=f"worker error: {exc!r}"[:500]
+                ),
+            )
         return "failed"
 
 
@@ -260,15 +336,21 @@ def _prefix_events(rt: WorkerRuntime, job: ChatJob) -> list[KVEvent]:
         return []
     try:
         hashes = chat_block_hashes(messages)
-    except Exception:  # noqa: BLE001
+    except Exception:
         log.debug("approximate KV event not built", exc_info=True)
         return []
     return [KVEvent(rt.info.instance_id, "stored", hashes, exact=False)] if hashes else []
 
 
-def _on_engine_error(rt: WorkerRuntime, job: ChatJob, relay: RelayWriter,
-                     exc: EngineError, first_ts: float | None, tokens: int,
-                     dispatched: float) -> str:
+def _on_engine_error(
+    rt: WorkerRuntime,
+    job: ChatJob,
+    relay: RelayWriter,
+    exc: EngineError,
+    first_ts: float | None,
+    tokens: int,
+    dispatched: float,
+) -> str:
     state = rt.state
     rid = job.request_id
     attempt = job.attempt
@@ -277,15 +359,22 @@ def _on_engine_error(rt: WorkerRuntime, job: ChatJob, relay: RelayWriter,
         send_abort(rt.info.url, f"{rid}-{attempt}")
         if "cancelled" in str(exc):
             won, _ = state.finish(rid, "cancelled", rt.worker_id)
-            _record(rt, _row(job, rt, "cancelled", dispatched_ts=dispatched,
-                             first_token_ts=first_ts, finished_ts=now,
-                             completion_tokens=tokens))
+            _record(
+                rt,
+                _row(
+                    job,
+                    rt,
+                    "cancelled",
+                    dispatched_ts=dispatched,
+                    first_token_ts=first_ts,
+                    finished_ts=now,
+                    completion_tokens=tokens,
+                ),
+            )
             return "cancelled"
-    if exc.kind in ("error", "stall", "connect") or (exc.kind == "aborted"
-                                                    and first_ts is None):
+    if exc.kind in ("error", "stall", "connect") or (exc.kind == "aborted" and first_ts is None):
         rt.note_engine_failure(str(exc))
-    log.warning("request %s attempt %d failed on %s: %s", rid, attempt, rt.info.instance_id,
-                exc)
+    log.warning("request %s attempt %d failed on %s: %s", rid, attempt, rt.info.instance_id, exc)
     started = first_ts is not None
     # an abort that was not the client's (engine unhealthy, stalled) is the
     # engine's fault: another instance may well serve the request
@@ -294,22 +383,47 @@ def _on_engine_error(rt: WorkerRuntime, job: ChatJob, relay: RelayWriter,
         if _retry_elsewhere(rt, job, relay, str(exc)):
             # placement columns stay NULL: this row may reach the database after
             # the next attempt's final row, and must not overwrite where it ran
-            _record(rt, _row(job, rt, "in_flight", attempts=attempt + 1, dc=None,
-                             instance=None,
-                             error=f"attempt {attempt} on {rt.info.instance_id}: {exc}"))
+            _record(
+                rt,
+                _row(
+                    job,
+                    rt,
+                    "in_flight",
+                    attempts=attempt + 1,
+                    dc=None,
+                    instance=None,
+                    error=f"attempt {attempt} on {rt.info.instance_id}: {exc}",
+                ),
+            )
             return "retried"
     status = "timed_out" if exc.kind == "stall" else "failed"
     won, final = state.finish(rid, status, rt.worker_id)
     if won:
-        code = 504 if status == "timed_out" else (exc.status if not retryable
-                                                   and exc.status < 500 else 502)
-        relay.error(f"{'engine timed out' if status == 'timed_out' else 'engine failed'}"
-                    f" after {attempt} attempt(s): {exc}", code,
-                    "invalid_request_error" if code < 500 else "server_error")
+        code = (
+            504
+            if status == "timed_out"
+            else (exc.status if not retryable and exc.status < 500 else 502)
+        )
+        relay.error(
+            f"{'engine timed out' if status == 'timed_out' else 'engine failed'}"
+            f" after {attempt} attempt(s): {exc}",
+            code,
+            "invalid_request_error" if code < 500 else "server_error",
+        )
         state.count(**{f"failed_{job.tier}": 1})
-    _record(rt, _row(job, rt, final if not won else status, dispatched_ts=dispatched,
-                     first_token_ts=first_ts, finished_ts=now, completion_tokens=tokens,
-                     error=str(exc)[:500]))
+    _record(
+        rt,
+        _row(
+            job,
+            rt,
+            final if not won else status,
+            dispatched_ts=dispatched,
+            first_token_ts=first_ts,
+            finished_ts=now,
+            completion_tokens=tokens,
+            error=str(exc)[:500],
+        ),
+    )
     return status
 
 
@@ -327,8 +441,9 @@ def _retry_elsewhere(rt: WorkerRuntime, job: ChatJob, relay: RelayWriter, why: s
         queue = pool_queue(rt.info.dc, job.tier)
     else:
         queue = target.queue
-    new_attempt = state.redispatch(job.request_id, job.attempt, rt.live.max_attempts,
-                                   queue, rt.worker_id)
+    new_attempt = state.redispatch(
+        job.request_id, job.attempt, rt.live.max_attempts, queue, rt.worker_id
+    )
     if new_attempt < 0:
         return False
     nxt = job.next_attempt(new_attempt, queue, tried=tried)

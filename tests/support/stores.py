@@ -59,8 +59,9 @@ def embedded_redis(data_dir: Path) -> Iterator[EmbeddedRedis]:
 
 
 @contextlib.contextmanager
-def embedded_postgres(data_dir: Path, *, database: str = "tokenfleet",
-                      template: bool = True) -> Iterator[EmbeddedPostgres]:
+def embedded_postgres(
+    data_dir: Path, *, database: str = "tokenfleet", template: bool = True
+) -> Iterator[EmbeddedPostgres]:
     """A started PostgreSQL; with ``template``, its migrated template database too."""
     server = EmbeddedPostgres(data_dir, database=database, settings=FAST_POSTGRES_SETTINGS)
     server.start()

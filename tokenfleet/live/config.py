@@ -31,65 +31,156 @@ def _doc(text: str) -> dict[str, Any]:
 class LiveConfig:
     """Every knob of the live path; env var = ``TOKENFLEET_`` + upper-case name."""
 
-    router: str = field(default="tokenpilot", metadata=_doc(
-        "Router name in tokenfleet.core.routing.ROUTERS."))
-    router_seed: int = field(default=0, metadata=_doc(
-        "Seed of the router's random choices (ties, sampling)."))
-    fleet_policy: str = field(default="fleetmind", metadata=_doc(
-        "Datacenter selector in tokenfleet.core.fleet.FLEET, run before the router (\"fleetmind\"; \"none\" keeps every request at its home DC)."))
-    topology: str = field(default="", metadata=_doc(
-        "Topology YAML (the simulator's format): regions, RTTs, load ceilings, tenants' homes and residency. Empty: each DC is its own region, RTTs zero."))
-    entry_dc: str = field(default="", metadata=_doc(
-        "The datacenter this API replica runs in (requests enter here); \"\" = none."))
-    redis_prefix: str = field(default="tf", metadata=_doc(
-        "Key prefix in Redis, so several fleets can share one server."))
-    scrape_interval_s: float = field(default=0.5, metadata=_doc(
-        "How often a worker scrapes its engine's /metrics and /health."))
-    stale_after_s: float = field(default=3.0, metadata=_doc(
-        "A snapshot older than this is treated as a dead instance (worker gone)."))
-    affinity_min_cached_tokens: int = field(default=256, metadata=_doc(
-        "A request is sent to an instance's own queue only if the router expects at least this many cached prompt tokens there; else to the shared pool."))
-    affinity_min_cached_fraction: float = field(default=0.25, metadata=_doc(
-        "... and only if those are at least this fraction of the prompt."))
-    pool_prefill_budget_tokens: int = field(default=2048, metadata=_doc(
-        "A worker takes work from its DC's shared pool queues only while the prompts waiting for prefill on its engine (uncached tokens) stay under this, so late binding means \"the first engine whose prefill queue is (nearly) empty\"."))
-    affinity_dead_after_s: float = field(default=2.0, metadata=_doc(
-        "An affinity-queued request whose instance has been dead this long is re-sent."))
-    lease_ttl_s: float = field(default=3.0, metadata=_doc(
-        "Worker lease on a running request; renewed every lease_ttl_s / 3."))
-    engine_stall_timeout_s: float = field(default=10.0, metadata=_doc(
-        "No token from the engine for this long: the request is aborted and retried."))
-    engine_connect_timeout_s: float = field(default=2.0, metadata=_doc(
-        "Connect timeout to an engine."))
-    engine_fail_threshold: int = field(default=2, metadata=_doc(
-        "Engine failures in a row that mark an instance unhealthy (for `engine_unhealthy_s`)."))
-    engine_unhealthy_s: float = field(default=5.0, metadata=_doc(
-        "How long an instance stays marked unhealthy after `engine_fail_threshold` failures in a row."))
-    max_attempts: int = field(default=3, metadata=_doc(
-        "Attempts per request (first try included) before it fails."))
-    request_timeout_s: float = field(default=600.0, metadata=_doc(
-        "How long the API waits for a request to finish before answering 504."))
-    control_period_s: float = field(default=1.0, metadata=_doc(
-        "Period of beat's control loop (SLOMax tier shares and admission knobs), seconds."))
-    fleet_period_s: float = field(default=60.0, metadata=_doc(
-        "Period of beat's long cycle (FleetMind spill shares and replica targets), seconds."))
-    stream_ttl_s: float = field(default=120.0, metadata=_doc(
-        "Relay streams live this long after the last write (client reconnects, debugging)."))
-    request_state_ttl_s: float = field(default=7200.0, metadata=_doc(
-        "Seconds the ledger row of a request may wait in Redis idempotency state."))
-    seed_api_keys: str = field(default="", metadata=_doc(
-        "\"key=tenant,key2=tenant2\": API keys accepted without the database (seed keys)."))
-    visibility_timeout_s: float = field(default=7200.0, metadata=_doc(
-        "Celery broker visibility timeout (Redis/SQS): above the longest queued+running time."))
-    api_linger_s: float = field(default=1.0, metadata=_doc(
-        "An API server thread waits this long on the keep-alive connection it just served for the next request (0: hand it straight back to cheroot's selector)."))
+    router: str = field(
+        default="tokenpilot", metadata=_doc("Router name in tokenfleet.core.routing.ROUTERS.")
+    )
+    router_seed: int = field(
+        default=0, metadata=_doc("Seed of the router's random choices (ties, sampling).")
+    )
+    fleet_policy: str = field(
+        default="fleetmind",
+        metadata=_doc(
+            "Datacenter selector in tokenfleet.core.fleet.FLEET, run before the router "
+            '("fleetmind"; "none" keeps every request at its home DC).'
+        ),
+    )
+    topology: str = field(
+        default="",
+        metadata=_doc(
+            "Topology YAML (the simulator's format): regions, RTTs, load ceilings, tenants' homes "
+            "and residency. Empty: each DC is its own region, RTTs zero."
+        ),
+    )
+    entry_dc: str = field(
+        default="",
+        metadata=_doc('The datacenter this API replica runs in (requests enter here); "" = none.'),
+    )
+    redis_prefix: str = field(
+        default="tf", metadata=_doc("Key prefix in Redis, so several fleets can share one server.")
+    )
+    scrape_interval_s: float = field(
+        default=0.5, metadata=_doc("How often a worker scrapes its engine's /metrics and /health.")
+    )
+    stale_after_s: float = field(
+        default=3.0,
+        metadata=_doc("A snapshot older than this is treated as a dead instance (worker gone)."),
+    )
+    affinity_min_cached_tokens: int = field(
+        default=256,
+        metadata=_doc(
+            "A request is sent to an instance's own queue only if the router expects at least this"
+            " many cached prompt tokens there; else to the shared pool."
+        ),
+    )
+    affinity_min_cached_fraction: float = field(
+        default=0.25,
+        metadata=_doc("... and only if those are at least this fraction of the prompt."),
+    )
+    pool_prefill_budget_tokens: int = field(
+        default=2048,
+        metadata=_doc(
+            "A worker takes work from its DC's shared pool queues only while the prompts waiting "
+            "for prefill on its engine (uncached tokens) stay under this, so late binding means "
+            '"the first engine whose prefill queue is (nearly) empty".'
+        ),
+    )
+    affinity_dead_after_s: float = field(
+        default=2.0,
+        metadata=_doc(
+            "An affinity-queued request whose instance has been dead this long is re-sent."
+        ),
+    )
+    lease_ttl_s: float = field(
+        default=3.0,
+        metadata=_doc("Worker lease on a running request; renewed every lease_ttl_s / 3."),
+    )
+    engine_stall_timeout_s: float = field(
+        default=10.0,
+        metadata=_doc(
+            "No token from the engine for this long: the request is aborted and retried."
+        ),
+    )
+    engine_connect_timeout_s: float = field(
+        default=2.0, metadata=_doc("Connect timeout to an engine.")
+    )
+    engine_fail_threshold: int = field(
+        default=2,
+        metadata=_doc(
+            "Engine failures in a row that mark an instance unhealthy (for `engine_unhealthy_s`)."
+        ),
+    )
+    engine_unhealthy_s: float = field(
+        default=5.0,
+        metadata=_doc(
+            "How long an instance stays marked unhealthy after `engine_fail_threshold` failures in"
+            " a row."
+        ),
+    )
+    max_attempts: int = field(
+        default=3, metadata=_doc("Attempts per request (first try included) before it fails.")
+    )
+    request_timeout_s: float = field(
+        default=600.0,
+        metadata=_doc("How long the API waits for a request to finish before answering 504."),
+    )
+    control_period_s: float = field(
+        default=1.0,
+        metadata=_doc(
+            "Period of beat's control loop (SLOMax tier shares and admission knobs), seconds."
+        ),
+    )
+    fleet_period_s: float = field(
+        default=60.0,
+        metadata=_doc(
+            "Period of beat's long cycle (FleetMind spill shares and replica targets), seconds."
+        ),
+    )
+    stream_ttl_s: float = field(
+        default=120.0,
+        metadata=_doc(
+            "Relay streams live this long after the last write (client reconnects, debugging)."
+        ),
+    )
+    request_state_ttl_s: float = field(
+        default=7200.0,
+        metadata=_doc("Seconds the ledger row of a request may wait in Redis idempotency state."),
+    )
+    seed_api_keys: str = field(
+        default="",
+        metadata=_doc(
+            '"key=tenant,key2=tenant2": API keys accepted without the database (seed keys).'
+        ),
+    )
+    visibility_timeout_s: float = field(
+        default=7200.0,
+        metadata=_doc(
+            "Celery broker visibility timeout (Redis/SQS): above the longest queued+running time."
+        ),
+    )
+    api_linger_s: float = field(
+        default=1.0,
+        metadata=_doc(
+            "An API server thread waits this long on the keep-alive connection it just served for "
+            "the next request (0: hand it straight back to cheroot's selector)."
+        ),
+    )
     #: admission policy in tokenfleet.core.admission.ADMISSION ("none" admits everything)
-    admission: str = field(default="slomax", metadata=_doc(
-        "Admission policy in `tokenfleet.core.admission.ADMISSION`, run at arrival (\"none\" admits everything; `tokenfleet api --admission` overrides it)."))
+    admission: str = field(
+        default="slomax",
+        metadata=_doc(
+            'Admission policy in `tokenfleet.core.admission.ADMISSION`, run at arrival ("none" '
+            "admits everything; `tokenfleet api --admission` overrides it)."
+        ),
+    )
 
     @classmethod
-    def load(cls, env: Mapping[str, str] | None = None, *, path: str | Path | None = None,
-             **overrides: Any) -> LiveConfig:
+    def load(
+        cls,
+        env: Mapping[str, str] | None = None,
+        *,
+        path: str | Path | None = None,
+        **overrides: Any,
+    ) -> LiveConfig:
         """Defaults < config file (``path`` or ``$TOKENFLEET_CONFIG``) < ``env``
         (default: ``os.environ``) < ``overrides`` (``None`` values ignored)."""
         from tokenfleet.service.config import load_config
@@ -97,9 +188,15 @@ class LiveConfig:
         return load_config(path, env=env, overrides=overrides).live
 
     def validate(self) -> None:
-        for name in ("scrape_interval_s", "stale_after_s", "lease_ttl_s",
-                     "engine_stall_timeout_s", "control_period_s", "fleet_period_s",
-                     "request_timeout_s"):
+        for name in (
+            "scrape_interval_s",
+            "stale_after_s",
+            "lease_ttl_s",
+            "engine_stall_timeout_s",
+            "control_period_s",
+            "fleet_period_s",
+            "request_timeout_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"'{name}' must be > 0 seconds, got {getattr(self, name)}")
         if self.max_attempts < 1:
@@ -122,5 +219,7 @@ class LiveConfig:
 
     def as_env(self) -> dict[str, str]:
         """Environment that reproduces this config in a child process."""
-        return {ENV_PREFIX + f.name.upper(): str(getattr(self, f.name))
-                for f in dataclasses.fields(self)}
+        return {
+            ENV_PREFIX + f.name.upper(): str(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+        }

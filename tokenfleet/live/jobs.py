@@ -66,13 +66,23 @@ class ChatJob:
     # -- wire format --------------------------------------------------------------
     def to_message(self) -> dict[str, Any]:
         msg: dict[str, Any] = {
-            "rid": self.request_id, "attempt": self.attempt, "tenant": self.tenant,
-            "tier": self.tier, "model": self.model, "body": self.body,
-            "input_tokens": self.input_tokens, "max_tokens": self.max_tokens,
-            "arrival_ts": self.arrival_ts, "admitted_ts": self.admitted_ts,
-            "queue": self.queue, "accounted": self.accounted, "dc": self.dc,
-            "expected_cached": self.expected_cached, "tried": list(self.tried),
-            "deadline_ts": self.deadline_ts}
+            "rid": self.request_id,
+            "attempt": self.attempt,
+            "tenant": self.tenant,
+            "tier": self.tier,
+            "model": self.model,
+            "body": self.body,
+            "input_tokens": self.input_tokens,
+            "max_tokens": self.max_tokens,
+            "arrival_ts": self.arrival_ts,
+            "admitted_ts": self.admitted_ts,
+            "queue": self.queue,
+            "accounted": self.accounted,
+            "dc": self.dc,
+            "expected_cached": self.expected_cached,
+            "tried": list(self.tried),
+            "deadline_ts": self.deadline_ts,
+        }
         if self.allowed_dcs:
             msg["allowed_dcs"] = list(self.allowed_dcs)
         if self.engine_headers:
@@ -87,17 +97,25 @@ class ChatJob:
         deadline = msg.get("deadline_ts")
         admitted = msg.get("admitted_ts")
         return cls(
-            request_id=str(msg["rid"]), attempt=int(msg["attempt"]), tenant=str(msg["tenant"]),
-            tier=str(msg["tier"]), model=str(msg["model"]), body=dict(msg["body"]),
-            input_tokens=int(msg["input_tokens"]), max_tokens=int(msg["max_tokens"]),
-            arrival_ts=float(msg["arrival_ts"]), queue=str(msg["queue"]),
+            request_id=str(msg["rid"]),
+            attempt=int(msg["attempt"]),
+            tenant=str(msg["tenant"]),
+            tier=str(msg["tier"]),
+            model=str(msg["model"]),
+            body=dict(msg["body"]),
+            input_tokens=int(msg["input_tokens"]),
+            max_tokens=int(msg["max_tokens"]),
+            arrival_ts=float(msg["arrival_ts"]),
+            queue=str(msg["queue"]),
             admitted_ts=float(admitted) if admitted is not None else None,
-            accounted=str(msg.get("accounted") or ""), dc=str(msg.get("dc") or ""),
+            accounted=str(msg.get("accounted") or ""),
+            dc=str(msg.get("dc") or ""),
             expected_cached=int(msg.get("expected_cached") or 0),
             tried=tuple(msg.get("tried") or ()),
             allowed_dcs=tuple(msg.get("allowed_dcs") or ()),
             deadline_ts=float(deadline) if deadline else None,
-            engine_headers=dict(msg.get("engine_headers") or {}))
+            engine_headers=dict(msg.get("engine_headers") or {}),
+        )
 
     @property
     def task_id(self) -> str:
@@ -116,25 +134,48 @@ class ChatJob:
     # -- derived ------------------------------------------------------------------
     def info(self) -> RequestInfo:
         """The policies' view of the request (what the worker's accounting needs)."""
-        return RequestInfo(request_id=self.request_id, arrival_s=self.arrival_ts,
-                           input_tokens=self.input_tokens, max_tokens=self.max_tokens,
-                           tenant=self.tenant, tier=self.tier, model=self.model)
+        return RequestInfo(
+            request_id=self.request_id,
+            arrival_s=self.arrival_ts,
+            input_tokens=self.input_tokens,
+            max_tokens=self.max_tokens,
+            tenant=self.tenant,
+            tier=self.tier,
+            model=self.model,
+        )
 
-    def next_attempt(self, attempt: int, queue: str, *, tried: set[str] | tuple[str, ...],
-                     expected_cached: int = 0) -> ChatJob:
+    def next_attempt(
+        self,
+        attempt: int,
+        queue: str,
+        *,
+        tried: set[str] | tuple[str, ...],
+        expected_cached: int = 0,
+    ) -> ChatJob:
         """The job of a re-send: a new attempt on ``queue``, not yet accounted
         (``dc`` stays the datacenter first chosen: re-sends prefer it)."""
-        return dataclasses.replace(self, attempt=attempt, queue=queue,
-                                   tried=tuple(sorted(tried)), accounted="",
-                                   expected_cached=expected_cached)
+        return dataclasses.replace(
+            self,
+            attempt=attempt,
+            queue=queue,
+            tried=tuple(sorted(tried)),
+            accounted="",
+            expected_cached=expected_cached,
+        )
 
     def ledger_row(self, status: str, **columns: Any) -> RequestRecord:
         """This request's ledger row with ``status``; ``columns`` fill or override the rest."""
         base: dict[str, Any] = {
-            "request_id": self.request_id, "tenant_id": self.tenant, "tier": self.tier,
-            "model": self.model, "status": status, "arrival_ts": self.arrival_ts,
-            "admitted_ts": self.admitted_ts, "prompt_tokens": self.input_tokens,
-            "attempts": self.attempt}
+            "request_id": self.request_id,
+            "tenant_id": self.tenant,
+            "tier": self.tier,
+            "model": self.model,
+            "status": status,
+            "arrival_ts": self.arrival_ts,
+            "admitted_ts": self.admitted_ts,
+            "prompt_tokens": self.input_tokens,
+            "attempts": self.attempt,
+        }
         base.update(columns)
         return RequestRecord(**base)
 
@@ -144,5 +185,13 @@ def send_chat_job(send_task: Any, job: ChatJob) -> None:
 
     ``argsrepr``/``kwargsrepr`` skip Celery's safe-repr of the job for its headers.
     """
-    send_task(TASK_CHAT, args=[job.to_message()], task_id=job.task_id, queue=job.queue,
-              routing_key=job.queue, argsrepr="", kwargsrepr="", headers=job.headers())
+    send_task(
+        TASK_CHAT,
+        args=[job.to_message()],
+        task_id=job.task_id,
+        queue=job.queue,
+        routing_key=job.queue,
+        argsrepr="",
+        kwargsrepr="",
+        headers=job.headers(),
+    )

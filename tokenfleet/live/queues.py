@@ -33,8 +33,9 @@ def affinity_queue(dc: str, instance_id: str, tier: str) -> str:
     return f"{_check(dc, 'datacenter')}.{_check(instance_id, 'instance')}.{_check(tier, 'tier')}"
 
 
-def worker_queues(dc: str, instance_id: str | None, tiers: tuple[str, ...] = TIER_PRIORITY
-                  ) -> list[str]:
+def worker_queues(
+    dc: str, instance_id: str | None, tiers: tuple[str, ...] = TIER_PRIORITY
+) -> list[str]:
     """Queues a worker consumes, highest priority first.
 
     For each tier the affinity queue comes before the pool queue, so work

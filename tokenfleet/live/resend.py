@@ -46,13 +46,17 @@ def resend_candidates(views: Iterable[Any], job: ChatJob, exclude: set[str]) -> 
     return out
 
 
-def pick_resend_target(views: Iterable[Any], job: ChatJob,
-                       exclude: set[str]) -> ResendTarget | None:
+def pick_resend_target(
+    views: Iterable[Any], job: ChatJob, exclude: set[str]
+) -> ResendTarget | None:
     """The instance the next attempt of ``job`` goes to; None if there is none."""
     best: tuple[tuple[int, int, int], Any] | None = None
     for v in resend_candidates(views, job, exclude):
-        key = (0 if v.dc == job.dc else 1, v.accounting.inflight_requests,
-               v.metrics.num_running + v.metrics.num_waiting)
+        key = (
+            0 if v.dc == job.dc else 1,
+            v.accounting.inflight_requests,
+            v.metrics.num_running + v.metrics.num_waiting,
+        )
         if best is None or key < best[0]:
             best = (key, v)
     if best is None:

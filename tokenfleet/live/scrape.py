@@ -38,7 +38,7 @@ def parse_metrics(text: str, now_s: float) -> ScrapedMetrics:
         brace = line.find("{")
         if brace >= 0:
             name = line[:brace]
-            rest = line[line.rfind("}") + 1:]
+            rest = line[line.rfind("}") + 1 :]
         else:
             name, _, rest = line.partition(" ")
         if name in _SUMMED:
@@ -121,10 +121,15 @@ class Scraper:
 
     def _unhealthy(self, now: float, why: str) -> ScrapeResult:
         m = self.last
-        bad = ScrapedMetrics(scraped_at_s=now, num_running=m.num_running,
-                             num_waiting=m.num_waiting, kv_usage=m.kv_usage,
-                             prefix_queries_total=m.prefix_queries_total,
-                             prefix_hits_total=m.prefix_hits_total, healthy=False)
+        bad = ScrapedMetrics(
+            scraped_at_s=now,
+            num_running=m.num_running,
+            num_waiting=m.num_waiting,
+            kv_usage=m.kv_usage,
+            prefix_queries_total=m.prefix_queries_total,
+            prefix_hits_total=m.prefix_hits_total,
+            healthy=False,
+        )
         return ScrapeResult(bad, why)
 
     def close(self) -> None:

@@ -28,9 +28,10 @@ import re
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -77,9 +78,7 @@ class ServiceConfig:
     )
     broker_url: str | None = field(
         default=None,
-        metadata=_key(
-            "Celery broker. Unset: `redis_url` with database 0.", secret=True
-        ),
+        metadata=_key("Celery broker. Unset: `redis_url` with database 0.", secret=True),
     )
     api_key: str | None = field(
         default=None,
@@ -225,9 +224,7 @@ def _coerce(name: str, raw: object, origin: str) -> object:
                 raise ValueError(raw)
             return str(raw)
     except ValueError:
-        raise ConfigError(
-            f"{origin}: '{name}' must be a {base.__name__}, got {raw!r}"
-        ) from None
+        raise ConfigError(f"{origin}: '{name}' must be a {base.__name__}, got {raw!r}") from None
     raise AssertionError(f"unsupported config type {base!r}")  # pragma: no cover
 
 
@@ -301,8 +298,11 @@ def load_config(
 
     live = LiveConfig(**{k: v for k, v in values.items() if k in live_names})  # type: ignore[arg-type]
     live.validate()
-    cfg = ServiceConfig(**{k: v for k, v in values.items() if k in own},  # type: ignore[arg-type]
-                        live=live, sources=sources)
+    cfg = ServiceConfig(
+        **{k: v for k, v in values.items() if k in own},  # type: ignore[arg-type]
+        live=live,
+        sources=sources,
+    )
     _validate(cfg)
     return cfg
 
@@ -372,8 +372,10 @@ def config_from_args(args: argparse.Namespace, **extra: object) -> ServiceConfig
 def config_reference_markdown() -> str:
     """The key tables of docs/deployment.md, generated so the doc cannot drift."""
     out = []
-    for title, fields in (("Stores, ports and the ledger", setting_fields()),
-                          ("The live request path", live_fields())):
+    for title, fields in (
+        ("Stores, ports and the ledger", setting_fields()),
+        ("The live request path", live_fields()),
+    ):
         lines = [
             f"**{title}**",
             "",
@@ -383,12 +385,15 @@ def config_reference_markdown() -> str:
         for f in fields:
             base, optional = _field_type(f.name)
             type_name = ("path" if base is Path else base.__name__) + (
-                " or unset" if optional else "")
+                " or unset" if optional else ""
+            )
             default = f.default
             default_text = "unset" if default is None else f"`{default}`"
             if default == "":
                 default_text = "empty"
-            lines.append(f"| `{f.name}` | `{env_var(f.name)}` | {type_name} | {default_text} "
-                         f"| {f.metadata['doc']} |")
+            lines.append(
+                f"| `{f.name}` | `{env_var(f.name)}` | {type_name} | {default_text} "
+                f"| {f.metadata['doc']} |"
+            )
         out.append("\n".join(lines) + "\n")
     return "\n".join(out)

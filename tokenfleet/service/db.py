@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -45,7 +45,7 @@ def normalize_url(url: str) -> str:
     """Use the psycopg 3 driver for plain ``postgresql://`` URLs (psycopg2 is not installed)."""
     for prefix in ("postgresql://", "postgres://"):
         if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix):]
+            return "postgresql+psycopg://" + url[len(prefix) :]
     return url
 
 
@@ -70,13 +70,12 @@ def session_factory(engine: Engine) -> sessionmaker[Session]:
 @contextlib.contextmanager
 def session_scope(engine: Engine) -> Iterator[Session]:
     """One transaction: commit on success, roll back on error."""
-    with session_factory(engine)() as session:
-        with session.begin():
-            yield session
+    with session_factory(engine)() as session, session.begin():
+        yield session
 
 
 # ---- migrations -------------------------------------------------------------
-def alembic_config(database_url: str) -> "object":
+def alembic_config(database_url: str) -> object:
     """An ``alembic.config.Config`` bound to ``database_url`` with absolute script paths."""
     from alembic.config import Config
 

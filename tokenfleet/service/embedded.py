@@ -184,8 +184,14 @@ class EmbeddedPostgres(EmbeddedServer):
             log.info("creating system user %s for embedded PostgreSQL", self.run_as_user)
             try:
                 subprocess.run(
-                    ["useradd", "--system", "--no-create-home", "-s", "/usr/sbin/nologin",
-                     self.run_as_user],
+                    [
+                        "useradd",
+                        "--system",
+                        "--no-create-home",
+                        "-s",
+                        "/usr/sbin/nologin",
+                        self.run_as_user,
+                    ],
                     check=True,
                     capture_output=True,
                 )
@@ -223,8 +229,10 @@ class EmbeddedPostgres(EmbeddedServer):
         result = subprocess.run(
             [
                 str(postgres_bin_dir() / "initdb"),
-                "-D", str(self.pgdata),
-                "-U", self.superuser,
+                "-D",
+                str(self.pgdata),
+                "-U",
+                self.superuser,
                 "--auth=trust",
                 "--encoding=UTF8",
                 "--locale=C",
@@ -304,7 +312,9 @@ class EmbeddedPostgres(EmbeddedServer):
         from psycopg import sql
 
         with self._connect("postgres") as conn:
-            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+            exists = conn.execute(
+                "SELECT 1 FROM pg_database WHERE datname = %s", (name,)
+            ).fetchone()
             if not exists:
                 stmt = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
                 if template:
@@ -313,19 +323,21 @@ class EmbeddedPostgres(EmbeddedServer):
 
     def has_database(self, name: str) -> bool:
         with self._connect("postgres") as conn:
-            return conn.execute("SELECT 1 FROM pg_database WHERE datname = %s",
-                                (name,)).fetchone() is not None
+            return (
+                conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+                is not None
+            )
 
     def drop_database(self, name: str) -> None:
         from psycopg import sql
 
         with self._connect("postgres") as conn:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
 
     def start(self) -> Self:
         super().start()
         if not self.owned:
             self.create_database(self.database)
         return self
-
-

@@ -41,16 +41,18 @@ class Endpoints:
 
     def as_env(self) -> dict[str, str]:
         """TOKENFLEET_* variables that point child processes at these stores."""
-        env = {"TOKENFLEET_REDIS_URL": self.redis_url,
-               "TOKENFLEET_DATABASE_URL": self.database_url,
-               "TOKENFLEET_BROKER_URL": self.broker_url}
+        env = {
+            "TOKENFLEET_REDIS_URL": self.redis_url,
+            "TOKENFLEET_DATABASE_URL": self.database_url,
+            "TOKENFLEET_BROKER_URL": self.broker_url,
+        }
         return {k: v for k, v in env.items() if v is not None}
 
 
-def _endpoints(config: ServiceConfig, redis_url: str | None,
-               database_url: str | None) -> Endpoints:
+def _endpoints(config: ServiceConfig, redis_url: str | None, database_url: str | None) -> Endpoints:
     broker = config.effective_broker_url(redis_url) or (
-        with_redis_db(redis_url, 0) if redis_url else None)
+        with_redis_db(redis_url, 0) if redis_url else None
+    )
     return Endpoints(redis_url=redis_url, database_url=database_url, broker_url=broker)
 
 
@@ -82,8 +84,7 @@ def _recorded(server: EmbeddedServer) -> str | None:
     return None
 
 
-def discover(config: ServiceConfig,
-             require: Iterable[str] = ("redis", "database")) -> Endpoints:
+def discover(config: ServiceConfig, require: Iterable[str] = ("redis", "database")) -> Endpoints:
     """Endpoints for a process that must not start servers (worker, API, beat, ``db``).
 
     Configured URLs, else the embedded servers recorded in ``data_dir``. A
@@ -93,9 +94,14 @@ def discover(config: ServiceConfig,
     need = set(require)
     redis_url = config.redis_url or _recorded(make_embedded_redis(config))
     database_url = config.database_url or _recorded(make_embedded_postgres(config))
-    missing = [name for key, name, url in (("redis", "Redis", redis_url),
-                                           ("database", "PostgreSQL", database_url))
-               if key in need and url is None]
+    missing = [
+        name
+        for key, name, url in (
+            ("redis", "Redis", redis_url),
+            ("database", "PostgreSQL", database_url),
+        )
+        if key in need and url is None
+    ]
     if missing:
         raise ConfigError(
             f"no {' or '.join(missing)} found for data dir {config.resolved_data_dir()}: "
@@ -103,8 +109,10 @@ def discover(config: ServiceConfig,
             "TOKENFLEET_REDIS_URL / TOKENFLEET_DATABASE_URL to external servers"
         )
     if database_url is None and "database" not in need:
-        log.warning("no PostgreSQL configured or running: requests are served but not "
-                    "recorded in the ledger (set TOKENFLEET_DATABASE_URL)")
+        log.warning(
+            "no PostgreSQL configured or running: requests are served but not "
+            "recorded in the ledger (set TOKENFLEET_DATABASE_URL)"
+        )
     return _endpoints(config, redis_url, database_url)
 
 
@@ -205,4 +213,3 @@ def embedded_status(config: ServiceConfig) -> list[dict[str, Any]]:
             }
         )
     return out
-

@@ -206,14 +206,14 @@ class EmbeddedServer:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise TokenFleetError(
-                    f"{self.process_name} exited with {proc.returncode}:\n"
-                    f"{_tail(self._log_path())}"
+                    f"{self.process_name} exited with {proc.returncode}:\n{_tail(self._log_path())}"
                 )
             if self.ping():
                 return
             time.sleep(self.ready_poll_s)
         raise TokenFleetError(
-            f"{self.process_name} not answering after {self.start_timeout_s:.0f}s")
+            f"{self.process_name} not answering after {self.start_timeout_s:.0f}s"
+        )
 
     def _after_start(self) -> None:
         """Hook run once a server we started is ready."""
@@ -251,7 +251,9 @@ class EmbeddedServer:
 
     def _state_pid_is_ours(self, state: Mapping[str, Any]) -> bool:
         pid = state.get("pid")
-        return isinstance(pid, int) and pid_alive(pid) and self._binary_marker() in _proc_cmdline(pid)
+        return (
+            isinstance(pid, int) and pid_alive(pid) and self._binary_marker() in _proc_cmdline(pid)
+        )
 
     # public lifecycle
     def is_running(self) -> bool:
@@ -391,5 +393,3 @@ def install_sigterm_handler() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _raise)
-
-

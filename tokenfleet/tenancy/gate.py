@@ -1,10 +1,11 @@
 """The tenancy checks of the request path, in the order a request meets them.
 
 The API authenticates the key (``web.auth``, the one authenticator) ->
-``admit`` (model allowed? quota?) -> the request runs -> ``finish`` (reconcile the token reservation, free the
-concurrency slot, record usage). The chat endpoint and the batch runner both
-go through this object; failures come back as :class:`TenancyError` carrying
-the HTTP status, OpenAI ``type``/``code`` and headers of the error response.
+``admit`` (model allowed? quota?) -> the request runs -> ``finish`` (reconcile
+the token reservation, free the concurrency slot, record usage). The chat
+endpoint and the batch runner both go through this object; failures come back
+as :class:`TenancyError` carrying the HTTP status, OpenAI ``type``/``code`` and
+headers of the error response.
 """
 
 from __future__ import annotations
@@ -21,8 +22,16 @@ from tokenfleet.tenancy.usage import UsageRecorder
 class TenancyError(TokenFleetError):
     """An API-facing refusal: status, OpenAI error fields and extra headers."""
 
-    def __init__(self, status: int, message: str, *, type_: str, code: str | None = None,
-                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -32,18 +41,35 @@ class TenancyError(TokenFleetError):
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type,
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def quota_error(decision: QuotaDecision) -> TenancyError:
     if decision.retry_after_s is None:  # can never pass: retrying is pointless
-        return TenancyError(400 if decision.code == "request_exceeds_quota" else 429,
-                            decision.message(), type_="invalid_request_error"
-                            if decision.code == "request_exceeds_quota" else "rate_limit_error",
-                            code=decision.code, param=decision.limit_name)
-    return TenancyError(429, decision.message(), type_="rate_limit_error", code=decision.code,
-                        param=decision.limit_name, headers=decision.retry_after_header())
+        return TenancyError(
+            400 if decision.code == "request_exceeds_quota" else 429,
+            decision.message(),
+            type_="invalid_request_error"
+            if decision.code == "request_exceeds_quota"
+            else "rate_limit_error",
+            code=decision.code,
+            param=decision.limit_name,
+        )
+    return TenancyError(
+        429,
+        decision.message(),
+        type_="rate_limit_error",
+        code=decision.code,
+        param=decision.limit_name,
+        headers=decision.retry_after_header(),
+    )
 
 
 @dataclass(slots=True)
@@ -55,22 +81,40 @@ class Admission:
 
 
 class TenancyGate:
-    def __init__(self, directory: TenantDirectory, quotas: QuotaEnforcer,
-                 usage: UsageRecorder | None = None) -> None:
+    def __init__(
+        self, directory: TenantDirectory, quotas: QuotaEnforcer, usage: UsageRecorder | None = None
+    ) -> None:
         self.directory = directory
         self.quotas = quotas
         self.usage = usage
 
-    def admit(self, tenant: TenantContext, budget: str, *, model: str | None,
-              prompt_tokens: int, max_tokens: int, ticket_id: str | None = None) -> Admission:
+    def admit(
+        self,
+        tenant: TenantContext,
+        budget: str,
+        *,
+        model: str | None,
+        prompt_tokens: int,
+        max_tokens: int,
+        ticket_id: str | None = None,
+    ) -> Admission:
         if model is not None and not tenant.allows_model(model):
             raise TenancyError(
-                404, f"model '{model}' is not available to tenant '{tenant.id}'; allowed: "
-                f"{', '.join(tenant.allowed_models)}", type_="invalid_request_error",
-                code="model_not_found", param="model")
-        decision = self.quotas.admit(tenant.id, budget, tenant.quotas.for_budget(budget),
-                                     prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                                     ticket_id=ticket_id)
+                404,
+                f"model '{model}' is not available to tenant '{tenant.id}'; allowed: "
+                f"{', '.join(tenant.allowed_models)}",
+                type_="invalid_request_error",
+                code="model_not_found",
+                param="model",
+            )
+        decision = self.quotas.admit(
+            tenant.id,
+            budget,
+            tenant.quotas.for_budget(budget),
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            ticket_id=ticket_id,
+        )
         if not decision.allowed:
             if self.usage is not None:
                 self.usage.record(tenant.id, budget, rejected=1)
@@ -78,8 +122,14 @@ class TenancyGate:
         assert decision.ticket is not None
         return Admission(tenant, decision.ticket, prompt_tokens)
 
-    def finish(self, admission: Admission, *, completion_tokens: int,
-               prompt_tokens: int | None = None, ran: bool = True) -> None:
+    def finish(
+        self,
+        admission: Admission,
+        *,
+        completion_tokens: int,
+        prompt_tokens: int | None = None,
+        ran: bool = True,
+    ) -> None:
         """Reconcile with real usage; idempotent, so call it in a ``finally``.
 
         ``ran=False``: the request was never served (error before the engine,
@@ -93,8 +143,13 @@ class TenancyGate:
         limits = admission.tenant.quotas.for_budget(admission.ticket.budget)
         self.quotas.release(admission.ticket, limits, actual_tokens=prompt + completion_tokens)
         if self.usage is not None and ran:
-            self.usage.record(admission.tenant.id, admission.ticket.budget, requests=1,
-                              prompt_tokens=prompt, completion_tokens=completion_tokens)
+            self.usage.record(
+                admission.tenant.id,
+                admission.ticket.budget,
+                requests=1,
+                prompt_tokens=prompt,
+                completion_tokens=completion_tokens,
+            )
 
 
 #: output reservation when a request sets no max_tokens (the gateway's own default)

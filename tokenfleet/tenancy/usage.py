@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from datetime import date, datetime, timezone
+from datetime import UTC, date, datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -35,7 +35,9 @@ METRICS = ("requests", "rejected", "prompt_tokens", "completion_tokens")
 
 
 class UsageRecorder:
-    def __init__(self, redis_client: Any, engine: Engine | None = None, *, prefix: str = "tf") -> None:
+    def __init__(
+        self, redis_client: Any, engine: Engine | None = None, *, prefix: str = "tf"
+    ) -> None:
         self.redis = redis_client
         self.engine = engine
         self.pending_key = f"{prefix}:usage:pending"
@@ -43,16 +45,27 @@ class UsageRecorder:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def record(self, tenant_id: str, budget: str, *, requests: int = 0, rejected: int = 0,
-               prompt_tokens: int = 0, completion_tokens: int = 0,
-               day: date | None = None) -> None:
+    def record(
+        self,
+        tenant_id: str,
+        budget: str,
+        *,
+        requests: int = 0,
+        rejected: int = 0,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        day: date | None = None,
+    ) -> None:
         if budget not in BUDGETS:
             raise ValueError(f"unknown budget '{budget}'")
-        d = (day or datetime.now(timezone.utc).date()).isoformat()
+        d = (day or datetime.now(UTC).date()).isoformat()
         pipe = self.redis.pipeline(transaction=False)
-        for name, value in (("requests", requests), ("rejected", rejected),
-                            ("prompt_tokens", prompt_tokens),
-                            ("completion_tokens", completion_tokens)):
+        for name, value in (
+            ("requests", requests),
+            ("rejected", rejected),
+            ("prompt_tokens", prompt_tokens),
+            ("completion_tokens", completion_tokens),
+        ):
             if value:
                 pipe.hincrby(self.pending_key, f"{tenant_id}|{budget}|{d}|{name}", int(value))
         pipe.execute()
@@ -68,7 +81,7 @@ class UsageRecorder:
         claimed = self.flushing_prefix + uuid.uuid4().hex
         try:
             self.redis.rename(self.pending_key, claimed)
-        except Exception as exc:  # noqa: BLE001 - "no such key": nothing recorded
+        except Exception as exc:
             if "no such key" in str(exc).lower():
                 return rows
             raise
@@ -82,8 +95,10 @@ class UsageRecorder:
             agg.setdefault((tenant_id, budget, d), dict.fromkeys(METRICS, 0))[metric] += int(value)
         if agg:
             now = utcnow()
-            values = [{"tenant_id": t, "budget": b, "day": date.fromisoformat(d),
-                       **m, "updated_at": now} for (t, b, d), m in sorted(agg.items())]
+            values = [
+                {"tenant_id": t, "budget": b, "day": date.fromisoformat(d), **m, "updated_at": now}
+                for (t, b, d), m in sorted(agg.items())
+            ]
             with self.engine.begin() as conn:  # type: ignore[union-attr]
                 conn.execute(_upsert(conn.dialect.name), values)
         self.redis.delete(key)
@@ -140,7 +155,10 @@ def usage_for(engine: Engine, tenant_id: str, *, since: date | None = None) -> l
     stmt = stmt.order_by(TenantUsage.day.desc(), TenantUsage.budget)
     with engine.connect() as conn:
         return [
-            {"day": r.day.isoformat(), "budget": r.budget,
-             **{m: int(getattr(r, m)) for m in METRICS}}
+            {
+                "day": r.day.isoformat(),
+                "budget": r.budget,
+                **{m: int(getattr(r, m)) for m in METRICS},
+            }
             for r in conn.execute(stmt)
         ]

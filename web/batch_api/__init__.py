@@ -32,9 +32,12 @@ def init_app(app: Flask, **overrides: Any) -> Any:
     if not cfg.get("DATABASE_URL") or not cfg.get("REDIS_URL"):
         log.info("files/batches API disabled: it needs DATABASE_URL and REDIS_URL")
         return None
-    svc = TenancyServices.build(database_url=cfg["DATABASE_URL"], redis_url=cfg["REDIS_URL"],
-                                data_dir=cfg.get("DATA_DIR") or ".tokenfleet",
-                                prefix=cfg.get("REDIS_PREFIX") or "tf")
+    svc = TenancyServices.build(
+        database_url=cfg["DATABASE_URL"],
+        redis_url=cfg["REDIS_URL"],
+        data_dir=cfg.get("DATA_DIR") or ".tokenfleet",
+        prefix=cfg.get("REDIS_PREFIX") or "tf",
+    )
     app.extensions["tokenfleet.tenancy"] = svc
     auth = app.extensions.get("tokenfleet.auth")
     if auth is None:
@@ -75,8 +78,15 @@ def start_runner(app: Flask, **overrides: Any) -> Any:
         log.info("no batch runner in this process: no live gateway and no BATCH_ENGINE_URL")
         return None
     runner_cfg = cfg.get("BATCH_RUNNER_CONFIG") or RunnerConfig(max_inflight=max_inflight)
-    svc.runner = BatchRunner(svc.engine, svc.files, executor, config=runner_cfg, gate=svc.gate,
-                             capacity=capacity, name="api-batch-runner")
+    svc.runner = BatchRunner(
+        svc.engine,
+        svc.files,
+        executor,
+        config=runner_cfg,
+        gate=svc.gate,
+        capacity=capacity,
+        name="api-batch-runner",
+    )
     svc.runner.start()
     return svc.runner
 

@@ -38,21 +38,34 @@ class TenancyServices:
     _closed: bool = field(default=False, repr=False)
 
     @classmethod
-    def build(cls, *, database_url: str, redis_url: str, data_dir: str | Path,
-              prefix: str = "tf", engine: Engine | None = None) -> TenancyServices:
+    def build(
+        cls,
+        *,
+        database_url: str,
+        redis_url: str,
+        data_dir: str | Path,
+        prefix: str = "tf",
+        engine: Engine | None = None,
+    ) -> TenancyServices:
         import redis
 
         from tokenfleet.service.db import make_engine
 
         eng = engine or make_engine(database_url, pool_size=10)
-        client = redis.Redis.from_url(redis_url, socket_connect_timeout=2,
-                                      health_check_interval=30)
+        client = redis.Redis.from_url(redis_url, socket_connect_timeout=2, health_check_interval=30)
         directory = TenantDirectory(eng, client, prefix=prefix)
         quotas = QuotaEnforcer(client, prefix=prefix)
         usage = UsageRecorder(client, eng, prefix=prefix)
         files = FileStore(eng, Path(data_dir) / "files")
-        return cls(engine=eng, redis=client, directory=directory, quotas=quotas, usage=usage,
-                   files=files, gate=TenancyGate(directory, quotas, usage))
+        return cls(
+            engine=eng,
+            redis=client,
+            directory=directory,
+            quotas=quotas,
+            usage=usage,
+            files=files,
+            gate=TenancyGate(directory, quotas, usage),
+        )
 
     def allowed_regions(self, tenant_id: str) -> tuple[str, ...]:
         """Regions a tenant's record allows (``()``: any), for FleetMind (cached <= 0.5 s)."""

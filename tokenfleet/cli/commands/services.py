@@ -98,7 +98,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     for name, func, text in (
         ("down", _cmd_down, "stop embedded servers of the data dir"),
         ("status", _cmd_status, "show embedded servers; exit 1 unless all answer"),
-        ("env", _cmd_env, "print export lines: eval \"$(tokenfleet services env)\""),
+        ("env", _cmd_env, 'print export lines: eval "$(tokenfleet services env)"'),
         ("config", _cmd_config, "show the resolved configuration and where each value came from"),
     ):
         p = sub.add_parser(name, help=text)

@@ -31,6 +31,18 @@ from tokenfleet.live.gateway.errors import (
 )
 from tokenfleet.live.gateway.validate import TIER_HEADER, ChatRequest
 
-__all__ = ["Gateway", "ChatRequest", "Dispatched", "GatewayError", "InvalidRequest",
-           "ContextLengthExceeded", "ModelNotFound", "RegionNotAllowed", "AtCapacity",
-           "NoCapacity", "StoreUnavailable", "openai_error_body", "TIER_HEADER"]
+__all__ = [
+    "Gateway",
+    "ChatRequest",
+    "Dispatched",
+    "GatewayError",
+    "InvalidRequest",
+    "ContextLengthExceeded",
+    "ModelNotFound",
+    "RegionNotAllowed",
+    "AtCapacity",
+    "NoCapacity",
+    "StoreUnavailable",
+    "openai_error_body",
+    "TIER_HEADER",
+]

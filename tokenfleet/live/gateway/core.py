@@ -44,9 +44,17 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
     LPUSH goes into the request-state pipeline.
     """
 
-    def __init__(self, *, state: LiveState, celery: Any, live: LiveConfig,
-                 slo: SLOConfig | None = None, ledger: Any = None,
-                 admission: Any = None, publish_with_state: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        state: LiveState,
+        celery: Any,
+        live: LiveConfig,
+        slo: SLOConfig | None = None,
+        ledger: Any = None,
+        admission: Any = None,
+        publish_with_state: bool = False,
+    ) -> None:
         self.state = state
         self.celery = celery
         self._publisher = PipelinePublisher(celery) if publish_with_state else None
@@ -60,8 +68,9 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
         self.fleet: LiveFleet | None = None
         if live.fleet_policy and live.fleet_policy != "off":
             topo = load_topology(live.topology) if live.topology else None
-            self.fleet = LiveFleet(live.fleet_policy, topology=topo, slo=self.slo,
-                                   entry_dc=live.entry_dc)
+            self.fleet = LiveFleet(
+                live.fleet_policy, topology=topo, slo=self.slo, entry_dc=live.entry_dc
+            )
         self._fleet_at = -1.0
         self._mean_tokens: dict[str, tuple[float, float]] = {}
         #: tenant id -> regions its record allows (set by the tenancy layer; () = any)
@@ -69,17 +78,25 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
         self.metrics: Any = None  # the API's metrics (web.metrics.ApiMetrics), if any
         self._start_view()
 
-    def validate(self, body: Any, *, tenant: str, tier_hint: str = "",
-                 slo_class: str | None = None) -> ChatRequest:
+    def validate(
+        self, body: Any, *, tenant: str, tier_hint: str = "", slo_class: str | None = None
+    ) -> ChatRequest:
         """``body`` (parsed JSON) as a :class:`ChatRequest`, checked against the
         models the live instances serve; its prompt is tokenized here, once."""
         try:
             models = self.models()
         except redis.RedisError as exc:
-            raise StoreUnavailable(f"the live state store is unavailable "
-                                   f"({exc.__class__.__name__}); retry shortly") from None
-        return validate_chat(body, tenant=tenant, models=models, slo=self.slo,
-                             tier_hint=tier_hint, slo_class=slo_class)
+            raise StoreUnavailable(
+                f"the live state store is unavailable ({exc.__class__.__name__}); retry shortly"
+            ) from None
+        return validate_chat(
+            body,
+            tenant=tenant,
+            models=models,
+            slo=self.slo,
+            tier_hint=tier_hint,
+            slo_class=slo_class,
+        )
 
     def health(self) -> dict[str, Any]:
         """Redis and the instances as ``/health`` reports them (raises RedisError)."""
@@ -87,7 +104,14 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
         infos = self.state.instances()
         now = time.time()
         healthy = {i.instance_id for i in infos if i.is_healthy(now, self.live.stale_after_s)}
-        return {"healthy": sorted(healthy),
-                "instances": {i.instance_id: {"dc": i.dc, "healthy": i.instance_id in healthy,
-                                              "age_s": round(max(0.0, i.age_s(now)), 3)}
-                              for i in infos}}
+        return {
+            "healthy": sorted(healthy),
+            "instances": {
+                i.instance_id: {
+                    "dc": i.dc,
+                    "healthy": i.instance_id in healthy,
+                    "age_s": round(max(0.0, i.age_s(now)), 3),
+                }
+                for i in infos
+            },
+        }

@@ -70,9 +70,15 @@ class Dispatched:
 
 def ledger_record(info: RequestInfo, status: str, **columns: Any) -> RequestRecord:
     """The ledger row of a request the API settles itself (rejected, timed out, ...)."""
-    base: dict[str, Any] = {"request_id": info.request_id, "tenant_id": info.tenant,
-                            "tier": info.tier, "model": info.model, "status": status,
-                            "arrival_ts": info.arrival_s, "prompt_tokens": info.input_tokens}
+    base: dict[str, Any] = {
+        "request_id": info.request_id,
+        "tenant_id": info.tenant,
+        "tier": info.tier,
+        "model": info.model,
+        "status": status,
+        "arrival_ts": info.arrival_s,
+        "prompt_tokens": info.input_tokens,
+    }
     base.update(columns)
     return RequestRecord(**base)
 
@@ -101,6 +107,7 @@ class Dispatcher:
     _mean_tokens: dict[str, tuple[float, float]]
 
     if TYPE_CHECKING:  # from LiveView
+
         def instances(self, max_age_s: float = ...) -> list[InstanceInfo]: ...
         def _refresh_admission_knobs(self, max_age_s: float = ...) -> None: ...
         def _refresh_depths(self) -> None: ...
@@ -111,8 +118,9 @@ class Dispatcher:
         info = req.info
         now = time.time()
         try:
-            views = self.state.instance_views(now, self.live.stale_after_s, self.instances(),
-                                              self.accounting.get)
+            views = self.state.instance_views(
+                now, self.live.stale_after_s, self.instances(), self.accounting.get
+            )
             views, dc_choice, allowed_dcs = self._pick_dc(req, views, now)
             allowed = self._admit(req, views, now)
             if allowed is not None:
@@ -122,11 +130,13 @@ class Dispatcher:
             decision = self._route(req, views, now)
             target = next(v for v in views if v.instance_id == decision.instance_id)
             target, sticky = self._sticky(req, views, target)
-            cached = (decision.expected_cached_tokens
-                      if target.instance_id == decision.instance_id else 0)
+            cached = (
+                decision.expected_cached_tokens if target.instance_id == decision.instance_id else 0
+            )
             with self.index_lock:
-                cached = max(cached, self.index.match_instance(
-                    target.instance_id, info.block_hashes) * 16)
+                cached = max(
+                    cached, self.index.match_instance(target.instance_id, info.block_hashes) * 16
+                )
             cached = min(cached, info.input_tokens)
             affinity = sticky or self._valuable(info, cached)
             if affinity:
@@ -134,15 +144,32 @@ class Dispatcher:
             else:
                 queue = pool_queue(target.dc, info.tier)
             admitted = time.time()
-            log.debug("route %s: %s -> %s (expected cached %d, %s)", info.request_id,
-                      decision.instance_id, queue, cached, decision.reason)
+            log.debug(
+                "route %s: %s -> %s (expected cached %d, %s)",
+                info.request_id,
+                decision.instance_id,
+                queue,
+                cached,
+                decision.reason,
+            )
             job = ChatJob(
-                request_id=info.request_id, attempt=1, tenant=info.tenant, tier=info.tier,
-                model=info.model, body=req.body, input_tokens=info.input_tokens,
-                max_tokens=info.max_tokens, arrival_ts=info.arrival_s, queue=queue,
-                admitted_ts=admitted, accounted=target.instance_id if affinity else "",
-                dc=target.dc, expected_cached=cached, allowed_dcs=allowed_dcs,
-                deadline_ts=req.deadline_s)
+                request_id=info.request_id,
+                attempt=1,
+                tenant=info.tenant,
+                tier=info.tier,
+                model=info.model,
+                body=req.body,
+                input_tokens=info.input_tokens,
+                max_tokens=info.max_tokens,
+                arrival_ts=info.arrival_s,
+                queue=queue,
+                admitted_ts=admitted,
+                accounted=target.instance_id if affinity else "",
+                dc=target.dc,
+                expected_cached=cached,
+                allowed_dcs=allowed_dcs,
+                deadline_ts=req.deadline_s,
+            )
             # request state, queue depth, accounting, counters and (when the broker
             # is this Redis) the task itself: one round trip, the state first, so a
             # worker never takes a task whose state is missing (the id is a fresh
@@ -150,13 +177,16 @@ class Dispatcher:
             try:
                 self._dispatch_writes(req, job, target, affinity, cached, dc_choice)
             except KombuError as exc:
-                raise StoreUnavailable(f"the message broker is unavailable "
-                                       f"({exc.__class__.__name__}); retry shortly") from None
-            self._ledger(ledger_record(info, "in_flight", admitted_ts=admitted, dc=target.dc,
-                                       attempts=1))
+                raise StoreUnavailable(
+                    f"the message broker is unavailable ({exc.__class__.__name__}); retry shortly"
+                ) from None
+            self._ledger(
+                ledger_record(info, "in_flight", admitted_ts=admitted, dc=target.dc, attempts=1)
+            )
         except redis.RedisError as exc:
-            raise StoreUnavailable(f"the live state store is unavailable "
-                                   f"({exc.__class__.__name__}); retry shortly") from None
+            raise StoreUnavailable(
+                f"the live state store is unavailable ({exc.__class__.__name__}); retry shortly"
+            ) from None
         self._published(info)
         ticket = None
         if dc_choice is not None and self.fleet is not None:
@@ -167,9 +197,16 @@ class Dispatcher:
                     ticket = None
         # the router's choice: a pin elsewhere is corrected like late binding, at
         # the first token (feedback: rebind)
-        return Dispatched(request=req, job=job, queue=queue, instance=decision.instance_id,
-                          decision=decision, dispatch_s=admitted, affinity=affinity,
-                          fleet=ticket)
+        return Dispatched(
+            request=req,
+            job=job,
+            queue=queue,
+            instance=decision.instance_id,
+            decision=decision,
+            dispatch_s=admitted,
+            affinity=affinity,
+            fleet=ticket,
+        )
 
     # -- admission ----------------------------------------------------------------------
     def _admit(self, req: ChatRequest, views: list[Any], now: float) -> tuple[str, ...] | None:
@@ -196,13 +233,15 @@ class Dispatcher:
                 load.tier(tier).reserved_kv_tokens = 0
             loads.append(load)
         dcs = {v.dc for v in views}
-        snap = AdmissionSnapshot(now_s=now, instances=loads,
-                                 queues=self._broker_queues(dcs, req.info))
+        snap = AdmissionSnapshot(
+            now_s=now, instances=loads, queues=self._broker_queues(dcs, req.info)
+        )
         with self.router_lock:
             decision = self.admission.on_arrival(req.info, snap)
         if decision.action == REJECT:
-            self._reject(req, decision.reason, decision.retry_after_s,
-                         dcs.pop() if len(dcs) == 1 else None)
+            self._reject(
+                req, decision.reason, decision.retry_after_s, dcs.pop() if len(dcs) == 1 else None
+            )
         if decision.action == ADMIT and decision.instance_ids:
             return tuple(decision.instance_ids)
         return None
@@ -231,32 +270,40 @@ class Dispatcher:
         out = {}
         for tier, n in n_by_tier.items():
             mean_in, mean_out = self._mean_tokens.get(
-                tier, (float(info.input_tokens), float(info.max_tokens)))
+                tier, (float(info.input_tokens), float(info.max_tokens))
+            )
             out[tier] = QueueTotals(tier, n, int(n * mean_in), int(n * (mean_in + mean_out)))
         return out
 
     def _published(self, info: RequestInfo) -> None:
         """Running mean prompt and budget of what this API published, per tier."""
-        mean_in, mean_out = self._mean_tokens.get(info.tier, (float(info.input_tokens),
-                                                              float(info.max_tokens)))
+        mean_in, mean_out = self._mean_tokens.get(
+            info.tier, (float(info.input_tokens), float(info.max_tokens))
+        )
         a = 0.05
-        self._mean_tokens[info.tier] = (mean_in + a * (info.input_tokens - mean_in),
-                                        mean_out + a * (info.max_tokens - mean_out))
+        self._mean_tokens[info.tier] = (
+            mean_in + a * (info.input_tokens - mean_in),
+            mean_out + a * (info.max_tokens - mean_out),
+        )
 
-    def _reject(self, req: ChatRequest, reason: str, retry_after_s: float | None,
-                dc: str | None = None) -> None:
+    def _reject(
+        self, req: ChatRequest, reason: str, retry_after_s: float | None, dc: str | None = None
+    ) -> None:
         info = req.info
-        self._ledger(ledger_record(info, "rejected", dc=dc, finished_ts=time.time(),
-                                   error=reason[:500]))
+        self._ledger(
+            ledger_record(info, "rejected", dc=dc, finished_ts=time.time(), error=reason[:500])
+        )
         try:
             self.state.count(**{f"rejected_{info.tier}": 1})
         except redis.RedisError:
             pass
         if self.metrics is not None:
             self.metrics.finished(info.tier, "rejected")
-        raise AtCapacity(f"TokenFleet is at capacity for {info.tier} requests ({reason}); "
-                         "retry after the indicated delay",
-                         retry_after_s=retry_after_s if retry_after_s is not None else 1.0)
+        raise AtCapacity(
+            f"TokenFleet is at capacity for {info.tier} requests ({reason}); "
+            "retry after the indicated delay",
+            retry_after_s=retry_after_s if retry_after_s is not None else 1.0,
+        )
 
     # -- datacenter choice (FleetMind) ------------------------------------------------------
     def _tenant(self, tenant_id: str) -> Any:
@@ -266,12 +313,14 @@ class Dispatcher:
             try:
                 regions = self.tenant_regions(tenant_id)
             except Exception:  # noqa: BLE001 - tenancy store down: topology rules only
-                log.warning("tenant %s: allowed regions unavailable; using the topology's",
-                            tenant_id)
+                log.warning(
+                    "tenant %s: allowed regions unavailable; using the topology's", tenant_id
+                )
         return self.fleet.tenant(tenant_id, regions)
 
-    def _pick_dc(self, req: ChatRequest, views: list[Any], now: float
-                 ) -> tuple[list[Any], tuple[Any, str | None] | None, tuple[str, ...]]:
+    def _pick_dc(
+        self, req: ChatRequest, views: list[Any], now: float
+    ) -> tuple[list[Any], tuple[Any, str | None] | None, tuple[str, ...]]:
         """FleetMind picks the datacenter; the router then sees only its instances.
 
         Returns the chosen DC's views, (decision, home) for the accounting and
@@ -301,7 +350,9 @@ class Dispatcher:
                 raise RegionNotAllowed(
                     f"tenant '{info.tenant}' may not use any datacenter that serves "
                     f"`{info.model}` (its allowed regions or sites exclude them); ask the "
-                    "operator to widen the tenant's allowed regions", param="model")
+                    "operator to widen the tenant's allowed regions",
+                    param="model",
+                )
             raise NoCapacity(f"no datacenter can serve this request now ({why})")
         if self.metrics is not None:
             self.metrics.dc_decision(decision.dc, decision.reason)
@@ -313,16 +364,20 @@ class Dispatcher:
         try:
             with self.router_lock:
                 decision: RouteDecision = self.router.route(
-                    req.info, PoolSnapshot(now_s=now, instances=views))
+                    req.info, PoolSnapshot(now_s=now, instances=views)
+                )
                 return decision
         except NoCandidateError as exc:
-            raise NoCapacity(f"no healthy engine instance can take this request now "
-                             f"({exc})") from None
+            raise NoCapacity(
+                f"no healthy engine instance can take this request now ({exc})"
+            ) from None
 
     def _valuable(self, info: RequestInfo, cached_tokens: int) -> bool:
         """A cache hit worth waiting for that instance (else: late binding)."""
-        return (cached_tokens >= self.live.affinity_min_cached_tokens
-                and cached_tokens >= self.live.affinity_min_cached_fraction * info.input_tokens)
+        return (
+            cached_tokens >= self.live.affinity_min_cached_tokens
+            and cached_tokens >= self.live.affinity_min_cached_fraction * info.input_tokens
+        )
 
     def _sticky(self, req: ChatRequest, views: list[Any], target: Any) -> tuple[Any, bool]:
         """``prompt_cache_key``: the client's own affinity hint. The first request
@@ -346,26 +401,40 @@ class Dispatcher:
         return target, True
 
     # -- publishing -----------------------------------------------------------------------
-    def _dispatch_writes(self, req: ChatRequest, job: ChatJob, target: Any, affinity: bool,
-                         cached: int, dc_choice: tuple[Any, str | None] | None) -> None:
+    def _dispatch_writes(
+        self,
+        req: ChatRequest,
+        job: ChatJob,
+        target: Any,
+        affinity: bool,
+        cached: int,
+        dc_choice: tuple[Any, str | None] | None,
+    ) -> None:
         info = req.info
         joined = self._publisher
         booked: dict[str, int] = {}
         with self.state.batch() as b:
-            b.create_request(info.request_id, job.queue, self.live.request_state_ttl_s,
-                             tier=info.tier, instance=target.instance_id)
+            b.create_request(
+                info.request_id,
+                job.queue,
+                self.live.request_state_ttl_s,
+                tier=info.tier,
+                instance=target.instance_id,
+            )
             b.queued(job.queue, 1)
             if affinity:
                 booked = b.account(target.instance_id, "on_dispatch", info, cached)
-            b.count(**{f"arrived_{info.tier}": 1,
-                       f"dispatched_{'affinity' if affinity else 'pool'}": 1})
+            b.count(
+                **{f"arrived_{info.tier}": 1, f"dispatched_{'affinity' if affinity else 'pool'}": 1}
+            )
             if dc_choice is not None and dc_choice[1] not in (None, target.dc):
                 # beat's planner needs each DC's spilled-in share (rollback rule)
                 b.count(**{f"spilled_in:{target.dc}": 1})
             if joined is not None:
                 # a KombuError here leaves the batch unsent: nothing to undo
-                joined.publish(b.pipe, TASK_CHAT, [job.to_message()], job.task_id, job.queue,
-                               job.headers())
+                joined.publish(
+                    b.pipe, TASK_CHAT, [job.to_message()], job.task_id, job.queue, job.headers()
+                )
         if booked:  # the pool's dispatches are booked by the worker that claims them
             self.accounting.wrote(target.instance_id, booked)
         if joined is not None:
@@ -387,5 +456,5 @@ class Dispatcher:
             return
         try:
             self.ledger.record(row)
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("ledger row not recorded")

@@ -14,22 +14,44 @@ from typing import Any
 from tokenfleet.errors import TokenFleetError
 
 #: OpenAI error ``type`` by HTTP status (the OpenAI API reference, error codes guide)
-DEFAULT_TYPE = {400: "invalid_request_error", 401: "invalid_request_error",
-                403: "invalid_request_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 413: "invalid_request_error",
-                415: "invalid_request_error", 429: "requests", 500: "server_error",
-                502: "server_error", 503: "server_error", 504: "server_error"}
+DEFAULT_TYPE = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "requests",
+    500: "server_error",
+    502: "server_error",
+    503: "server_error",
+    504: "server_error",
+}
 
 
 def error_type(status: int, type_: str | None = None) -> str:
-    return type_ or DEFAULT_TYPE.get(status, "server_error" if status >= 500
-                                     else "invalid_request_error")
+    return type_ or DEFAULT_TYPE.get(
+        status, "server_error" if status >= 500 else "invalid_request_error"
+    )
 
 
-def openai_error_body(status: int, message: str, *, param: str | None = None,
-                      code: str | None = None, type_: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type(status, type_), "param": param,
-                      "code": code}}
+def openai_error_body(
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    type_: str | None = None,
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": error_type(status, type_),
+            "param": param,
+            "code": code,
+        }
+    }
 
 
 class GatewayError(TokenFleetError):
@@ -41,8 +63,15 @@ class GatewayError(TokenFleetError):
     #: default Retry-After for this kind of refusal (None: no header unless 429/503)
     retry_after_s: float | None = None
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after_s: float | None = None, status: int | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+        status: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
@@ -54,8 +83,9 @@ class GatewayError(TokenFleetError):
             self.status = status
 
     def body(self) -> dict[str, Any]:
-        return openai_error_body(self.status, self.message, param=self.param, code=self.code,
-                                 type_=self.type_)
+        return openai_error_body(
+            self.status, self.message, param=self.param, code=self.code, type_=self.type_
+        )
 
 
 class InvalidRequest(GatewayError):

@@ -67,8 +67,13 @@ class Feedback:
     def _on_first_token(self, d: Dispatched, instance: str) -> None:
         assert d.first_token_s is not None
         pred = d.decision.predicted_ttft_s if d.decision else None
-        ev = FirstTokenEvent(request=d.request.info, instance_id=instance, now_s=d.first_token_s,
-                             ttft_s=d.first_token_s - d.dispatch_s, predicted_ttft_s=pred)
+        ev = FirstTokenEvent(
+            request=d.request.info,
+            instance_id=instance,
+            now_s=d.first_token_s,
+            ttft_s=d.first_token_s - d.dispatch_s,
+            predicted_ttft_s=pred,
+        )
         with self.router_lock:
             self.router.on_first_token(ev)
             if self.admission is not None:
@@ -76,7 +81,9 @@ class Feedback:
             if d.fleet is not None and self.fleet is not None:
                 self.fleet.first_token(d.fleet, d.request.info, ev.ttft_s)
         if self.metrics is not None:
-            self.metrics.first_token(d.request.info.tier, d.first_token_s - d.request.info.arrival_s)
+            self.metrics.first_token(
+                d.request.info.tier, d.first_token_s - d.request.info.arrival_s
+            )
 
     def _on_complete(self, d: Dispatched, ev: RelayEvent) -> None:
         self.first_token_feedback(d)
@@ -84,11 +91,15 @@ class Feedback:
         usage = ev.usage or {}
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
         done = CompletionEvent(
-            request=d.request.info, instance_id=ev.instance or d.instance, now_s=now,
-            status="completed", output_tokens=int(usage.get("completion_tokens", 0)),
+            request=d.request.info,
+            instance_id=ev.instance or d.instance,
+            now_s=now,
+            status="completed",
+            output_tokens=int(usage.get("completion_tokens", 0)),
             cached_tokens=cached,
             ttft_s=(d.first_token_s - d.dispatch_s) if d.first_token_s else None,
-            e2e_s=now - d.request.info.arrival_s)
+            e2e_s=now - d.request.info.arrival_s,
+        )
         with self.router_lock:
             self.router.on_complete(done)
             if self.admission is not None:
@@ -96,5 +107,6 @@ class Feedback:
             if d.fleet is not None and self.fleet is not None:
                 self.fleet.finished(d.fleet, d.request.info, "completed", done.output_tokens)
         if self.metrics is not None:
-            self.metrics.finished(d.request.info.tier, "completed",
-                                  int(usage.get("completion_tokens", 0)))
+            self.metrics.finished(
+                d.request.info.tier, "completed", int(usage.get("completion_tokens", 0))
+            )

@@ -60,8 +60,9 @@ class LiveView:
         self._stop = threading.Event()
         self._kv_thread = threading.Thread(target=self._kv_loop, name="kv-index", daemon=True)
         self._kv_thread.start()
-        self._refresh_thread = threading.Thread(target=self._refresh_loop, name="refresh",
-                                                daemon=True)
+        self._refresh_thread = threading.Thread(
+            target=self._refresh_loop, name="refresh", daemon=True
+        )
         self._refresh_thread.start()
 
     def close(self) -> None:
@@ -80,7 +81,7 @@ class LiveView:
             except (redis.ConnectionError, redis.TimeoutError):
                 self._stop.wait(0.5)
                 continue
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("KV event stream read failed")
                 self._stop.wait(1.0)
                 continue
@@ -143,7 +144,7 @@ class LiveView:
                     self._refresh_fleet_plan(max_age_s=0.0)
             except redis.RedisError:
                 continue  # requests see the outage themselves
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("live-state refresh failed")
 
     def live_instances(self) -> list[InstanceInfo]:

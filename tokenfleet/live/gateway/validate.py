@@ -29,9 +29,20 @@ TIER_HEADER = "X-TokenFleet-Tier"
 #: default output budget when the client gives none (vLLM uses all the context left)
 DEFAULT_MAX_TOKENS = 4096
 #: body fields passed through to the engine unchanged
-PASSTHROUGH = ("temperature", "top_p", "stop", "seed", "presence_penalty",
-               "frequency_penalty", "logit_bias", "ignore_eos", "min_tokens", "vllm_xargs",
-               "top_k", "repetition_penalty")
+PASSTHROUGH = (
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "ignore_eos",
+    "min_tokens",
+    "vllm_xargs",
+    "top_k",
+    "repetition_penalty",
+)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -51,8 +62,15 @@ class ChatRequest:
     budget: str = "interactive"
 
 
-def validate_chat(body: Any, *, tenant: str, models: Mapping[str, int], slo: SLOConfig,
-                  tier_hint: str = "", slo_class: str | None = None) -> ChatRequest:
+def validate_chat(
+    body: Any,
+    *,
+    tenant: str,
+    models: Mapping[str, int],
+    slo: SLOConfig,
+    tier_hint: str = "",
+    slo_class: str | None = None,
+) -> ChatRequest:
     """Check ``body`` against the served ``models`` ({name: context length})."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
@@ -63,15 +81,18 @@ def validate_chat(body: Any, *, tenant: str, models: Mapping[str, int], slo: SLO
         raise InvalidRequest("'model' must be a string", param="model")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("'messages' must be a non-empty array of messages",
-                             param="messages")
+        raise InvalidRequest("'messages' must be a non-empty array of messages", param="messages")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise InvalidRequest(f"messages[{i}] must be an object with a string 'role'",
-                                 param=f"messages[{i}]")
+            raise InvalidRequest(
+                f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]"
+            )
         if m["role"] not in ROLES:
-            raise InvalidRequest(f"messages[{i}].role '{m['role']}' is not one of system, "
-                                 "developer, user, assistant, tool", param=f"messages[{i}].role")
+            raise InvalidRequest(
+                f"messages[{i}].role '{m['role']}' is not one of system, "
+                "developer, user, assistant, tool",
+                param=f"messages[{i}].role",
+            )
     max_tokens = _opt_int(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens")
@@ -86,8 +107,9 @@ def validate_chat(body: Any, *, tenant: str, models: Mapping[str, int], slo: SLO
     options = body.get("stream_options")
     if options is not None:
         if not stream:
-            raise InvalidRequest("'stream_options' is only allowed when 'stream' is true",
-                                 param="stream_options")
+            raise InvalidRequest(
+                "'stream_options' is only allowed when 'stream' is true", param="stream_options"
+            )
         if not isinstance(options, dict):
             raise InvalidRequest("'stream_options' must be an object", param="stream_options")
     include_usage = bool(stream and options and options.get("include_usage") is True)
@@ -97,9 +119,11 @@ def validate_chat(body: Any, *, tenant: str, models: Mapping[str, int], slo: SLO
     if model not in models:
         if not models:
             raise NoCapacity("no engine instance is up yet; retry shortly")
-        raise ModelNotFound(f"The model `{model}` does not exist or you do not have "
-                            f"access to it. Available: {', '.join(sorted(models))}",
-                            param="model")
+        raise ModelNotFound(
+            f"The model `{model}` does not exist or you do not have "
+            f"access to it. Available: {', '.join(sorted(models))}",
+            param="model",
+        )
     try:
         prompt = tokenize_chat(messages)
     except ValueError as exc:
@@ -110,7 +134,9 @@ def validate_chat(body: Any, *, tenant: str, models: Mapping[str, int], slo: SLO
         raise ContextLengthExceeded(
             f"This model's maximum context length is {max_len} tokens. However, your "
             f"messages resulted in {input_tokens} tokens. Please reduce the length of the "
-            "messages.", param="messages")
+            "messages.",
+            param="messages",
+        )
     room = max_len - input_tokens
     if max_tokens is None:
         max_tokens = min(room, DEFAULT_MAX_TOKENS)
@@ -119,32 +145,56 @@ def validate_chat(body: Any, *, tenant: str, models: Mapping[str, int], slo: SLO
             f"This model's maximum context length is {max_len} tokens. However, you "
             f"requested {input_tokens + max_tokens} tokens ({input_tokens} in the messages, "
             f"{max_tokens} in the completion). Please reduce the length of the messages or "
-            "completion.", param="max_tokens")
+            "completion.",
+            param="max_tokens",
+        )
     if tier_hint and tier_hint not in slo.tiers:
-        raise InvalidRequest(f"header {TIER_HEADER} must be one of "
-                             f"{', '.join(sorted(slo.tiers))}", param=TIER_HEADER)
+        raise InvalidRequest(
+            f"header {TIER_HEADER} must be one of {', '.join(sorted(slo.tiers))}", param=TIER_HEADER
+        )
     task_type = "batch" if body.get("service_tier") == "flex" else "chat"
     now = time.time()
     info = RequestInfo(
-        request_id=uuid.uuid4().hex, arrival_s=now, input_tokens=input_tokens,
-        max_tokens=max_tokens, block_hashes=prompt.block_hashes, tenant=tenant,
-        task_type=task_type, tier=tier_hint, model=model, session=body.get("user"),
-        prompt_cache_key=body.get("prompt_cache_key"), slo_class=slo_class)
+        request_id=uuid.uuid4().hex,
+        arrival_s=now,
+        input_tokens=input_tokens,
+        max_tokens=max_tokens,
+        block_hashes=prompt.block_hashes,
+        tenant=tenant,
+        task_type=task_type,
+        tier=tier_hint,
+        model=model,
+        session=body.get("user"),
+        prompt_cache_key=body.get("prompt_cache_key"),
+        slo_class=slo_class,
+    )
     tier = classify(info, slo)
     deadline = None
     tslo = slo.slo_for(tier)
     if tier == "batch" and tslo.deadline_s is not None:
         deadline = now + tslo.deadline_s
     info = replace(info, tier=tier, deadline_s=deadline)
-    engine_body: dict[str, Any] = {"model": model, "messages": messages,
-                                   "max_tokens": max_tokens, "stream": True,
-                                   "stream_options": {"include_usage": True}}
+    engine_body: dict[str, Any] = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     for k in PASSTHROUGH:
         if k in body:
             engine_body[k] = body[k]
     budget = "batch" if tier_hint == "batch" or task_type == "batch" else "interactive"
-    return ChatRequest(info=info, body=engine_body, stream=stream, include_usage=include_usage,
-                       model=model, created=int(now), deadline_s=deadline, budget=budget)
+    return ChatRequest(
+        info=info,
+        body=engine_body,
+        stream=stream,
+        include_usage=include_usage,
+        model=model,
+        created=int(now),
+        deadline_s=deadline,
+        budget=budget,
+    )
 
 
 def _opt_int(body: Mapping[str, Any], name: str) -> int | None:
@@ -154,6 +204,7 @@ def _opt_int(body: Mapping[str, Any], name: str) -> int | None:
     if isinstance(v, bool) or not isinstance(v, int):
         raise InvalidRequest(f"'{name}' must be an integer, got {v!r}", param=name)
     if v <= 0:
-        raise InvalidRequest(f"'{name}' must be at least 1, got {v}", param=name,
-                             code="invalid_value")
+        raise InvalidRequest(
+            f"'{name}' must be at least 1, got {v}", param=name, code="invalid_value"
+        )
     return v

@@ -41,6 +41,7 @@ class Watcher:
     metrics: Any
 
     if TYPE_CHECKING:  # from LiveView, Dispatcher and Feedback
+
         def instances(self, max_age_s: float = ...) -> list[InstanceInfo]: ...
         def _publish(self, job: ChatJob) -> None: ...
         def _ledger(self, row: RequestRecord) -> None: ...
@@ -57,8 +58,12 @@ class Watcher:
         def on_idle() -> RelayEvent | None:
             now = time.time()
             if now > deadline:
-                return self._settle(d, "timed_out", 504,
-                                    f"request not finished within {self.live.request_timeout_s:.0f}s")
+                return self._settle(
+                    d,
+                    "timed_out",
+                    504,
+                    f"request not finished within {self.live.request_timeout_s:.0f}s",
+                )
             # the lost-worker check costs two Redis reads: at most twice a lease period
             if now - d.state_checked_s < min(1.0, self.live.lease_ttl_s / 2):
                 return None
@@ -71,9 +76,13 @@ class Watcher:
                 if not redis_down_since:
                     redis_down_since.append(now)
                 if now - redis_down_since[0] > max(5.0, 3 * self.live.lease_ttl_s):
-                    return RelayEvent("err", message="lost contact with the live state store "
-                                      "while waiting for this request; retry it", code=503,
-                                      error_type="server_error")
+                    return RelayEvent(
+                        "err",
+                        message="lost contact with the live state store "
+                        "while waiting for this request; retry it",
+                        code=503,
+                        error_type="server_error",
+                    )
                 return None
 
         for ev in reader.events(on_idle):
@@ -105,8 +114,13 @@ class Watcher:
                 return None
             lost = st.get("instance", "")
             if st.get("first_token") == "1":
-                return self._settle(d, "failed", 502, "the worker serving this request was "
-                                    "lost after streaming began; retry the request")
+                return self._settle(
+                    d,
+                    "failed",
+                    502,
+                    "the worker serving this request was "
+                    "lost after streaming began; retry the request",
+                )
             return self._resend(d, attempt, {lost}, f"worker of {lost} lost")
         if status == "queued":
             queue = st.get("queue", d.queue)
@@ -117,8 +131,9 @@ class Watcher:
                 return self._resend(d, attempt, set(), f"no live worker consumes {queue}")
         if status == "done" and st.get("final") in ("failed", "timed_out", "cancelled"):
             # settled by someone who could not write to the stream (e.g. lost worker)
-            return RelayEvent("err", message=f"request {st.get('final')}", code=502,
-                              error_type="server_error")
+            return RelayEvent(
+                "err", message=f"request {st.get('final')}", code=502, error_type="server_error"
+            )
         return None
 
     def _queue_served(self, queue: str, now: float) -> bool:
@@ -132,42 +147,53 @@ class Watcher:
                 return True
         return False
 
-    def _resend(self, d: Dispatched, attempt: int, exclude: set[str],
-                why: str) -> RelayEvent | None:
+    def _resend(
+        self, d: Dispatched, attempt: int, exclude: set[str], why: str
+    ) -> RelayEvent | None:
         """Publish the next attempt by the shared re-send rule (:mod:`tokenfleet.live.resend`)."""
         info = d.request.info
         now = time.time()
         tried = set(d.job.tried) | exclude
-        views = self.state.instance_views(now, self.live.stale_after_s,
-                                          self.instances(max_age_s=0.0))
+        views = self.state.instance_views(
+            now, self.live.stale_after_s, self.instances(max_age_s=0.0)
+        )
         target = pick_resend_target(views, d.job, tried)
         if target is None:
             if attempt >= self.live.max_attempts:
                 return self._settle(d, "failed", 503, f"{why}; no other instance available")
             return None  # wait for one to come back (or the request timeout)
-        new_attempt = self.state.redispatch(info.request_id, attempt, self.live.max_attempts,
-                                            target.queue)
+        new_attempt = self.state.redispatch(
+            info.request_id, attempt, self.live.max_attempts, target.queue
+        )
         if new_attempt == -5:
             return self._settle(d, "failed", 502, f"{why}; out of attempts")
         if new_attempt < 0:
             return None  # raced with a worker or another check: look again next tick
         with self.index_lock:
             cached = self.index.match_instance(target.instance_id, info.block_hashes) * 16
-        job = d.job.next_attempt(new_attempt, target.queue, tried=tried,
-                                 expected_cached=min(cached, info.input_tokens))
+        job = d.job.next_attempt(
+            new_attempt, target.queue, tried=tried, expected_cached=min(cached, info.input_tokens)
+        )
         try:
             self._publish(job)
         except KombuError:
-            log.warning("request %s: broker unavailable for the re-send; the next check "
-                        "retries", info.request_id)
+            log.warning(
+                "request %s: broker unavailable for the re-send; the next check retries",
+                info.request_id,
+            )
             self.state.set_request_status(info.request_id, "running")
             return None
         d.job = job
         d.attempt = new_attempt
         d.redispatches += 1
         self.state.count(api_redispatches=1)
-        log.warning("request %s re-sent as attempt %d to %s: %s", info.request_id,
-                    new_attempt, target.queue, why)
+        log.warning(
+            "request %s re-sent as attempt %d to %s: %s",
+            info.request_id,
+            new_attempt,
+            target.queue,
+            why,
+        )
         return None
 
     def _settle(self, d: Dispatched, status: str, code: int, message: str) -> RelayEvent | None:
@@ -176,15 +202,27 @@ class Watcher:
         if not won:
             return None  # the worker settled it first; its events are on the way
         self.state.cancel(info.request_id)
-        self._ledger(ledger_record(info, status, finished_ts=time.time(),
-                                   first_token_ts=d.first_token_s, instance=d.instance or None,
-                                   completion_tokens=d.tokens, attempts=d.attempt,
-                                   error=message[:500]))
+        self._ledger(
+            ledger_record(
+                info,
+                status,
+                finished_ts=time.time(),
+                first_token_ts=d.first_token_s,
+                instance=d.instance or None,
+                completion_tokens=d.tokens,
+                attempts=d.attempt,
+                error=message[:500],
+            )
+        )
         if self.metrics is not None:
             self.metrics.finished(info.tier, status)
         self._fleet_done(d, status)
-        return RelayEvent("err", message=message, code=code,
-                          error_type="timeout" if code == 504 else "server_error")
+        return RelayEvent(
+            "err",
+            message=message,
+            code=code,
+            error_type="timeout" if code == 504 else "server_error",
+        )
 
     def cancel(self, d: Dispatched) -> None:
         """The client went away: stop the engine work and settle as cancelled."""
@@ -195,9 +233,15 @@ class Watcher:
         except redis.RedisError:
             return
         if won:
-            self._ledger(ledger_record(info, "cancelled", finished_ts=time.time(),
-                                       first_token_ts=d.first_token_s,
-                                       completion_tokens=d.tokens))
+            self._ledger(
+                ledger_record(
+                    info,
+                    "cancelled",
+                    finished_ts=time.time(),
+                    first_token_ts=d.first_token_s,
+                    completion_tokens=d.tokens,
+                )
+            )
             if self.metrics is not None:
                 self.metrics.finished(info.tier, "cancelled")
         self._fleet_done(d, "cancelled")
