@@ -151,7 +151,7 @@ def _err(desc: str, retry: bool = False) -> dict[str, Any]:
 
 
 def document() -> dict[str, Any]:
-    auth = [{"bearer": []}]
+    auth: list[dict[str, list[str]]] = [{"bearer": []}]
     return {
         "openapi": "3.1.0",
         "info": {

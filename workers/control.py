@@ -69,8 +69,10 @@ def _window(ctx: ControlContext, now: float) -> tuple[Any, dict[str, int], float
     st = ctx.state
     counters = st.counters()
     raw = st.r.get(st.k("control", "prev"))
-    prev = json.loads(raw) if raw else {"at": now - ctx.live.control_period_s, "c": {}}
-    pc: dict[str, int] = prev["c"]
+    prev: dict[str, Any] = (
+        json.loads(raw) if raw else {"at": now - ctx.live.control_period_s, "c": {}}
+    )
+    pc: dict[str, int] = dict(prev["c"])
     period = max(1e-3, now - float(prev["at"]))
 
     def delta(name: str) -> int:
@@ -140,7 +142,7 @@ def _ledger_goodput(
             since=datetime.fromtimestamp(since, UTC),
             until=datetime.fromtimestamp(until, UTC),
             group_by=group_by,
-        )  # type: ignore[arg-type]
+        )
     except Exception as exc:  # noqa: BLE001 - the database may blip; control goes on
         log.warning("ledger unavailable for the control loop: %s", exc.__class__.__name__)
         return {}

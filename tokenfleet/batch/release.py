@@ -88,15 +88,15 @@ def plan_release(
         for d in demands
         if d.batch_id not in promoted_ids and d.remaining_lines > d.inflight_lines
     ]
-    want = {d.batch_id: d.remaining_lines - d.inflight_lines for d in others}
+    wanted = {d.batch_id: d.remaining_lines - d.inflight_lines for d in others}
     held = {d.batch_id: d.inflight_lines for d in others}
-    while free > 0 and want:
+    while free > 0 and wanted:
         # give one slot to the batch holding the fewest, ties by id (deterministic)
-        bid = min(want, key=lambda b: (held[b], b))
+        bid = min(wanted, key=lambda b: (held[b], b))
         grants[bid] = grants.get(bid, 0) + 1
         held[bid] += 1
-        want[bid] -= 1
+        wanted[bid] -= 1
         free -= 1
-        if want[bid] == 0:
-            del want[bid]
+        if wanted[bid] == 0:
+            del wanted[bid]
     return ReleasePlan(grants=grants, promoted=promoted_ids)

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack  # type: ignore[import-untyped]
+import msgpack
 import zmq
 
 from tokenfleet.core.types import KVEvent

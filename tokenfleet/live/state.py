@@ -34,7 +34,7 @@ from tokenfleet.core.types import (
 from tokenfleet.engine.profiles import EngineProfile, get_profile
 
 #: DispatchAccounting fields kept in Redis, in dataclass order
-ACCOUNTING_FIELDS = tuple(DispatchAccounting.__slots__)  # type: ignore[attr-defined]
+ACCOUNTING_FIELDS = tuple(DispatchAccounting.__slots__)
 
 # -- Lua: request state transitions -------------------------------------------------
 _CLAIM = """
@@ -576,7 +576,7 @@ class LiveState:
                     fields["x"] = 0  # inferred, not reported by the engine
                 pipe.xadd(
                     self.k("kv"),
-                    fields,  # type: ignore[arg-type]
+                    fields,
                     maxlen=maxlen,
                     approximate=True,
                 )

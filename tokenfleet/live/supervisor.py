@@ -103,7 +103,7 @@ class Supervisor:
 
     def poll(self) -> list[str]:
         """Restart children that died; returns the names restarted."""
-        restarted = []
+        restarted: list[str] = []
         if self.stopping:
             return restarted
         now = time.monotonic()

@@ -56,7 +56,7 @@ def _check_slo_class(slo_class: str) -> None:
 
 
 def _require(session: Any, tenant_id: str) -> Tenant:
-    tenant = session.get(Tenant, tenant_id)
+    tenant: Tenant | None = session.get(Tenant, tenant_id)
     if tenant is None:
         raise ConfigError(f"tenant '{tenant_id}' does not exist; see `tokenfleet tenants list`")
     return tenant

@@ -8,7 +8,7 @@ line (no data in that interval). Labels are escaped.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from html import escape
 
@@ -28,7 +28,7 @@ def _color(name: str, i: int) -> str:
 def _nice_max(v: float) -> float:
     if v <= 0:
         return 1.0
-    exp = 10 ** math.floor(math.log10(v))
+    exp = 10.0 ** math.floor(math.log10(v))
     for m in (1, 2, 2.5, 5, 10):
         if v <= m * exp:
             return m * exp
@@ -44,7 +44,7 @@ def _fmt(v: float) -> str:
 
 
 def line_chart(
-    series: dict[str, Sequence[Point]],
+    series: Mapping[str, Sequence[Point]],
     *,
     title: str,
     unit: str = "",
@@ -100,15 +100,15 @@ def line_chart(
     for i, (name, pts) in enumerate(series.items()):
         color = _color(name, i)
         runs: list[list[str]] = [[]]
-        for t, v in sorted(pts):
-            if v is None:
+        for t, val in sorted(pts):
+            if val is None:
                 runs.append([])
                 continue
-            runs[-1].append(f"{px(t):.1f},{py(v):.1f}")
+            runs[-1].append(f"{px(t):.1f},{py(val):.1f}")
         for run in runs:
             if len(run) == 1:
-                x, y = run[0].split(",")
-                parts.append(f'<circle cx="{x}" cy="{y}" r="2.5" fill="{color}"/>')
+                cx, cy = run[0].split(",")
+                parts.append(f'<circle cx="{cx}" cy="{cy}" r="2.5" fill="{color}"/>')
             elif run:
                 parts.append(
                     f'<polyline fill="none" stroke="{color}" stroke-width="2" '

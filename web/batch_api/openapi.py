@@ -164,7 +164,7 @@ _AFTER = {"name": "after", "in": "query", "required": False, "schema": {"type": 
 
 
 def fragment() -> dict[str, Any]:
-    auth = [{"bearer": []}]
+    auth: list[dict[str, list[str]]] = [{"bearer": []}]
     unauth = _err("Missing, invalid or revoked API key.")
     return {
         "schemas": {
