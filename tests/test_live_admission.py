@@ -2,7 +2,7 @@
 
 The gateway publishes queued work to Celery, so its own queues are empty;
 the admission snapshot instead gets per-tier totals from the queue-depth
-counters in Redis (web/gateway.py ``_broker_queues``). With a long backlog of
+counters in Redis (tokenfleet/live/gateway/dispatch.py ``_broker_queues``). With a long backlog of
 long-context work, a new long-context request is refused with a 429 whose
 Retry-After comes from the predicted wait, while interactive work is still
 admitted; once the backlog is gone, long-context work is admitted again.

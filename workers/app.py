@@ -19,7 +19,7 @@ Settings and why (Celery 5.6 docs):
   queued+running time of any request ("Backends and Brokers > Redis >
   Visibility timeout"); we use ``LiveConfig.visibility_timeout_s`` (2 h,
   above the batch tier's 1 h deadline). Faster recovery from a dead worker
-  does not wait for it: the API re-sends the request (see web.gateway).
+  does not wait for it: the API re-sends the request (see tokenfleet.live.gateway.watch).
 * ``queue_order_strategy = "priority"`` (kombu Redis transport): a worker
   polls its queues in the order given (interactive, long_context, batch)
   instead of round-robin, so a free slot always takes the highest tier
