@@ -1,4 +1,4 @@
-"""FleetMind on the live request path (tokenfleet/live/fleet.py, tokenfleet/live/gateway/dispatch.py).
+"""FleetMind on the live request path (tokenfleet/live/fleet.py, live/gateway/dispatch.py).
 
 The first tests drive :class:`LiveFleet` directly with instance views, as
 the gateway does; the last ones go through the real stack (Redis, Postgres,
