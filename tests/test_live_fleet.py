@@ -1,6 +1,6 @@
-"""FleetMind on the live request path (tokenfleet/live/fleet.py, live/gateway/dispatch.py).
+"""FleetMind on the live request path (tokenfleet/live/dc_select.py, live/gateway/dispatch.py).
 
-The first tests drive :class:`LiveFleet` directly with instance views, as
+The first tests drive :class:`LiveDCSelector` directly with instance views, as
 the gateway does; the last ones go through the real stack (Redis, Postgres,
 Celery workers, emulated engines) and read where the ledger says requests ran.
 """
@@ -19,7 +19,7 @@ from tokenfleet.core.fleet import parse_topology
 from tokenfleet.core.types import InstanceView, RequestInfo, ScrapedMetrics
 from tokenfleet.engine.profiles import get_profile
 from tokenfleet.errors import NoCandidateError
-from tokenfleet.live.fleet import LiveFleet
+from tokenfleet.live.dc_select import LiveDCSelector
 
 MODEL = "llama"
 PROFILE = get_profile("llama3-8b-h200")
@@ -86,8 +86,8 @@ def request(i: int, tenant: str = "acme", tokens: int = 2000, version: str = "")
     )  # 640 tokens
 
 
-def fleet(**kw: Any) -> LiveFleet:
-    return LiveFleet("fleetmind", topology=parse_topology(TOPOLOGY), **kw)
+def fleet(**kw: Any) -> LiveDCSelector:
+    return LiveDCSelector("fleetmind", topology=parse_topology(TOPOLOGY), **kw)
 
 
 def four() -> list[InstanceView]:
@@ -170,7 +170,7 @@ def test_the_tenant_records_regions_narrow_the_topology() -> None:
 
 
 def test_without_a_home_the_best_predicted_dc_wins_and_ties_alternate() -> None:
-    f = LiveFleet("fleetmind")  # no topology: each DC its own region, no homes
+    f = LiveDCSelector("fleetmind")  # no topology: each DC its own region, no homes
     f.refresh(four(), 0.0)
     chosen = []
     for i in range(8):  # one at a time: nothing queued, equal predictions

@@ -24,7 +24,7 @@ import pytest
 
 from tokenfleet.core.fleet import Plan, Planner, parse_topology
 from tokenfleet.engine.profiles import get_profile
-from tokenfleet.live.fleet import LivePool, planner_input
+from tokenfleet.live.dc_select import LivePool, planner_input
 from tokenfleet.service.queries import PoolWorkRow
 
 PROFILE = get_profile("llama3-8b-h200")

@@ -80,6 +80,47 @@ def test_scraper_reads_a_real_emulator_and_notices_a_stall(emulator: EmulatorSer
     assert not gone.metrics.healthy and "scrape failed" in gone.error
 
 
+def test_one_timed_out_scrape_after_a_good_one_is_not_a_dead_engine() -> None:
+    """A scrape can time out because the scraping host is busy: only a second
+    one in a row marks the engine unhealthy (a refusal or a 503 does at once)."""
+    import http.server
+    import threading
+
+    hang = threading.Event()
+    release = threading.Event()
+
+    class Engine(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if hang.is_set():
+                release.wait(5)
+            body = b"vllm:num_requests_running 1\n" if self.path == "/metrics" else b"ok"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Engine)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        sc = Scraper(f"http://127.0.0.1:{srv.server_address[1]}", timeout_s=0.2)
+        assert sc.scrape().metrics.healthy
+        hang.set()
+        once = sc.scrape()
+        assert once.metrics.healthy and "timed out" in once.error
+        twice = sc.scrape()
+        assert not twice.metrics.healthy and "timed out again" in twice.error
+        hang.clear()
+        release.set()
+        assert sc.scrape().metrics.healthy
+    finally:
+        release.set()
+        srv.shutdown()
+        srv.server_close()
+
+
 # -- queues and config -------------------------------------------------------------------
 def test_queue_names_are_computed_and_ordered_by_tier() -> None:
     assert pool_queue("dc1", "batch") == "dc1.batch"

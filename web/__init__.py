@@ -69,29 +69,15 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
         ledger = LedgerWriter(
             make_engine(cfg["DATABASE_URL"]), spill_dir=data_dir / "spill", name="api-ledger"
         )
-    admission = None
-    adm_name = cfg.get("ADMISSION") or live.admission
-    if adm_name and adm_name != "none":
-        from tokenfleet.core.admission import ADMISSION
-
-        admission = (
-            ADMISSION.create(adm_name, adaptive=False)
-            if adm_name == "slomax"
-            else ADMISSION.create(adm_name)
-        )
     _warm_publisher(celery)
-    from tokenfleet.live.redis_transport import TRANSPORT_PATH, same_database
-
     gw = Gateway(
         state=state,
         celery=celery,
         live=live,
         slo=cfg.get("SLO"),
         ledger=ledger,
-        admission=admission,
-        # the broker is the live-state Redis: a task's LPUSH joins the state writes
-        publish_with_state=celery.conf.broker_transport == TRANSPORT_PATH
-        and same_database(celery.conf.broker_url, cfg["REDIS_URL"]),
+        admission=cfg.get("ADMISSION") or live.admission,
+        redis_url=cfg["REDIS_URL"],
     )
     metrics = ApiMetrics(gw)
     gw.metrics = metrics

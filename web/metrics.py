@@ -53,7 +53,7 @@ class ApiMetrics:
             ["dc", "reason"],
             registry=self.registry,
         )
-        self.registry.register(_FleetCollector(gateway))
+        self.registry.register(_LiveStateCollector(gateway))
 
     def dc_decision(self, dc: str, reason: str) -> None:
         self.dc_decisions.labels(dc, reason.split(":")[0] or "none").inc()
@@ -73,7 +73,7 @@ class ApiMetrics:
         return generate_latest(self.registry)
 
 
-class _FleetCollector:
+class _LiveStateCollector:
     def __init__(self, gateway: Any) -> None:
         self.gw = gateway
 

@@ -48,7 +48,7 @@ class ControlContext:
     def topology(self) -> Any:
         """The topology file's Topology (None without one); read once per beat."""
         if self._topology is None and self.live.topology:
-            from tokenfleet.live.fleet import load_topology
+            from tokenfleet.live.dc_select import load_topology
 
             self._topology = load_topology(self.live.topology)
         return self._topology
@@ -185,7 +185,7 @@ def fleet_cycle() -> dict[str, Any]:
     keys). Plans and rollbacks also go to the ``fleet_events`` table.
     """
     from tokenfleet.core.fleet import Plan, Planner
-    from tokenfleet.live.fleet import LivePool, planner_input
+    from tokenfleet.live.dc_select import LivePool, planner_input
 
     ctx = _ctx()
     st = ctx.state

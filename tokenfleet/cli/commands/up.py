@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         admission=args.admission,
         topology=str(Path(topology).resolve()),
     )
-    from tokenfleet.live.fleet import load_topology
+    from tokenfleet.live.dc_select import load_topology
 
     load_topology(live.topology)  # a bad file fails here, with the field named
     stopping = {"flag": False}

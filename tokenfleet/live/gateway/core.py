@@ -25,23 +25,38 @@ import redis
 from tokenfleet.core.routing import ROUTERS
 from tokenfleet.core.tiers import SLOConfig
 from tokenfleet.live.config import LiveConfig
-from tokenfleet.live.fleet import LiveFleet, load_topology
+from tokenfleet.live.dc_select import LiveDCSelector, load_topology
 from tokenfleet.live.gateway.dispatch import Dispatcher
 from tokenfleet.live.gateway.errors import StoreUnavailable
 from tokenfleet.live.gateway.feedback import Feedback
 from tokenfleet.live.gateway.refresh import LiveView
 from tokenfleet.live.gateway.validate import ChatRequest, validate_chat
 from tokenfleet.live.gateway.watch import Watcher
-from tokenfleet.live.redis_transport import PipelinePublisher
+from tokenfleet.live.redis_transport import TRANSPORT_PATH, PipelinePublisher, same_database
 from tokenfleet.live.state import LiveState
+
+
+def make_admission(name: str) -> Any:
+    """The admission policy named ``name`` (None for ``"none"``). The API runs SLOMax
+    without its own adaptation: beat's control loop sets its knobs for every replica."""
+    if not name or name == "none":
+        return None
+    from tokenfleet.core.admission import ADMISSION
+
+    if name == "slomax":
+        return ADMISSION.create(name, adaptive=False)
+    return ADMISSION.create(name)
 
 
 class Gateway(LiveView, Dispatcher, Watcher, Feedback):
     """Validate, admit, route, publish and follow the requests of one API process.
 
-    ``publish_with_state``: the broker is this Redis (same server and database)
-    and its transport is :mod:`tokenfleet.live.redis_transport`, so a task's
-    LPUSH goes into the request-state pipeline.
+    ``admission``: a policy object or its name in
+    ``tokenfleet.core.admission.ADMISSION`` (``"none"``: admit everything).
+    ``redis_url``: the live state's URL; when the broker is that same Redis
+    (server and database) with the transport of
+    :mod:`tokenfleet.live.redis_transport`, a task's LPUSH goes into the
+    request-state pipeline (one round trip per dispatch).
     """
 
     def __init__(
@@ -53,11 +68,18 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
         slo: SLOConfig | None = None,
         ledger: Any = None,
         admission: Any = None,
-        publish_with_state: bool = False,
+        redis_url: str | None = None,
     ) -> None:
         self.state = state
         self.celery = celery
-        self._publisher = PipelinePublisher(celery) if publish_with_state else None
+        joined = (
+            redis_url is not None
+            and celery.conf.broker_transport == TRANSPORT_PATH
+            and same_database(celery.conf.broker_url, redis_url)
+        )
+        self._publisher = PipelinePublisher(celery) if joined else None
+        if isinstance(admission, str):
+            admission = make_admission(admission)
         self.live = live
         self.slo = slo or SLOConfig()
         self.ledger = ledger
@@ -65,13 +87,13 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
         self.router = ROUTERS.create(live.router, seed=live.router_seed)
         self.router_lock = threading.Lock()
         # FleetMind first (which DC), then the router inside it; both under router_lock
-        self.fleet: LiveFleet | None = None
+        self.dc_selector: LiveDCSelector | None = None
         if live.fleet_policy and live.fleet_policy != "off":
             topo = load_topology(live.topology) if live.topology else None
-            self.fleet = LiveFleet(
+            self.dc_selector = LiveDCSelector(
                 live.fleet_policy, topology=topo, slo=self.slo, entry_dc=live.entry_dc
             )
-        self._fleet_at = -1.0
+        self._dc_views_at = -1.0
         self._mean_tokens: dict[str, tuple[float, float]] = {}
         #: tenant id -> regions its record allows (set by the tenancy layer; () = any)
         self.tenant_regions = None

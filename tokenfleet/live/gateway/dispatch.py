@@ -25,7 +25,7 @@ from tokenfleet.core.tiers import SLOConfig
 from tokenfleet.core.types import PoolSnapshot, RequestInfo, RouteDecision
 from tokenfleet.errors import NoCandidateError
 from tokenfleet.live.config import LiveConfig
-from tokenfleet.live.fleet import FleetTicket
+from tokenfleet.live.dc_select import DCTicket
 from tokenfleet.live.gateway.errors import (
     AtCapacity,
     NoCapacity,
@@ -41,7 +41,7 @@ from tokenfleet.service.writer import RequestRecord
 log = logging.getLogger("tokenfleet.api")
 
 #: the fleet view is re-aggregated from the instance snapshots at most this often
-FLEET_REFRESH_S = 0.1
+DC_VIEWS_REFRESH_S = 0.1
 #: a prompt_cache_key pins its conversation to an instance this long (seconds)
 PIN_TTL_S = 600
 
@@ -64,7 +64,7 @@ class Dispatched:
     first_token_due: str | None = None
     tokens: int = 0  # completion tokens relayed so far
     state_checked_s: float = 0.0
-    fleet: FleetTicket | None = None  # the DC choice's accounting, settled at the end
+    dc_ticket: DCTicket | None = None  # the DC choice's accounting, settled at the end
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -94,14 +94,14 @@ class Dispatcher:
     admission: Any
     router: Any
     router_lock: threading.Lock
-    fleet: Any
+    dc_selector: Any
     index: Any
     index_lock: threading.Lock
     accounting: Any
     metrics: Any
     tenant_regions: Callable[[str], Sequence[str]] | None
     _publisher: Any
-    _fleet_at: float
+    _dc_views_at: float
     _depths: dict[str, int]
     _depths_at: float
     _mean_tokens: dict[str, tuple[float, float]]
@@ -189,10 +189,10 @@ class Dispatcher:
             ) from None
         self._published(info)
         ticket = None
-        if dc_choice is not None and self.fleet is not None:
+        if dc_choice is not None and self.dc_selector is not None:
             with self.router_lock:
                 try:
-                    ticket = self.fleet.dispatched(info, dc_choice[0])
+                    ticket = self.dc_selector.dispatched(info, dc_choice[0])
                 except NoCandidateError:  # the pool vanished between choice and send
                     ticket = None
         # the router's choice: a pin elsewhere is corrected like late binding, at
@@ -205,7 +205,7 @@ class Dispatcher:
             decision=decision,
             dispatch_s=admitted,
             affinity=affinity,
-            fleet=ticket,
+            dc_ticket=ticket,
         )
 
     # -- admission ----------------------------------------------------------------------
@@ -307,7 +307,7 @@ class Dispatcher:
 
     # -- datacenter choice (FleetMind) ------------------------------------------------------
     def _tenant(self, tenant_id: str) -> Any:
-        assert self.fleet is not None
+        assert self.dc_selector is not None
         regions: Sequence[str] = ()
         if self.tenant_regions is not None:
             try:
@@ -316,7 +316,7 @@ class Dispatcher:
                 log.warning(
                     "tenant %s: allowed regions unavailable; using the topology's", tenant_id
                 )
-        return self.fleet.tenant(tenant_id, regions)
+        return self.dc_selector.tenant(tenant_id, regions)
 
     def _pick_dc(
         self, req: ChatRequest, views: list[Any], now: float
@@ -327,24 +327,24 @@ class Dispatcher:
         the datacenters the tenant may be served in (``()``: any), or all views,
         None and ``()`` when DC selection is off.
         """
-        if self.fleet is None:
+        if self.dc_selector is None:
             return views, None, ()
         info = req.info
         self._refresh_fleet_plan()
         tenant = self._tenant(info.tenant)
         with self.router_lock:
-            if now - self._fleet_at >= FLEET_REFRESH_S or now < self._fleet_at:
-                self.fleet.refresh(views, now)
-                self._fleet_at = now
-            self.fleet.snap.now_s = now
+            if now - self._dc_views_at >= DC_VIEWS_REFRESH_S or now < self._dc_views_at:
+                self.dc_selector.refresh(views, now)
+                self._dc_views_at = now
+            self.dc_selector.snap.now_s = now
             why = ""
             try:
-                decision, home = self.fleet.select(info, tenant)
-                ok = self.fleet.compliant_dcs(info, tenant)
-                allowed_dcs = () if len(ok) >= len(self.fleet.views) else tuple(sorted(ok))
+                decision, home = self.dc_selector.select(info, tenant)
+                ok = self.dc_selector.compliant_dcs(info, tenant)
+                allowed_dcs = () if len(ok) >= len(self.dc_selector.views) else tuple(sorted(ok))
             except NoCandidateError as exc:
                 why = str(exc)
-                permitted = self.fleet.permitted_anywhere(info, tenant)
+                permitted = self.dc_selector.permitted_anywhere(info, tenant)
         if why:
             if not permitted:
                 raise RegionNotAllowed(

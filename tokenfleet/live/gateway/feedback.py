@@ -25,7 +25,7 @@ class Feedback:
     router: Any
     router_lock: threading.Lock
     admission: Any
-    fleet: Any
+    dc_selector: Any
     index: Any
     index_lock: threading.Lock
     metrics: Any
@@ -40,12 +40,12 @@ class Feedback:
             self._rebind(d, actual)
         self._on_first_token(d, actual)
 
-    def _fleet_done(self, d: Dispatched, status: str) -> None:
+    def _settle_dc_choice(self, d: Dispatched, status: str) -> None:
         self.first_token_feedback(d)
-        if d.fleet is None or self.fleet is None:
+        if d.dc_ticket is None or self.dc_selector is None:
             return
         with self.router_lock:
-            self.fleet.finished(d.fleet, d.request.info, status, d.tokens)
+            self.dc_selector.finished(d.dc_ticket, d.request.info, status, d.tokens)
 
     def _rebind(self, d: Dispatched, actual: str) -> None:
         """Late binding put the request elsewhere than the router chose: correct
@@ -78,8 +78,8 @@ class Feedback:
             self.router.on_first_token(ev)
             if self.admission is not None:
                 self.admission.on_first_token(ev)
-            if d.fleet is not None and self.fleet is not None:
-                self.fleet.first_token(d.fleet, d.request.info, ev.ttft_s)
+            if d.dc_ticket is not None and self.dc_selector is not None:
+                self.dc_selector.first_token(d.dc_ticket, d.request.info, ev.ttft_s)
         if self.metrics is not None:
             self.metrics.first_token(
                 d.request.info.tier, d.first_token_s - d.request.info.arrival_s
@@ -104,8 +104,10 @@ class Feedback:
             self.router.on_complete(done)
             if self.admission is not None:
                 self.admission.on_complete(done)
-            if d.fleet is not None and self.fleet is not None:
-                self.fleet.finished(d.fleet, d.request.info, "completed", done.output_tokens)
+            if d.dc_ticket is not None and self.dc_selector is not None:
+                self.dc_selector.finished(
+                    d.dc_ticket, d.request.info, "completed", done.output_tokens
+                )
         if self.metrics is not None:
             self.metrics.finished(
                 d.request.info.tier, "completed", int(usage.get("completion_tokens", 0))

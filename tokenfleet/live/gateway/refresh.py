@@ -44,7 +44,7 @@ class LiveView:
     router: Any
     router_lock: threading.Lock
     admission: Any
-    fleet: Any
+    dc_selector: Any
 
     def _start_view(self) -> None:
         self.index = PrefixIndex(stride_blocks=1)
@@ -183,11 +183,11 @@ class LiveView:
     def _refresh_fleet_plan(self, max_age_s: float = KNOBS_REFRESH_S) -> None:
         """The long cycle's spill shares (beat writes them to Redis)."""
         now = time.monotonic()
-        if self.fleet is None or now - self._plan_at < max_age_s:
+        if self.dc_selector is None or now - self._plan_at < max_age_s:
             return
         self._plan_at = now
         try:
             shares = self.state.spill_shares()
         except redis.RedisError:
             return
-        self.fleet.spill_share = shares
+        self.dc_selector.spill_share = shares

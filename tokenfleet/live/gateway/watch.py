@@ -46,7 +46,7 @@ class Watcher:
         def _publish(self, job: ChatJob) -> None: ...
         def _ledger(self, row: RequestRecord) -> None: ...
         def first_token_feedback(self, d: Dispatched) -> None: ...
-        def _fleet_done(self, d: Dispatched, status: str) -> None: ...
+        def _settle_dc_choice(self, d: Dispatched, status: str) -> None: ...
         def _on_complete(self, d: Dispatched, ev: RelayEvent) -> None: ...
 
     def events(self, d: Dispatched) -> Iterator[RelayEvent]:
@@ -96,7 +96,7 @@ class Watcher:
             elif ev.kind == "end":
                 self._on_complete(d, ev)
             elif ev.kind == "err":
-                self._fleet_done(d, "failed")
+                self._settle_dc_choice(d, "failed")
             yield ev
             # the policies learn from the first token once the caller has sent it
             # on (it asks for the next event after writing the chunk)
@@ -216,7 +216,7 @@ class Watcher:
         )
         if self.metrics is not None:
             self.metrics.finished(info.tier, status)
-        self._fleet_done(d, status)
+        self._settle_dc_choice(d, status)
         return RelayEvent(
             "err",
             message=message,
@@ -244,4 +244,4 @@ class Watcher:
             )
             if self.metrics is not None:
                 self.metrics.finished(info.tier, "cancelled")
-        self._fleet_done(d, "cancelled")
+        self._settle_dc_choice(d, "cancelled")

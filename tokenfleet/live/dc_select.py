@@ -1,6 +1,6 @@
 """FleetMind on the live request path: which datacenter serves a request.
 
-The gateway calls :meth:`LiveFleet.select` before admission and routing, so
+The gateway calls :meth:`LiveDCSelector.select` before admission and routing, so
 the in-DC router only ever sees the chosen DC's instances, as in the
 simulator (``tokenfleet.sim.fleet``). The selector is the same ``FLEET``
 policy object the simulator runs; this module only turns what a live API
@@ -64,7 +64,7 @@ class _ZeroRTT(dict[tuple[str, str], float]):
 
 
 @dataclass(slots=True)
-class FleetTicket:
+class DCTicket:
     """What the gateway keeps per dispatched request to settle the accounting."""
 
     pool: PoolView
@@ -74,7 +74,7 @@ class FleetTicket:
     done: bool = False
 
 
-class LiveFleet:
+class LiveDCSelector:
     """One API replica's datacenter selector and the fleet view it decides on."""
 
     def __init__(
@@ -208,7 +208,7 @@ class LiveFleet:
             name for name, dv in self.views.items() if compliant(request, tenant, dv, home_region)
         }
 
-    def dispatched(self, request: RequestInfo, decision: DCDecision) -> FleetTicket:
+    def dispatched(self, request: RequestInfo, decision: DCDecision) -> DCTicket:
         """Account a request sent to ``decision.dc`` (before it leaves)."""
         dv = self.views[decision.dc]
         pool = dv.pool_for(request.model, request.model_version, exact=self.selector.exact_version)
@@ -219,9 +219,9 @@ class LiveFleet:
         _, prefill_s, work_s = self.snap.estimate(pool, request)
         pool.accounting.on_dispatch(self.snap.now_s, prefill_s, work_s, pool.ready_instances)
         self.prefix.insert(pool.prefix_id, request.block_hashes)
-        return FleetTicket(pool, prefill_s, decision.predicted_dc_ttft_s)
+        return DCTicket(pool, prefill_s, decision.predicted_dc_ttft_s)
 
-    def first_token(self, ticket: FleetTicket, request: RequestInfo, dc_ttft_s: float) -> None:
+    def first_token(self, ticket: DCTicket, request: RequestInfo, dc_ttft_s: float) -> None:
         if ticket.first_token_seen or ticket.done:
             return
         ticket.first_token_seen = True
@@ -234,7 +234,7 @@ class LiveFleet:
         )
 
     def finished(
-        self, ticket: FleetTicket, request: RequestInfo, status: str, output_tokens: int
+        self, ticket: DCTicket, request: RequestInfo, status: str, output_tokens: int
     ) -> None:
         """The request ended (any status). Idempotent."""
         if ticket.done:
@@ -377,4 +377,4 @@ def load_topology(path: str) -> Topology:
     return parse_topology(data, source=path, extra_keys=("workload", "events", "slo"))
 
 
-__all__ = ["LiveFleet", "FleetTicket", "LivePool", "planner_input", "load_topology"]
+__all__ = ["LiveDCSelector", "DCTicket", "LivePool", "planner_input", "load_topology"]
