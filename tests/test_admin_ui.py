@@ -68,6 +68,7 @@ def app(stores: tuple[Path, EmbeddedRedis, EmbeddedPostgres]) -> Iterator[Flask]
     yield flask_app
     svc.close()
     svc.engine.dispose()
+    pg.drop_database(name)  # the session's server: keep its disk small
 
 
 def csrf(client: FlaskClient, path: str = "/admin/login") -> str:

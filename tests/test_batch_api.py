@@ -104,7 +104,8 @@ def env(
     pg: EmbeddedPostgres, redis_server: EmbeddedRedis, data_dir: Path, emulator: EmulatorServer
 ) -> Iterator[Env]:
     n = next(_names)
-    url = fresh_database(pg, f"batch{os.getpid()}_{n}")
+    name = f"batch{os.getpid()}_{n}"
+    url = fresh_database(pg, name)
     app = Flask(f"batch-test-{n}")
     init_app(
         app,
@@ -119,6 +120,7 @@ def env(
     yield Env(app, svc, emulator.model_name)
     svc.close()
     svc.engine.dispose()
+    pg.drop_database(name)  # the session's server: keep its disk small
 
 
 def jsonl(model: str, n: int, *, start: int = 0, max_tokens: int = 4) -> bytes:

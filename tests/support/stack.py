@@ -68,6 +68,7 @@ class LiveStack:
     #: shared server); None: the stack starts its own under data_dir
     shared_postgres: Any = None
     _state: Any = None
+    _database_name: str = ""
 
     redis: Any = None
     postgres: Any = None
@@ -106,6 +107,7 @@ class LiveStack:
                 )
                 pg.start()
             self.database_url = fresh_database(pg)
+            self._database_name = self.database_url.rsplit("/", 1)[1]
         overrides = {
             "scrape_interval_s": 0.25,
             "stale_after_s": 1.5,
@@ -387,6 +389,9 @@ class LiveStack:
         if self.postgres is not None:
             with contextlib.suppress(Exception):
                 self.postgres.stop()
+        elif self.shared_postgres is not None and self._database_name:
+            with contextlib.suppress(Exception):  # the session's server: keep its disk small
+                self.shared_postgres.drop_database(self._database_name)
         if self.redis is not None:
             with contextlib.suppress(Exception):
                 self.redis.stop()
