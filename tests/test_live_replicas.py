@@ -270,13 +270,9 @@ def test_up_actuator_prewarms_then_retires_a_replica(stack: Any) -> None:
     assert said[0].startswith("plan: prewarming") and any("is warm" in s for s in said)
     assert int(st.r.hget(st.k("fleet"), f"warming:dc-a|{stack.model}|") or 0) == 0
     # the new replica serves traffic once the API sees it healthy (its first scrape)
-    gw = stack.gateway
-    deadline = time.time() + 5
-    while time.time() < deadline and not any(
-        i.instance_id == "a-p1" and i.is_healthy(time.time(), stack.live.stale_after_s)
-        for i in gw.instances(max_age_s=0.0)
-    ):
-        time.sleep(0.05)
+    # and its worker consumes: healthy in Redis comes first, and until its consumer
+    # runs the pool requests routed to it are all taken by a0
+    stack.wait_ready(timeout_s=30, n=3)
     c = stack.client()
 
     def served() -> float:

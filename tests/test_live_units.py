@@ -411,10 +411,10 @@ def test_tier_gate_applies_shares_health_and_yielding(state: LiveState) -> None:
     )
     all_q = worker_queues("dcg", "g1")
     assert rt.desired_queues() == all_q
-    from workers.runtime import Flight
+    from workers.runtime import RequestInFlight
 
     for rid in ("t1", "t2"):  # batch at its share (2 of 4 slots), decoding
-        rt.add_flight(Flight(rid, "batch", 1, first_token=True))
+        rt.add_flight(RequestInFlight(rid, "batch", 1, first_token=True))
     assert rt.desired_queues() == [q for q in all_q if not q.endswith(".batch")]
     rt.remove_flight("t1")
     rt.remove_flight("t2")
@@ -430,7 +430,7 @@ def test_a_started_task_holds_its_tier_slot_until_its_flight_does(state: LiveSta
     """Between the pool thread starting a task and the task's flight (after the
     claim round trip) the slot must stay counted, or the gate opens the tier
     for one message more than its share."""
-    from workers.runtime import Flight
+    from workers.runtime import RequestInFlight
 
     info = InstanceInfo("h1", "dch", "m", "http://127.0.0.1:1", "llama3-8b-h200", 4096, 1, 4)
     rt = WorkerRuntime(LiveConfig.load(env={}), state, info)
@@ -443,7 +443,7 @@ def test_a_started_task_holds_its_tier_slot_until_its_flight_does(state: LiveSta
     assert rt.started("r1.1") is not None
     assert rt.running_by_tier(include_reserved=True)["batch"] == 1
     assert not set(batch_qs) & set(rt.desired_queues()), "claim in flight: still full"
-    rt.add_flight(Flight("r1", "batch", 1, prefill_tokens=100), "r1.1")
+    rt.add_flight(RequestInFlight("r1", "batch", 1, prefill_tokens=100), "r1.1")
     assert rt.running_by_tier(include_reserved=True)["batch"] == 1  # moved, not doubled
     rt.task_done("r1.1")
     assert rt.running_by_tier(include_reserved=True)["batch"] == 1  # the flight holds it
@@ -477,17 +477,17 @@ def test_a_worker_bug_ends_the_request_with_an_error_event(state: LiveState) -> 
 
 
 def test_pool_queues_pause_while_the_engine_has_prefill_queued(state: LiveState) -> None:
-    from workers.runtime import Flight
+    from workers.runtime import RequestInFlight
 
     info = InstanceInfo("p1", "dcp", "m", "http://127.0.0.1:1", "llama3-8b-h200", 4096, 1, 8)
     rt = WorkerRuntime(LiveConfig.load(env={}, pool_prefill_budget_tokens=2048), state, info)
     rt._shares, rt._shares_at = {"batch": 1.0}, time.monotonic() + 1e6
     affinity_only = [q for q in worker_queues("dcp", "p1") if q.count(".") == 2]
-    rt.add_flight(Flight("long", "interactive", 1, prefill_tokens=30000))
+    rt.add_flight(RequestInFlight("long", "interactive", 1, prefill_tokens=30000))
     assert rt.desired_queues() == affinity_only, "late binding waits for a free engine"
     rt._flights["long"].first_token = True  # prefill done: decoding does not block
     assert rt.desired_queues() == worker_queues("dcp", "p1")
-    rt.add_flight(Flight("short", "interactive", 1, prefill_tokens=300))
+    rt.add_flight(RequestInFlight("short", "interactive", 1, prefill_tokens=300))
     assert rt.desired_queues() == worker_queues("dcp", "p1")
     rt.reserved["m1"] = "interactive"  # a message on its way counts as a full budget
     assert rt.desired_queues() == affinity_only

@@ -42,7 +42,7 @@ DEFAULT_SHARES = {"interactive": 1.0, "long_context": 1.0, "batch": 0.5}
 
 
 @dataclass(slots=True)
-class Flight:
+class RequestInFlight:
     """One request this worker is running."""
 
     request_id: str
@@ -87,7 +87,7 @@ class WorkerRuntime:
         self.engine_unhealthy_reason = ""
         self.consecutive_failures = 0
         self.unhealthy_until = 0.0
-        self._flights: dict[str, Flight] = {}
+        self._flights: dict[str, RequestInFlight] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -139,7 +139,7 @@ class WorkerRuntime:
         self._consumer = consumer
 
     # -- flights --------------------------------------------------------------------
-    def add_flight(self, flight: Flight, task_id: str | None = None) -> None:
+    def add_flight(self, flight: RequestInFlight, task_id: str | None = None) -> None:
         """``task_id``'s reservation becomes this flight in one step: between the
         two the tier gate would see a free slot and let one more message in."""
         with self._lock:
@@ -153,7 +153,7 @@ class WorkerRuntime:
             self._flights.pop(rid, None)
         self.gate_kick.set()
 
-    def flights(self) -> list[Flight]:
+    def flights(self) -> list[RequestInFlight]:
         with self._lock:
             return list(self._flights.values())
 

@@ -34,7 +34,7 @@ from tokenfleet.live.resend import pick_resend_target
 from tokenfleet.service.writer import RequestRecord
 from tokenfleet.tokenizer import chat_block_hashes
 from workers.app import app
-from workers.runtime import Flight, WorkerRuntime, runtime
+from workers.runtime import RequestInFlight, WorkerRuntime, runtime
 
 log = logging.getLogger("tokenfleet.worker")
 
@@ -154,7 +154,7 @@ def run_job(
             state.account_finish(rt.info.instance_id, info, False, cached_est)
             return "retried"
 
-    flight = Flight(rid, job.tier, attempt, prefill_tokens=job.prefill_tokens)
+    flight = RequestInFlight(rid, job.tier, attempt, prefill_tokens=job.prefill_tokens)
     rt.add_flight(flight, task_id)
     dispatched = time.time()
     first_ts: float | None = None

@@ -83,7 +83,7 @@ class RunnerConfig:
 
 
 @dataclass(slots=True)
-class _Flight:
+class _LineInFlight:
     line_id: int
     batch_id: str
     tenant_id: str
@@ -138,8 +138,8 @@ class BatchRunner:
         self.name = name
         self.token = uuid.uuid4().hex[:12]
         self._lock = threading.Lock()
-        self._flights: dict[int, _Flight] = {}
-        self._done: deque[tuple[_Flight, LineResult]] = deque()
+        self._flights: dict[int, _LineInFlight] = {}
+        self._done: deque[tuple[_LineInFlight, LineResult]] = deque()
         self._deferred: dict[str, float] = {}
         self._service_s: dict[str, float] = {}
         self._pool = ThreadPoolExecutor(self.cfg.max_inflight, thread_name_prefix=name)
@@ -315,7 +315,7 @@ class BatchRunner:
         tenant = self.gate.directory.tenant(tenant_id) if self.gate is not None else None
         started = 0
         for i, row in enumerate(claimed):
-            flight = _Flight(
+            flight = _LineInFlight(
                 row.id, batch_id, tenant_id, row.request_id, int(row.request_id.split(":", 1)[0])
             )
             admission = None
@@ -374,7 +374,7 @@ class BatchRunner:
 
     def _execute(
         self,
-        flight: _Flight,
+        flight: _LineInFlight,
         body: dict[str, Any],
         admission: Any,
         promoted: bool,
