@@ -354,6 +354,36 @@ def test_usage_is_buffered_one_row_per_tenant_and_day_per_flush(engine: sa.Engin
     assert rows["u1"].requests == 500 and rows["u1"].completion_tokens == 2500
 
 
+def test_a_flush_never_writes_a_hash_another_flusher_is_writing(engine: sa.Engine, rc: Any) -> None:
+    """Two flushers (the API's thread and an explicit flush, or two API processes):
+    one that finds another's claimed hash leaves it alone until it is abandoned
+    (failed once in a clean-clone run: a tenant's three batch lines counted six)."""
+    import time
+
+    from tokenfleet.tenancy.usage import ABANDONED_AFTER_S
+
+    a = UsageRecorder(rc, engine, prefix="race")
+    b = UsageRecorder(rc, engine, prefix="race")
+    a.record("r0", "interactive", requests=3)
+    in_progress = a._claim(a.pending_key)  # a renamed it away and is writing it now
+    assert in_progress is not None
+    assert b.flush() == 0, "b must not write what a is writing"
+    assert a._flush_key(in_progress) == 1
+    # a hash whose flusher died after its RENAME is taken over, by one flusher only
+    a.record("r1", "interactive", requests=2)
+    dead = f"{a.flushing_prefix}{time.time() - ABANDONED_AFTER_S - 1:.3f}:x"
+    rc.rename(a.pending_key, dead)
+    assert b.flush() == 1 and a.flush() == 0
+    with engine.connect() as conn:
+        got = {
+            r.tenant_id: r.requests
+            for r in conn.execute(
+                sa.select(TenantUsage).where(TenantUsage.tenant_id.in_(["r0", "r1"]))
+            )
+        }
+    assert got == {"r0": 3, "r1": 2}
+
+
 # ---- CLI ----------------------------------------------------------------------------
 def test_cli_create_list_set_quota_and_keys(
     db_url: str,

@@ -8,6 +8,12 @@ them as one additive ``INSERT .. ON CONFLICT DO UPDATE SET x = x + excluded.x``
 with one row per (tenant, budget, UTC day): a thousand requests in a flush
 interval cost one row write per tenant, not a thousand.
 
+A claimed hash is named with its claim time. A flusher takes over another's
+claimed hash only once it is older than :data:`ABANDONED_AFTER_S` (its owner
+died after the RENAME), and renames it again first, so one flusher wins: a
+hash that another flusher is still writing is never written twice. Flushes in
+one process run one at a time.
+
 A flush that dies between the database commit and deleting its Redis hash
 would replay those increments on the next flush; the window is one DEL, and
 the usage table is an operational view, not the billing ledger (that is the
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from datetime import UTC, date, datetime
 from typing import Any
@@ -32,6 +39,8 @@ from tokenfleet.tenancy.quota import BUDGETS
 log = logging.getLogger("tokenfleet.usage")
 
 METRICS = ("requests", "rejected", "prompt_tokens", "completion_tokens")
+#: a claimed hash this old belongs to a flusher that died: another one takes it over
+ABANDONED_AFTER_S = 60.0
 
 
 class UsageRecorder:
@@ -44,6 +53,7 @@ class UsageRecorder:
         self.flushing_prefix = f"{prefix}:usage:flushing:"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._flush_lock = threading.Lock()
 
     def record(
         self,
@@ -74,18 +84,39 @@ class UsageRecorder:
         """Move buffered increments to PostgreSQL; returns the rows upserted."""
         if self.engine is None:
             raise RuntimeError("UsageRecorder needs an engine to flush")
-        rows = 0
-        # leftovers of a flusher that died after RENAME come first
-        for key in list(self.redis.scan_iter(match=self.flushing_prefix + "*", count=100)):
-            rows += self._flush_key(key)
-        claimed = self.flushing_prefix + uuid.uuid4().hex
+        with self._flush_lock:
+            rows = 0
+            # leftovers of a flusher that died after RENAME come first
+            now = time.time()
+            for key in list(self.redis.scan_iter(match=self.flushing_prefix + "*", count=100)):
+                if now - self._claimed_at(key) < ABANDONED_AFTER_S:
+                    continue  # another flusher is writing it now
+                mine = self._claim(key)
+                if mine is not None:
+                    rows += self._flush_key(mine)
+            mine = self._claim(self.pending_key)
+            return rows if mine is None else rows + self._flush_key(mine)
+
+    def _claim(self, key: Any) -> str | None:
+        """RENAME ``key`` to a claimed name of this flush (None: nothing there, or
+        another flusher renamed it first)."""
+        claimed = f"{self.flushing_prefix}{time.time():.3f}:{uuid.uuid4().hex}"
         try:
-            self.redis.rename(self.pending_key, claimed)
+            self.redis.rename(key, claimed)
         except Exception as exc:
             if "no such key" in str(exc).lower():
-                return rows
+                return None
             raise
-        return rows + self._flush_key(claimed)
+        return claimed
+
+    def _claimed_at(self, key: Any) -> float:
+        """Claim time in a claimed hash's name (0 for names without one: abandoned)."""
+        name = key.decode() if isinstance(key, bytes) else str(key)
+        stamp = name[len(self.flushing_prefix) :].partition(":")[0]
+        try:
+            return float(stamp)
+        except ValueError:
+            return 0.0
 
     def _flush_key(self, key: Any) -> int:
         raw = self.redis.hgetall(key)
