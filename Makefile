@@ -4,12 +4,12 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: sim test test-slow typecheck bench up clean
+.PHONY: sim test test-slow lint typecheck bench up clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-compile -e '.[dev]'  # bytecode on first import: faster set-up
 	touch $(STAMP)
 
 ## Main job: simulate the peer routers and TokenPilot on a bundled synthetic workload.
@@ -18,9 +18,16 @@ sim: $(STAMP)
 		--policy round_robin --policy llmd_weighted --policy tokenpilot \
 		--json out/sim.json --plot out/plots
 
-## Tests: type-check the policy core, then the default pytest suite (no GPU, no ../shared needed).
-test: $(STAMP) typecheck
+## Tests: the default pytest suite (no GPU, no ../shared needed). Markers pick a
+## part: `.venv/bin/pytest -m unit` (no server), `-m redis` (embedded stores), `-m stack`.
+test: $(STAMP)
 	$(BIN)/pytest -q
+
+## Lint: ruff (rules and formatting) and mypy (strict; pyproject lists the packages).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
@@ -33,4 +40,4 @@ up: $(STAMP)
 	$(BIN)/tokenfleet up
 
 clean:
-	rm -rf $(VENV) out .tokenfleet .pytest_cache .mypy_cache
+	rm -rf $(VENV) out .tokenfleet .pytest_cache .mypy_cache .ruff_cache

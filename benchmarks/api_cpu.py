@@ -28,16 +28,38 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.*, tests.support
 
 #: a job of the size the gateway publishes for a short chat request
-JOB = {"rid": "0" * 32, "attempt": 1, "tenant": "t", "tier": "interactive", "model": "m",
-       "body": {"model": "m", "messages": [{"role": "user", "content": "hello there"}],
-                "max_tokens": 8, "stream": True},
-       "input_tokens": 8, "max_tokens": 8, "arrival_ts": 1.0, "admitted_ts": 1.0,
-       "queue": "bench.interactive", "accounted": "", "dc": "bench", "expected_cached": 0,
-       "tried": [], "deadline_ts": None}
+JOB = {
+    "rid": "0" * 32,
+    "attempt": 1,
+    "tenant": "t",
+    "tier": "interactive",
+    "model": "m",
+    "body": {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 8,
+        "stream": True,
+    },
+    "input_tokens": 8,
+    "max_tokens": 8,
+    "arrival_ts": 1.0,
+    "admitted_ts": 1.0,
+    "queue": "bench.interactive",
+    "accounted": "",
+    "dc": "bench",
+    "expected_cached": 0,
+    "tried": [],
+    "deadline_ts": None,
+}
 
 
 def best_us(fn: Callable[[int], None], n: int, rounds: int = 5) -> float:
@@ -57,7 +79,7 @@ def _redis_url() -> Iterator[str]:
     if url:
         yield url
         return
-    from tokenfleet.service.testing import embedded_redis, temp_data_dir
+    from tests.support.stores import embedded_redis, temp_data_dir
 
     with temp_data_dir("tokenfleet-api-cpu-") as d, embedded_redis(d) as server:
         yield server.url
@@ -67,8 +89,9 @@ def publish(n: int) -> dict[str, float]:
     import redis
 
     from tokenfleet.live.config import LiveConfig
+    from tokenfleet.live.jobs import TASK_CHAT
     from tokenfleet.live.redis_transport import PipelinePublisher, publishes_into
-    from workers.app import TASK_CHAT, create_celery
+    from workers.app import create_celery
 
     with _redis_url() as url:
         app = create_celery(url, LiveConfig())
@@ -78,9 +101,16 @@ def publish(n: int) -> dict[str, float]:
 
         def old(i: int) -> None:
             with publishes_into(pipe):
-                app.send_task(TASK_CHAT, args=[JOB], task_id=f"{i}.1", queue=queue,
-                              routing_key=queue, argsrepr="", kwargsrepr="",
-                              headers={"prefill": 8})
+                app.send_task(
+                    TASK_CHAT,
+                    args=[JOB],
+                    task_id=f"{i}.1",
+                    queue=queue,
+                    routing_key=queue,
+                    argsrepr="",
+                    kwargsrepr="",
+                    headers={"prefill": 8},
+                )
             pipe.reset()
 
         def new(i: int) -> None:
@@ -107,7 +137,7 @@ def redis_parsers(n: int) -> dict[str, float]:
         for label, parser in parsers:
             r = redis.Redis.from_url(url, parser_class=parser)
             r.delete("bench:s")
-            for i in range(4):
+            for _ in range(4):
                 r.xadd("bench:s", {"text": "hello world " * 3, "tokens": 1})
 
             def get(_: int, r: Any = r) -> None:
@@ -134,12 +164,20 @@ def request_context(n: int) -> dict[str, float]:
 
     from web.admin import CookieFirstSessionInterface
 
-    environ = {"REQUEST_METHOD": "POST", "PATH_INFO": "/v1/chat/completions",
-               "SERVER_NAME": "bench", "SERVER_PORT": "80", "wsgi.url_scheme": "http",
-               "HTTP_AUTHORIZATION": "Bearer key", "CONTENT_TYPE": "application/json"}
+    environ = {
+        "REQUEST_METHOD": "POST",
+        "PATH_INFO": "/v1/chat/completions",
+        "SERVER_NAME": "bench",
+        "SERVER_PORT": "80",
+        "wsgi.url_scheme": "http",
+        "HTTP_AUTHORIZATION": "Bearer key",
+        "CONTENT_TYPE": "application/json",
+    }
     out = {}
-    for label, interface in (("flask_sessions_us", None),
-                             ("cookie_first_sessions_us", CookieFirstSessionInterface())):
+    for label, interface in (
+        ("flask_sessions_us", None),
+        ("cookie_first_sessions_us", CookieFirstSessionInterface()),
+    ):
         app = Flask("bench")
         app.secret_key = "k" * 32
         if interface is not None:
@@ -156,15 +194,18 @@ def request_context(n: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tokenfleet.live.overhead import wakeup_rtt_us
+    from benchmarks.live_overhead import wakeup_rtt_us
 
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--n", type=int, default=1000, help="calls per round")
     args = p.parse_args(argv)
-    for name, fn in (("publish into a pipeline", publish),
-                     ("request context push + pop", request_context),
-                     ("Redis command, by reply parser", redis_parsers)):
+    for name, fn in (
+        ("publish into a pipeline", publish),
+        ("request context push + pop", request_context),
+        ("Redis command, by reply parser", redis_parsers),
+    ):
         print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in fn(args.n).items()), flush=True)
     print(f"process wake-up round trip: {wakeup_rtt_us()} us")
     return 0

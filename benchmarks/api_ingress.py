@@ -20,6 +20,9 @@ import argparse
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.*, tests.support
 
 SERVER = r"""
 import sys
@@ -42,10 +45,11 @@ srv.serve_forever()
 
 
 def measure(linger_s: float, n: int, rate_rps: float) -> tuple[float, float]:
-    from tokenfleet.live.overhead import _Caller, _pct
+    from benchmarks.live_overhead import _Caller, _pct
 
-    child = subprocess.Popen([sys.executable, "-c", SERVER, str(linger_s)],
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", SERVER, str(linger_s)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout is not None
         port = int(child.stdout.readline())
@@ -64,8 +68,9 @@ def measure(linger_s: float, n: int, rate_rps: float) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--n", type=int, default=600, help="requests per measurement")
     p.add_argument("--rate", type=float, default=50.0, help="requests per second")
     p.add_argument("--rounds", type=int, default=2)
@@ -73,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for linger in (0.0, 1.0):
             p50, p90 = measure(linger, args.n, args.rate)
-            print(f"round {r + 1}, linger_s {linger:g}: first chunk p50 {p50} ms, "
-                  f"p90 {p90} ms", flush=True)
+            print(
+                f"round {r + 1}, linger_s {linger:g}: first chunk p50 {p50} ms, p90 {p90} ms",
+                flush=True,
+            )
     return 0
 
 

@@ -111,7 +111,7 @@ def main() -> int:
         ("infinite", None, False),
     ):
         cached, ratio = replay(prompts, inputs, capacity, oracle, prof.block_size_tokens)
-        ttft = [prof.prefill_time_s(max(1, n - c), c) for n, c in zip(inputs, cached, strict=False)]
+        ttft = [prof.prefill_time_s(max(1, n - c), c) for n, c in zip(inputs, cached, strict=True)]
         rows[name] = _pct(ttft, 0.95)
         print(f"{name:<18} {ratio:>9.1%} {_pct(ttft, 0.50):>7.3f} {_pct(ttft, 0.95):>7.3f}")
     if args.against:

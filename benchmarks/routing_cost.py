@@ -44,15 +44,28 @@ def percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q / 100 * len(s)))]
 
 
-def measure(policy: str, n_instances: int, prompt_tokens: int, calls: int,
-            warmup: int, seed: int, freeze: bool = True) -> dict[str, float]:
+def measure(
+    policy: str,
+    n_instances: int,
+    prompt_tokens: int,
+    calls: int,
+    warmup: int,
+    seed: int,
+    freeze: bool = True,
+) -> dict[str, float]:
     rng = random.Random(seed)
     profile = get_profile("llama3-8b-h200")
-    pool = [InstanceView(instance_id=f"i{i}", profile=profile,
-                         kv_capacity_tokens=profile.kv_capacity_tokens,
-                         max_model_len_tokens=profile.model.max_model_len_tokens,
-                         metrics=ScrapedMetrics(scraped_at_s=0.0), index=i)
-            for i in range(n_instances)]
+    pool = [
+        InstanceView(
+            instance_id=f"i{i}",
+            profile=profile,
+            kv_capacity_tokens=profile.kv_capacity_tokens,
+            max_model_len_tokens=profile.model.max_model_len_tokens,
+            metrics=ScrapedMetrics(scraped_at_s=0.0),
+            index=i,
+        )
+        for i in range(n_instances)
+    ]
     router = ROUTERS.create(policy, seed=seed)
     blocks = prompt_tokens // BLOCK_SIZE_TOKENS
     history: list[tuple[int, ...]] = []
@@ -83,8 +96,13 @@ def measure(policy: str, n_instances: int, prompt_tokens: int, calls: int,
         history.append(hashes)
         if len(history) > 4000:
             history.pop(0)
-        req = RequestInfo(request_id=f"b{i}", arrival_s=now, input_tokens=prompt_tokens,
-                          max_tokens=512, block_hashes=hashes)
+        req = RequestInfo(
+            request_id=f"b{i}",
+            arrival_s=now,
+            input_tokens=prompt_tokens,
+            max_tokens=512,
+            block_hashes=hashes,
+        )
         snap = PoolSnapshot(now_s=now, instances=pool)
         w0 = time.perf_counter_ns()
         t0 = time.thread_time_ns()
@@ -101,13 +119,28 @@ def measure(policy: str, n_instances: int, prompt_tokens: int, calls: int,
             r, iid, pred = inflight.popleft()
             ttft = (pred or 0.2) * rng.uniform(0.8, 1.25)
             router.on_first_token(FirstTokenEvent(r, iid, now, ttft, pred))
-            router.on_complete(CompletionEvent(r, iid, now, "completed", rng.randint(5, 400),
-                                               prompt_tokens // 2, ttft, ttft + 1.0))
+            router.on_complete(
+                CompletionEvent(
+                    r,
+                    iid,
+                    now,
+                    "completed",
+                    rng.randint(5, 400),
+                    prompt_tokens // 2,
+                    ttft,
+                    ttft + 1.0,
+                )
+            )
     if freeze:
         gc.unfreeze()
-    return {"p50": percentile(times_us, 50), "p99": percentile(times_us, 99),
-            "mean": sum(times_us) / len(times_us), "max": max(times_us),
-            "wall_p50": percentile(wall_us, 50), "wall_p99": percentile(wall_us, 99)}
+    return {
+        "p50": percentile(times_us, 50),
+        "p99": percentile(times_us, 99),
+        "mean": sum(times_us) / len(times_us),
+        "max": max(times_us),
+        "wall_p50": percentile(wall_us, 50),
+        "wall_p99": percentile(wall_us, 99),
+    }
 
 
 BUDGET_P99_US = {64: 200.0, 1024: 2000.0}
@@ -121,27 +154,43 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--warmup", type=int, default=1500)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-gc-freeze", action="store_true",
-                    help="leave the warm state in the collected generations")
+    ap.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="leave the warm state in the collected generations",
+    )
     args = ap.parse_args()
     policies = args.policy or ["tokenpilot"]
-    print(f"route() cost, {args.prompt_tokens}-token prompts, {args.calls} timed calls "
-          f"after {args.warmup} warm-up calls (microseconds)")
-    print(f"{'policy':<20} {'instances':>9} {'cpu p50':>9} {'cpu p99':>9} {'cpu mean':>9}"
-          f" {'cpu max':>9} {'wall p50':>9} {'wall p99':>9} {'budget p99':>11}")
+    print(
+        f"route() cost, {args.prompt_tokens}-token prompts, {args.calls} timed calls "
+        f"after {args.warmup} warm-up calls (microseconds)"
+    )
+    print(
+        f"{'policy':<20} {'instances':>9} {'cpu p50':>9} {'cpu p99':>9} {'cpu mean':>9}"
+        f" {'cpu max':>9} {'wall p50':>9} {'wall p99':>9} {'budget p99':>11}"
+    )
     ok = True
     for policy in policies:
         for n in args.instances:
             gc.collect()
-            r = measure(policy, n, args.prompt_tokens, args.calls, args.warmup, args.seed,
-                        freeze=not args.no_gc_freeze)
+            r = measure(
+                policy,
+                n,
+                args.prompt_tokens,
+                args.calls,
+                args.warmup,
+                args.seed,
+                freeze=not args.no_gc_freeze,
+            )
             budget = BUDGET_P99_US.get(n)
             verdict = "" if budget is None else ("ok" if r["p99"] <= budget else "OVER")
             if budget is not None and r["p99"] > budget and policy == "tokenpilot":
                 ok = False
-            print(f"{policy:<20} {n:>9} {r['p50']:>9.1f} {r['p99']:>9.1f} {r['mean']:>9.1f}"
-                  f" {r['max']:>9.1f} {r['wall_p50']:>9.1f} {r['wall_p99']:>9.1f}"
-                  f" {(f'{budget:.0f} ' + verdict) if budget else '-':>11}")
+            print(
+                f"{policy:<20} {n:>9} {r['p50']:>9.1f} {r['p99']:>9.1f} {r['mean']:>9.1f}"
+                f" {r['max']:>9.1f} {r['wall_p50']:>9.1f} {r['wall_p99']:>9.1f}"
+                f" {(f'{budget:.0f} ' + verdict) if budget else '-':>11}"
+            )
     return 0 if ok else 1
 
 

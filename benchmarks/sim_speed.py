@@ -20,7 +20,9 @@ from tokenfleet.sim.cluster import PoolConfig, run_pool
 from tokenfleet.workloads.loader import load_workload
 from tokenfleet.workloads.scaling import scale_to_load
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "mooncake_synthetic.jsonl"
+DEFAULT_TRACE = (
+    Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "mooncake_synthetic.jsonl"
+)
 
 
 def main() -> int:
@@ -47,8 +49,11 @@ def main() -> int:
         t0 = time.perf_counter()
         records, pool = run_pool(reqs, cfg, SLOConfig())
         wall = time.perf_counter() - t0
-        print(f"{name:<20} {wall:>8.2f} {len(records) / wall:>20.0f} "
-              f"{sum(e.counters.steps for e in pool.engines):>12}", flush=True)
+        print(
+            f"{name:<20} {wall:>8.2f} {len(records) / wall:>20.0f} "
+            f"{sum(e.counters.steps for e in pool.engines):>12}",
+            flush=True,
+        )
     return 0
 
 

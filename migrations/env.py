@@ -29,9 +29,11 @@ def _database_url() -> str:
     if x_url:
         return normalize_url(x_url)
     from tokenfleet.service.config import load_config
-    from tokenfleet.service.embedded import discover_endpoints
+    from tokenfleet.service.endpoints import discover
 
-    return discover_endpoints(load_config()).database_url
+    url = discover(load_config(), require=("database",)).database_url
+    assert url is not None
+    return url
 
 
 def run_migrations_offline() -> None:

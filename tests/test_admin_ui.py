@@ -21,31 +21,35 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import requests
 from flask import Flask
 from flask.testing import FlaskClient
 
+from tests.support.stores import embedded_redis, fresh_database, temp_data_dir
 from tokenfleet.service.embedded import EmbeddedPostgres, EmbeddedRedis
-from tokenfleet.service.testing import embedded_postgres, embedded_redis, fresh_database, temp_data_dir
 from tokenfleet.tenancy import admin as tenants
+from web.admin import init_app as init_admin
 from web.admin.auth import set_admin_password
 from web.batch_api import init_app, start_runner
 
 REPO = Path(__file__).resolve().parents[1]
-ARTIFACTS = Path(os.environ.get("TOKENFLEET_ARTIFACTS_DIR") or REPO / "out" / "test-artifacts") \
+ARTIFACTS = (
+    Path(os.environ.get("TOKENFLEET_ARTIFACTS_DIR") or REPO / "out" / "test-artifacts")
     / "playwright"
+)
 CHROMIUM = "/usr/bin/chromium"
 PASSWORD = "correct-horse-battery"
 
 
 # ---- server-side behaviour (no browser) -------------------------------------------------
 @pytest.fixture(scope="module")
-def stores() -> Iterator[tuple[Path, EmbeddedRedis, EmbeddedPostgres]]:
-    with temp_data_dir() as d, embedded_redis(d) as r, embedded_postgres(d) as pg:
+def stores(pg: EmbeddedPostgres) -> Iterator[tuple[Path, EmbeddedRedis, EmbeddedPostgres]]:
+    with temp_data_dir() as d, embedded_redis(d) as r:
         yield d, r, pg
 
 
@@ -55,13 +59,16 @@ def app(stores: tuple[Path, EmbeddedRedis, EmbeddedPostgres]) -> Iterator[Flask]
     name = f"adm{time.monotonic_ns()}"
     url = fresh_database(pg, name)
     flask_app = Flask(name)
-    init_app(flask_app, DATABASE_URL=url, REDIS_URL=r.url, DATA_DIR=str(d / name),
-             BATCH_RUNNER=False, REDIS_PREFIX=name)
+    init_app(
+        flask_app, DATABASE_URL=url, REDIS_URL=r.url, DATA_DIR=str(d / name), REDIS_PREFIX=name
+    )
+    init_admin(flask_app)
     svc = flask_app.extensions["tokenfleet.tenancy"]
     set_admin_password(svc.engine, "root", PASSWORD, actor="test")
     yield flask_app
     svc.close()
     svc.engine.dispose()
+    pg.drop_database(name)  # the session's server: keep its disk small
 
 
 def csrf(client: FlaskClient, path: str = "/admin/login") -> str:
@@ -73,8 +80,9 @@ def csrf(client: FlaskClient, path: str = "/admin/login") -> str:
 
 def login(client: FlaskClient) -> str:
     tok = csrf(client)
-    r = client.post("/admin/login", data={"username": "root", "password": PASSWORD,
-                                          "csrf_token": tok})
+    r = client.post(
+        "/admin/login", data={"username": "root", "password": PASSWORD, "csrf_token": tok}
+    )
     assert r.status_code == 302, r.data[:300]
     return csrf(client, "/admin/tenants")
 
@@ -95,8 +103,9 @@ def test_pages_need_an_admin_login_not_an_api_key(app: Flask) -> None:
     r = c.get("/admin/tenants", headers={"Authorization": f"Bearer {key}"})
     assert r.status_code == 302, "a tenant API key must not open the admin UI"
     tok = csrf(c)
-    bad = c.post("/admin/login", data={"username": "root", "password": "nope-nope",
-                                       "csrf_token": tok})
+    bad = c.post(
+        "/admin/login", data={"username": "root", "password": "nope-nope", "csrf_token": tok}
+    )
     assert bad.status_code == 401 and b"wrong user name or password" in bad.data
     login(c)
     r = c.get("/admin/")
@@ -108,11 +117,15 @@ def test_pages_need_an_admin_login_not_an_api_key(app: Flask) -> None:
 
 def test_every_form_post_needs_the_csrf_token(app: Flask) -> None:
     c = app.test_client()
-    assert c.post("/admin/login", data={"username": "root", "password": PASSWORD}).status_code == 400
+    assert (
+        c.post("/admin/login", data={"username": "root", "password": PASSWORD}).status_code == 400
+    )
     tok = login(c)
-    for path, form in [("/admin/tenants", {"tenant_id": "evil"}),
-                       ("/admin/tenants/x/quota/interactive", {"requests_per_minute": "1"}),
-                       ("/admin/logout", {})]:
+    for path, form in [
+        ("/admin/tenants", {"tenant_id": "evil"}),
+        ("/admin/tenants/x/quota/interactive", {"requests_per_minute": "1"}),
+        ("/admin/logout", {}),
+    ]:
         r = c.post(path, data=form)
         assert r.status_code == 400 and b"CSRF" in r.data, path
         r = c.post(path, data={**form, "csrf_token": tok + "x"})
@@ -124,15 +137,31 @@ def test_every_form_post_needs_the_csrf_token(app: Flask) -> None:
 def test_mutations_are_audited_and_keys_shown_once(app: Flask) -> None:
     c = app.test_client()
     tok = login(c)
-    r = c.post("/admin/tenants", data={"tenant_id": "acme", "slo_class": "premium",
-                                       "allowed_regions": "eu-west, eu-central",
-                                       "csrf_token": tok})
+    r = c.post(
+        "/admin/tenants",
+        data={
+            "tenant_id": "acme",
+            "slo_class": "premium",
+            "allowed_regions": "eu-west, eu-central",
+            "csrf_token": tok,
+        },
+    )
     assert r.status_code == 302
-    c.post("/admin/tenants/acme/quota/batch", data={
-        "requests_per_minute": "100", "tokens_per_minute": "", "max_concurrent_requests": "4",
-        "daily_token_budget": "1000000", "csrf_token": tok})
-    r = c.post("/admin/tenants/acme/quota/batch", data={
-        "requests_per_minute": "lots", "csrf_token": tok}, follow_redirects=True)
+    c.post(
+        "/admin/tenants/acme/quota/batch",
+        data={
+            "requests_per_minute": "100",
+            "tokens_per_minute": "",
+            "max_concurrent_requests": "4",
+            "daily_token_budget": "1000000",
+            "csrf_token": tok,
+        },
+    )
+    r = c.post(
+        "/admin/tenants/acme/quota/batch",
+        data={"requests_per_minute": "lots", "csrf_token": tok},
+        follow_redirects=True,
+    )
     assert b"not a whole number" in r.data
     c.post("/admin/tenants/acme/keys", data={"name": "ci", "csrf_token": tok})
     page = c.get("/admin/tenants/acme").data.decode()
@@ -142,17 +171,26 @@ def test_mutations_are_audited_and_keys_shown_once(app: Flask) -> None:
     svc = app.extensions["tokenfleet.tenancy"]
     ctx = svc.directory.authenticate(key.group(1))
     assert ctx is not None and ctx.allowed_regions == ("eu-west", "eu-central")
-    assert ctx.quotas.batch.as_dict() == {"requests_per_minute": 100, "tokens_per_minute": None,
-                                          "max_concurrent_requests": 4,
-                                          "daily_token_budget": 1_000_000}
+    assert ctx.quotas.batch.as_dict() == {
+        "requests_per_minute": 100,
+        "tokens_per_minute": None,
+        "max_concurrent_requests": 4,
+        "daily_token_budget": 1_000_000,
+    }
     key_id = tenants.list_keys(svc.engine, "acme")[0].id
     c.post(f"/admin/tenants/acme/keys/{key_id}/revoke", data={"csrf_token": tok})
     time.sleep(svc.directory.local_ttl_s + 0.05)
     assert svc.directory.authenticate(key.group(1)) is None
     c.post("/admin/logout", data={"csrf_token": tok})
     acts = [a for a in audit_actions(app) if a[0] == "admin:root"]
-    assert [a[1] for a in acts] == ["admin.login", "tenant.create", "tenant.set_quota",
-                                    "key.create", "key.revoke", "admin.logout"]
+    assert [a[1] for a in acts] == [
+        "admin.login",
+        "tenant.create",
+        "tenant.set_quota",
+        "key.create",
+        "key.revoke",
+        "admin.logout",
+    ]
     audit_page = None
     tok = login(c)
     audit_page = c.get("/admin/audit").data.decode()
@@ -168,12 +206,16 @@ def test_password_change_ends_sessions_and_logins_are_rate_limited(app: Flask) -
     assert c.get("/admin/tenants").status_code == 302
     attacker = app.test_client()
     tok = csrf(attacker)
-    codes = [attacker.post("/admin/login", data={"username": "root", "password": f"guess{i}",
-                                                 "csrf_token": tok}).status_code
-             for i in range(12)]
+    codes = [
+        attacker.post(
+            "/admin/login", data={"username": "root", "password": f"guess{i}", "csrf_token": tok}
+        ).status_code
+        for i in range(12)
+    ]
     assert codes.count(401) == 12
-    r = attacker.post("/admin/login", data={"username": "root", "password": "another-password",
-                                            "csrf_token": tok})
+    r = attacker.post(
+        "/admin/login", data={"username": "root", "password": "another-password", "csrf_token": tok}
+    )
     assert r.status_code == 401 and b"too many attempts" in r.data
 
 
@@ -183,18 +225,29 @@ def _ensure_browser() -> str | None:
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
-        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "playwright"],
-                           capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "playwright"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if r.returncode != 0:
-            return f"the playwright package is missing and `pip install playwright` failed: " \
-                   f"{r.stderr.strip()[-300:]}"
+            return (
+                f"the playwright package is missing and `pip install playwright` failed: "
+                f"{r.stderr.strip()[-300:]}"
+            )
     if not Path(CHROMIUM).exists():
         if os.geteuid() != 0 or shutil.which("apt-get") is None:
             return f"{CHROMIUM} is missing and apt-get is not usable here (need root on Debian)"
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         subprocess.run(["apt-get", "update", "-qq"], capture_output=True, timeout=600, env=env)
-        r = subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], capture_output=True,
-                           text=True, timeout=900, env=env)
+        r = subprocess.run(
+            ["apt-get", "install", "-y", "-qq", "chromium"],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env=env,
+        )
         if r.returncode != 0 or not Path(CHROMIUM).exists():
             return f"`apt-get install chromium` failed: {r.stderr.strip()[-300:]}"
     return None
@@ -208,17 +261,16 @@ def browser() -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM,
-                              args=["--no-sandbox", "--disable-dev-shm-usage"])
+        b = p.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"]
+        )
         yield b
         b.close()
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[Any]:
-    from tokenfleet.live.testing import running_stack
-
-    with running_stack(router="round_robin", time_scale=0.02) as stack:
+def live(live_stack: Any) -> Iterator[Any]:
+    with live_stack(router="round_robin", time_scale=0.02) as stack:
         svc = stack.app.extensions["tokenfleet.tenancy"]
         set_admin_password(svc.engine, "root", PASSWORD, actor="test")
         start_runner(stack.app)  # the live stack turns the API's runner off by default
@@ -270,9 +322,12 @@ def test_admin_journey_in_chromium(browser: Any, live: Any) -> None:
     msgs = [{"role": "user", "content": "hello"}]
     for _ in range(3):
         client.chat.completions.create(model=live.model, messages=msgs, max_tokens=4)
-    r = requests.post(base + "/v1/chat/completions", timeout=30,
-                      headers={"Authorization": f"Bearer {key}"},
-                      json={"model": live.model, "messages": msgs, "max_tokens": 4})
+    r = requests.post(
+        base + "/v1/chat/completions",
+        timeout=30,
+        headers={"Authorization": f"Bearer {key}"},
+        json={"model": live.model, "messages": msgs, "max_tokens": 4},
+    )
     assert r.status_code == 429
     assert r.json()["error"]["code"] == "requests_per_minute_exceeded"
     assert 1 <= int(r.headers["Retry-After"]) <= 20  # 1 request refills in 20 s at 3/min
@@ -280,14 +335,26 @@ def test_admin_journey_in_chromium(browser: Any, live: Any) -> None:
     assert "0 requests" in page.inner_text("#quota-interactive + p")
 
     # a batch through the live path; watch its progress bar fill on the batches page
-    lines = "".join(json.dumps({"custom_id": f"c{i}", "method": "POST",
-                                "url": "/v1/chat/completions",
-                                "body": {"model": live.model, "max_tokens": 6,
-                                         "messages": [{"role": "user", "content": f"q{i}"}]}})
-                    + "\n" for i in range(40))
+    lines = "".join(
+        json.dumps(
+            {
+                "custom_id": f"c{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": live.model,
+                    "max_tokens": 6,
+                    "messages": [{"role": "user", "content": f"q{i}"}],
+                },
+            }
+        )
+        + "\n"
+        for i in range(40)
+    )
     f = client.files.create(file=("job.jsonl", io.BytesIO(lines.encode())), purpose="batch")
-    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                  completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     page.click("text=Batches")
     row = page.locator(f"tr[data-batch='{batch.id}']")
     row.wait_for()
@@ -303,7 +370,8 @@ def test_admin_journey_in_chromium(browser: Any, live: Any) -> None:
     shot(page, "03-batches")
     out = client.files.content(client.batches.retrieve(batch.id).output_file_id).text
     assert sorted(json.loads(x)["custom_id"] for x in out.splitlines()) == sorted(
-        f"c{i}" for i in range(40))
+        f"c{i}" for i in range(40)
+    )
     # the audit log shows what the admin did
     page.click("text=Audit log")
     text = page.inner_text("#audit")

@@ -9,8 +9,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import requests
@@ -25,8 +26,8 @@ from tokenfleet.emulator.kv_events import (
     decode_batch,
     encode_batch,
 )
-from tokenfleet.emulator.tokenizer import approx_num_tokens, render_chat
 from tokenfleet.engine.profiles import get_profile
+from tokenfleet.tokenizer import approx_num_tokens, render_chat
 
 PROFILE = "llama3-8b-h200"
 MODEL = get_profile(PROFILE).model.name
@@ -44,13 +45,26 @@ def server() -> Iterator[EmulatorServer]:
     srv.stop()
 
 
-def chat(url: str, content: str, *, system: str | None = None, timeout: float = 10.0,
-         headers: dict[str, str] | None = None, **body: Any) -> requests.Response:
+def chat(
+    url: str,
+    content: str,
+    *,
+    system: str | None = None,
+    timeout: float = 10.0,
+    headers: dict[str, str] | None = None,
+    **body: Any,
+) -> requests.Response:
     messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": content}]
+        {"role": "user", "content": content}
+    ]
     payload = {"model": MODEL, "messages": messages, **body}
-    return requests.post(url + "/v1/chat/completions", json=payload, headers=headers,
-                         timeout=timeout, stream=bool(body.get("stream")))
+    return requests.post(
+        url + "/v1/chat/completions",
+        json=payload,
+        headers=headers,
+        timeout=timeout,
+        stream=bool(body.get("stream")),
+    )
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -74,7 +88,7 @@ def sse_events(resp: requests.Response) -> list[Any]:
         if not line:
             continue
         assert line.startswith(b"data: "), line
-        data = line[len(b"data: "):]
+        data = line[len(b"data: ") :]
         events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
     return events
 
@@ -91,8 +105,7 @@ def wait_for(cond: Any, timeout_s: float = 3.0, every_s: float = 0.02) -> bool:
 # -- OpenAI API -----------------------------------------------------------------
 def test_non_stream_chat_reports_usage_and_forced_length(server: EmulatorServer) -> None:
     content = "Summarise the plot of a long novel in detail. " * 20
-    r = chat(server.url, content, max_tokens=100,
-             headers={"X-Emulator-Output-Tokens": "7"})
+    r = chat(server.url, content, max_tokens=100, headers={"X-Emulator-Output-Tokens": "7"})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "chat.completion" and body["model"] == MODEL
@@ -114,9 +127,16 @@ def test_non_stream_chat_reports_usage_and_forced_length(server: EmulatorServer)
     assert r.json()["usage"]["completion_tokens"] == 33
 
     # /v1/completions with a token-id prompt and the body extension
-    r = requests.post(server.url + "/v1/completions", timeout=10, json={
-        "model": MODEL, "prompt": list(range(1, 41)), "max_tokens": 64,
-        "vllm_xargs": {"output_tokens": 12}})
+    r = requests.post(
+        server.url + "/v1/completions",
+        timeout=10,
+        json={
+            "model": MODEL,
+            "prompt": list(range(1, 41)),
+            "max_tokens": 64,
+            "vllm_xargs": {"output_tokens": 12},
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion"
@@ -127,8 +147,10 @@ def test_non_stream_chat_reports_usage_and_forced_length(server: EmulatorServer)
 def test_default_output_lengths_are_seeded_and_capped() -> None:
     def lengths(seed: int) -> list[int]:
         with EmulatorServer(PROFILE, time_scale=0.01, seed=seed) as srv:
-            return [chat(srv.url, f"question {i}", max_tokens=300).json()["usage"]
-                    ["completion_tokens"] for i in range(6)]
+            return [
+                chat(srv.url, f"question {i}", max_tokens=300).json()["usage"]["completion_tokens"]
+                for i in range(6)
+            ]
 
     a, b, c = lengths(1), lengths(1), lengths(2)
     assert a == b
@@ -137,9 +159,14 @@ def test_default_output_lengths_are_seeded_and_capped() -> None:
 
 
 def test_stream_chat_sends_one_chunk_per_token_then_usage(server: EmulatorServer) -> None:
-    r = chat(server.url, "Tell me a story.", max_tokens=64, stream=True,
-             stream_options={"include_usage": True},
-             headers={"X-Emulator-Output-Tokens": "25"})
+    r = chat(
+        server.url,
+        "Tell me a story.",
+        max_tokens=64,
+        stream=True,
+        stream_options={"include_usage": True},
+        headers={"X-Emulator-Output-Tokens": "25"},
+    )
     assert r.status_code == 200
     assert r.headers["Content-Type"].startswith("text/event-stream")
     events = sse_events(r)
@@ -169,14 +196,21 @@ def test_openai_client_works_against_the_emulator(server: EmulatorServer) -> Non
     models = [m.id for m in client.models.list()]
     assert models == [MODEL]
     resp = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=9,
-        extra_body={"ignore_eos": True})
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=9,
+        extra_body={"ignore_eos": True},
+    )
     assert resp.usage is not None and resp.usage.completion_tokens == 9
     assert resp.choices[0].message.content
     stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=11,
-        stream=True, stream_options={"include_usage": True},
-        extra_headers={"X-Emulator-Output-Tokens": "11"})
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=11,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers={"X-Emulator-Output-Tokens": "11"},
+    )
     text, final_usage = [], None
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -187,19 +221,28 @@ def test_openai_client_works_against_the_emulator(server: EmulatorServer) -> Non
     assert final_usage is not None and final_usage.completion_tokens == 11
     assert final_usage.prompt_tokens_details is not None
     with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="no-such-model", max_tokens=3,
-                                       messages=[{"role": "user", "content": "x"}])
+        client.chat.completions.create(
+            model="no-such-model", max_tokens=3, messages=[{"role": "user", "content": "x"}]
+        )
 
 
 # -- metrics ---------------------------------------------------------------------
 def test_metrics_use_vllm_names_and_counters_move(server: EmulatorServer) -> None:
     text = requests.get(server.url + "/metrics", timeout=5).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
-                 "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
-                 "vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds",
-                 "vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits",
+        "vllm:time_to_first_token_seconds",
+        "vllm:time_per_output_token_seconds",
+        "vllm:num_preemptions",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+    ):
         assert name in families, name
         for s in families[name].samples:
             assert s.labels.get("model_name") == MODEL
@@ -208,18 +251,28 @@ def test_metrics_use_vllm_names_and_counters_move(server: EmulatorServer) -> Non
     assert "vllm:prefix_cache_hits_total" in text
 
     before = metrics(server.url)
-    r = chat(server.url, "count to twenty " * 30, max_tokens=40,
-             headers={"X-Emulator-Output-Tokens": "20"})
+    r = chat(
+        server.url,
+        "count to twenty " * 30,
+        max_tokens=40,
+        headers={"X-Emulator-Output-Tokens": "20"},
+    )
     prompt_tokens = r.json()["usage"]["prompt_tokens"]
     after = metrics(server.url)
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 20
     assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == prompt_tokens
     assert after["vllm:prefix_cache_queries_total"] > before["vllm:prefix_cache_queries_total"]
-    assert (after["vllm:time_to_first_token_seconds_count"]
-            == before["vllm:time_to_first_token_seconds_count"] + 1)
-    assert (after["vllm:time_per_output_token_seconds_count"]
-            == before["vllm:time_per_output_token_seconds_count"] + 19)
-    assert after["vllm:request_success_total{stop}"] == before["vllm:request_success_total{stop}"] + 1
+    assert (
+        after["vllm:time_to_first_token_seconds_count"]
+        == before["vllm:time_to_first_token_seconds_count"] + 1
+    )
+    assert (
+        after["vllm:time_per_output_token_seconds_count"]
+        == before["vllm:time_per_output_token_seconds_count"] + 19
+    )
+    assert (
+        after["vllm:request_success_total{stop}"] == before["vllm:request_success_total{stop}"] + 1
+    )
     assert after["vllm:num_requests_running"] == 0
     assert after["vllm:kv_cache_usage_perc"] == 0.0
 
@@ -228,10 +281,18 @@ def test_metrics_use_vllm_names_and_counters_move(server: EmulatorServer) -> Non
 def test_repeated_system_prompt_hits_the_prefix_cache_and_cuts_ttft() -> None:
     scale = 1.0  # cold prefill ~0.25 s: far above scheduling noise on a busy box
     with EmulatorServer(PROFILE, time_scale=scale) as srv:
+
         def ttft_and_usage(question: str) -> tuple[float, dict[str, Any]]:
             t0 = time.perf_counter()
-            r = chat(srv.url, question, system=SYSTEM_PROMPT, max_tokens=8, ignore_eos=True,
-                     stream=True, stream_options={"include_usage": True})
+            r = chat(
+                srv.url,
+                question,
+                system=SYSTEM_PROMPT,
+                max_tokens=8,
+                ignore_eos=True,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             first = None
             data = []
             for line in r.iter_lines():
@@ -240,7 +301,7 @@ def test_repeated_system_prompt_hits_the_prefix_cache_and_cuts_ttft() -> None:
                 if line:
                     data.append(line)
             assert first is not None and data[-1] == b"data: [DONE]"
-            return first, json.loads(data[-2][len(b"data: "):])["usage"]
+            return first, json.loads(data[-2][len(b"data: ") :])["usage"]
 
         cold_ttft, cold = ttft_and_usage("What is rule 7?")
         warm_ttft, warm = ttft_and_usage("What is rule 9?")
@@ -257,8 +318,10 @@ def test_repeated_system_prompt_hits_the_prefix_cache_and_cuts_ttft() -> None:
 
 
 def test_router_side_hashes_predict_the_emulators_cache_hit(server: EmulatorServer) -> None:
-    first = [{"role": "system", "content": SYSTEM_PROMPT},
-             {"role": "user", "content": "hello there, how are you today?"}]
+    first = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "hello there, how are you today?"},
+    ]
     second = [first[0], {"role": "user", "content": "bye"}]
     h1, h2 = chat_block_hashes(first), chat_block_hashes(second)
     assert len(h1) == approx_num_tokens(render_chat(first)) // 16
@@ -268,8 +331,11 @@ def test_router_side_hashes_predict_the_emulators_cache_hit(server: EmulatorServ
         shared += 1
     assert shared > 400  # the ~8000-token system prompt
     for messages in (first, second):
-        r = requests.post(server.url + "/v1/chat/completions", timeout=10, json={
-            "model": MODEL, "messages": messages, "max_tokens": 2})
+        r = requests.post(
+            server.url + "/v1/chat/completions",
+            timeout=10,
+            json={"model": MODEL, "messages": messages, "max_tokens": 2},
+        )
     use = r.json()["usage"]
     # vLLM always recomputes the last prompt token, so a full hit stops one short.
     usable = min(shared, (use["prompt_tokens"] - 1) // 16)
@@ -289,13 +355,19 @@ def test_errors_come_in_openai_shape() -> None:
         r = chat(srv.url, "x" * 2000, max_tokens=900)  # ~510 prompt + 900 > 1024
         assert r.status_code == 400 and "completion" in r.json()["error"]["message"]
 
-        r = requests.post(srv.url + "/v1/chat/completions", data=b"{not json",
-                          headers={"Content-Type": "application/json"}, timeout=5)
+        r = requests.post(
+            srv.url + "/v1/chat/completions",
+            data=b"{not json",
+            headers={"Content-Type": "application/json"},
+            timeout=5,
+        )
         assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
-        r = requests.post(srv.url + "/v1/chat/completions", timeout=5,
-                          json={"model": "gpt-5", "messages": [{"role": "user",
-                                                                "content": "x"}]})
+        r = requests.post(
+            srv.url + "/v1/chat/completions",
+            timeout=5,
+            json={"model": "gpt-5", "messages": [{"role": "user", "content": "x"}]},
+        )
         assert r.status_code == 404
         assert r.json()["error"]["param"] == "model"
 
@@ -310,8 +382,11 @@ def test_5xx_injection_is_seeded_and_near_the_rate() -> None:
             s = requests.Session()
             codes = []
             for i in range(150):
-                r = s.post(srv.url + "/v1/completions", timeout=5, json={
-                    "model": MODEL, "prompt": f"p{i}", "max_tokens": 2})
+                r = s.post(
+                    srv.url + "/v1/completions",
+                    timeout=5,
+                    json={"model": MODEL, "prompt": f"p{i}", "max_tokens": 2},
+                )
                 codes.append(r.status_code)
                 if r.status_code == 500:
                     assert r.json()["error"]["type"] == "InternalServerError"
@@ -337,8 +412,7 @@ def test_stall_turns_health_503_and_makes_no_progress() -> None:
 
 
 def test_latency_spikes_pause_the_stream() -> None:
-    with EmulatorServer(PROFILE, time_scale=1.0, latency_spike_ms=120,
-                        spike_every_s=0.25) as srv:
+    with EmulatorServer(PROFILE, time_scale=1.0, latency_spike_ms=120, spike_every_s=0.25) as srv:
         t_prev = None
         gaps = []
         r = chat(srv.url, "go", max_tokens=90, ignore_eos=True, stream=True)
@@ -356,9 +430,25 @@ def test_latency_spikes_pause_the_stream() -> None:
 def test_crash_exits_the_process(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenfleet.cli.main", "engine-sim", "--port", "0",
-         "--profile", PROFILE, "--time-scale", "0.05", "--crash-after-s", "1.5"],
-        stderr=subprocess.PIPE, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
+        [
+            sys.executable,
+            "-m",
+            "tokenfleet.cli.main",
+            "engine-sim",
+            "--port",
+            "0",
+            "--profile",
+            PROFILE,
+            "--time-scale",
+            "0.05",
+            "--crash-after-s",
+            "1.5",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     try:
         assert proc.stderr is not None
         line = proc.stderr.readline()
@@ -378,8 +468,7 @@ def test_crash_exits_the_process(tmp_path: Path) -> None:
 # -- aborts ----------------------------------------------------------------------
 def test_client_disconnect_aborts_and_frees_kv() -> None:
     with EmulatorServer(PROFILE, time_scale=1.0, kv_capacity_blocks=4000) as srv:
-        r = chat(srv.url, "write forever " * 200, max_tokens=20000, ignore_eos=True,
-                 stream=True)
+        r = chat(srv.url, "write forever " * 200, max_tokens=20000, ignore_eos=True, stream=True)
         it = r.iter_lines()
         got = 0
         for line in it:
@@ -403,8 +492,13 @@ def test_admin_abort_ends_a_request_by_id() -> None:
         result: dict[str, Any] = {}
 
         def call() -> None:
-            result["resp"] = chat(srv.url, "long answer please", max_tokens=5000,
-                                  ignore_eos=True, headers={"X-Request-Id": "req-42"})
+            result["resp"] = chat(
+                srv.url,
+                "long answer please",
+                max_tokens=5000,
+                ignore_eos=True,
+                headers={"X-Request-Id": "req-42"},
+            )
 
         t = threading.Thread(target=call)
         t.start()
@@ -422,8 +516,7 @@ def test_admin_abort_ends_a_request_by_id() -> None:
 
 # -- KV events -------------------------------------------------------------------
 def test_kv_event_codec_round_trips_both_vllm_formats() -> None:
-    events = [BlockStored((1, 2**64 - 1), None, (5, 6), 16), BlockRemoved((3,)),
-              AllBlocksCleared()]
+    events = [BlockStored((1, 2**64 - 1), None, (5, 6), 16), BlockRemoved((3,)), AllBlocksCleared()]
     for fmt in ("map", "array"):
         ts, back = decode_batch(encode_batch(12.5, events, fmt))
         assert ts == 12.5
@@ -439,9 +532,14 @@ def test_kv_events_reach_a_subscriber(fmt: str, engine_binds: bool) -> None:
         sub = KVEventSubscriber("tcp://127.0.0.1:*", bind=True, instance_id="emu-a")
     endpoint = "tcp://127.0.0.1:*" if engine_binds else sub.last_endpoint  # type: ignore[union-attr]
     try:
-        with EmulatorServer(PROFILE, time_scale=FAST, kv_capacity_blocks=1200,
-                            kv_events_endpoint=endpoint, kv_events_format=fmt,
-                            kv_events_connect=not engine_binds) as srv:
+        with EmulatorServer(
+            PROFILE,
+            time_scale=FAST,
+            kv_capacity_blocks=1200,
+            kv_events_endpoint=endpoint,
+            kv_events_format=fmt,
+            kv_events_connect=not engine_binds,
+        ) as srv:
             if sub is None:
                 assert srv.kv_events_endpoint is not None
                 assert not srv.kv_events_endpoint.endswith("*")
@@ -463,11 +561,16 @@ def test_kv_events_reach_a_subscriber(fmt: str, engine_binds: bool) -> None:
                     break
             assert stored, "no KV events arrived"
 
-            messages = [{"role": "system", "content": SYSTEM_PROMPT},
-                        {"role": "user", "content": "q"}]
+            messages = [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": "q"},
+            ]
             expected = set(chat_block_hashes(messages))
-            r = requests.post(srv.url + "/v1/chat/completions", timeout=10, json={
-                "model": MODEL, "messages": messages, "max_tokens": 2})
+            r = requests.post(
+                srv.url + "/v1/chat/completions",
+                timeout=10,
+                json={"model": MODEL, "messages": messages, "max_tokens": 2},
+            )
             assert r.status_code == 200
             assert wait_for(lambda: drain() >= 0 and expected.issubset(stored))
 
@@ -492,8 +595,14 @@ def test_request_log_records_engine_side_times_in_order(tmp_path: Path) -> None:
     log = tmp_path / "engine.jsonl"
     with EmulatorServer(PROFILE, time_scale=0.2, request_log=str(log)) as srv:
         before = time.time()
-        r = chat(srv.url, "hello " * 400, max_tokens=4, ignore_eos=True, stream=True,
-                 headers={"X-Request-Id": "probe-1"})
+        r = chat(
+            srv.url,
+            "hello " * 400,
+            max_tokens=4,
+            ignore_eos=True,
+            stream=True,
+            headers={"X-Request-Id": "probe-1"},
+        )
         assert sse_events(r)[-1] == "[DONE]"
         chat(srv.url, "again", max_tokens=2, ignore_eos=True)
         assert wait_for(lambda: log.exists() and len(log.read_text().splitlines()) == 2)

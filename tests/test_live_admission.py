@@ -2,7 +2,7 @@
 
 The gateway publishes queued work to Celery, so its own queues are empty;
 the admission snapshot instead gets per-tier totals from the queue-depth
-counters in Redis (web/gateway.py ``_broker_queues``). With a long backlog of
+counters in Redis (tokenfleet/live/gateway/dispatch.py ``_broker_queues``). With a long backlog of
 long-context work, a new long-context request is refused with a 429 whose
 Retry-After comes from the predicted wait, while interactive work is still
 admitted; once the backlog is gone, long-context work is admitted again.
@@ -11,30 +11,35 @@ admitted; once the backlog is gone, long-context work is admitted again.
 from __future__ import annotations
 
 import time
-
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import requests
 
-from tokenfleet.live.testing import API_KEY
+from tests.support.stack import API_KEY
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Any]:
-    from tokenfleet.live.testing import running_stack
-
-    with running_stack(router="tokenpilot", admission="slomax", time_scale=0.02,
-                       app_config={"CHAT_QUOTAS": False}) as s:
+def stack(live_stack: Any) -> Iterator[Any]:
+    with live_stack(
+        router="tokenpilot", admission="slomax", time_scale=0.02, app_config={"CHAT_QUOTAS": False}
+    ) as s:
         yield s
         s.app.extensions["tokenfleet.tenancy"].close()
 
 
 def post(stack: Any, text: str) -> requests.Response:
-    return requests.post(stack.url + "/v1/chat/completions", timeout=60,
-                         headers={"Authorization": f"Bearer {API_KEY}"},
-                         json={"model": stack.model, "max_tokens": 4,
-                               "messages": [{"role": "user", "content": text}]})
+    return requests.post(
+        stack.url + "/v1/chat/completions",
+        timeout=60,
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={
+            "model": stack.model,
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": text}],
+        },
+    )
 
 
 def test_a_long_context_backlog_in_the_broker_refuses_new_long_work_only(stack: Any) -> None:

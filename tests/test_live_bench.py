@@ -6,21 +6,22 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
+from typing import Any
 
 import pytest
 
+from tests.support.stack import API_KEY, LiveStack
 from tokenfleet.core.types import RequestInfo
-from tokenfleet.emulator.tokenizer import chat_block_hashes
 from tokenfleet.live.bench import BYTES_PER_BLOCK, block_text, prompt_text
-from tokenfleet.live.testing import API_KEY, LiveStack, running_stack
+from tokenfleet.tokenizer import chat_block_hashes
 from tokenfleet.workloads.trace import TraceRequest
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[LiveStack]:
-    with running_stack(router="tokenpilot", time_scale=0.1) as s:
+def stack(live_stack: Any) -> Iterator[LiveStack]:
+    with live_stack(router="tokenpilot", time_scale=0.1) as s:
         yield s
 
 
@@ -29,13 +30,16 @@ def test_prompt_text_turns_shared_block_hashes_into_shared_bytes() -> None:
     b = TraceRequest(RequestInfo("b", 0.0, 100, 10, block_hashes=(1, 2, 3, 9, 9, 9)), 5)
     ta, tb = prompt_text(a), prompt_text(b)
     assert len(ta.encode()) == 4 * 100 and len(tb.encode()) == 4 * 100
-    assert ta[:3 * BYTES_PER_BLOCK] == tb[:3 * BYTES_PER_BLOCK]
-    assert ta[3 * BYTES_PER_BLOCK:4 * BYTES_PER_BLOCK] != tb[3 * BYTES_PER_BLOCK:4 * BYTES_PER_BLOCK]
+    assert ta[: 3 * BYTES_PER_BLOCK] == tb[: 3 * BYTES_PER_BLOCK]
+    assert (
+        ta[3 * BYTES_PER_BLOCK : 4 * BYTES_PER_BLOCK]
+        != tb[3 * BYTES_PER_BLOCK : 4 * BYTES_PER_BLOCK]
+    )
     assert len(block_text(12345)) == BYTES_PER_BLOCK
     # the emulator hashes them to a common prefix of at least the shared blocks minus one
     ha = chat_block_hashes([{"role": "user", "content": ta}])
     hb = chat_block_hashes([{"role": "user", "content": tb}])
-    common = next(i for i, (x, y) in enumerate(zip(ha, hb)) if x != y)
+    common = next(i for i, (x, y) in enumerate(zip(ha, hb, strict=False)) if x != y)
     assert common >= 2
 
 
@@ -43,20 +47,54 @@ def test_bench_replays_a_trace_and_reports_like_sim(stack: LiveStack, tmp_path: 
     trace = tmp_path / "trace.jsonl"
     lines = []
     for i in range(24):
-        lines.append({"arrival_s": i * 0.05, "input_tokens": 1200 + 16 * (i % 3),
-                      "output_tokens": 20, "max_tokens": 64,
-                      "prefix_id": f"doc-{i % 2}", "prefix_tokens": 1024})
+        lines.append(
+            {
+                "arrival_s": i * 0.05,
+                "input_tokens": 1200 + 16 * (i % 3),
+                "output_tokens": 20,
+                "max_tokens": 64,
+                "prefix_id": f"doc-{i % 2}",
+                "prefix_tokens": 1024,
+            }
+        )
     trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "tokenfleet.cli.main", "bench", "--url", stack.url,
-         "--trace", str(trace), "--api-key", API_KEY, "--json", str(out), "--quiet",
-         "--rate-scale", "2"], capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "tokenfleet.cli.main",
+            "bench",
+            "--url",
+            stack.url,
+            "--trace",
+            str(trace),
+            "--api-key",
+            API_KEY,
+            "--json",
+            str(out),
+            "--quiet",
+            "--rate-scale",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr + proc.stdout
     doc = json.loads(out.read_text())
     run = doc["runs"][0]
-    for key in ("requests", "completed", "ttft_p50_s", "ttft_p95_s", "tpot_p50_s",
-                "goodput_tok_s", "slo_attainment", "per_tier", "prefix_hit_ratio"):
+    for key in (
+        "requests",
+        "completed",
+        "ttft_p50_s",
+        "ttft_p95_s",
+        "tpot_p50_s",
+        "goodput_tok_s",
+        "slo_attainment",
+        "per_tier",
+        "prefix_hit_ratio",
+    ):
         assert key in run, key
     assert run["requests"] == 24 and run["completed"] == 24, run.get("sample_errors")
     assert run["ttft_p50_s"] > 0 and run["goodput_tok_s"] > 0
@@ -67,14 +105,40 @@ def test_bench_replays_a_trace_and_reports_like_sim(stack: LiveStack, tmp_path: 
 
 def test_bench_errors_are_one_line(stack: LiveStack, tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "tokenfleet.cli.main", "bench", "--url", stack.url,
-         "--trace", str(tmp_path / "missing.jsonl"), "--api-key", API_KEY],
-        capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "tokenfleet.cli.main",
+            "bench",
+            "--url",
+            stack.url,
+            "--trace",
+            str(tmp_path / "missing.jsonl"),
+            "--api-key",
+            API_KEY,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     proc = subprocess.run(
-        [sys.executable, "-m", "tokenfleet.cli.main", "bench", "--url", stack.url,
-         "--trace", str(tmp_path / "missing.jsonl"), "--api-key", "wrong"],
-        capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "tokenfleet.cli.main",
+            "bench",
+            "--url",
+            stack.url,
+            "--trace",
+            str(tmp_path / "missing.jsonl"),
+            "--api-key",
+            "wrong",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "401" in proc.stderr
 
 
@@ -88,13 +152,34 @@ def test_path_latency_joins_client_outcomes_with_engine_logs(tmp_path: Path) -> 
         req = TraceRequest(RequestInfo(f"t{i}", 0.0, 100, 10), 5)
         sent_wall = 1000.0 + i
         d, r = 0.004 + 0.0001 * i, 0.001 + 0.00002 * i
-        outs.append(Outcome(req, "interactive", sent_s=float(i), first_token_s=i + d + 0.05 + r,
-                            api_request_id=f"rid{i}", sent_wall=sent_wall))
-        lines.append({"id": f"rid{i}-1", "received": sent_wall + d - 0.001,
-                      "submitted": sent_wall + d, "first_model": sent_wall + d + 0.05,
-                      "first": sent_wall + d + 0.0502})
-    outs.append(Outcome(TraceRequest(RequestInfo("lost", 0.0, 100, 10), 5), "interactive",
-                        sent_s=0.0, api_request_id="nobody", sent_wall=1.0))
+        outs.append(
+            Outcome(
+                req,
+                "interactive",
+                sent_s=float(i),
+                first_token_s=i + d + 0.05 + r,
+                api_request_id=f"rid{i}",
+                sent_wall=sent_wall,
+            )
+        )
+        lines.append(
+            {
+                "id": f"rid{i}-1",
+                "received": sent_wall + d - 0.001,
+                "submitted": sent_wall + d,
+                "first_model": sent_wall + d + 0.05,
+                "first": sent_wall + d + 0.0502,
+            }
+        )
+    outs.append(
+        Outcome(
+            TraceRequest(RequestInfo("lost", 0.0, 100, 10), 5),
+            "interactive",
+            sent_s=0.0,
+            api_request_id="nobody",
+            sent_wall=1.0,
+        )
+    )
     (tmp_path / "e0.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     rows = path_delays(outs, tmp_path)
     assert len(rows) == 200

@@ -8,25 +8,28 @@ over ZeroMQ and the workers relay them into the shared prefix index.
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import requests
 import sqlalchemy as sa
 
-from tokenfleet.emulator.tokenizer import chat_block_hashes
-from tokenfleet.live.testing import InstanceSpec, LiveStack, running_stack
+from tests.support.stack import InstanceSpec, LiveStack
 from tokenfleet.service.db import make_engine
+from tokenfleet.tokenizer import chat_block_hashes
 
 KV = {"kv_events_endpoint": "tcp://127.0.0.1:*"}
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[LiveStack]:
-    with running_stack(router="tokenpilot", with_beat=True,
-                       live_overrides={"control_period_s": 0.5, "fleet_period_s": 2.0},
-                       instances=[InstanceSpec("dc-a", "a0", dict(KV)),
-                                  InstanceSpec("dc-b", "b0", dict(KV))]) as s:
+def stack(live_stack: Any) -> Iterator[LiveStack]:
+    with live_stack(
+        router="tokenpilot",
+        with_beat=True,
+        live_overrides={"control_period_s": 0.5, "fleet_period_s": 2.0},
+        instances=[InstanceSpec("dc-a", "a0", dict(KV)), InstanceSpec("dc-b", "b0", dict(KV))],
+    ) as s:
         yield s
 
 
@@ -79,8 +82,9 @@ def test_engine_kv_events_feed_the_shared_prefix_index(stack: LiveStack) -> None
     msgs = [{"role": "system", "content": "Z" * 8000}, {"role": "user", "content": "kv?"}]
     resp = c.chat.completions.create(model=stack.model, max_tokens=2, messages=msgs)
     rid = resp.id.removeprefix("chatcmpl-")
-    inst = stack.ledger_rows(f"request_id = '{rid}'", expect=lambda rows: bool(rows) and bool(
-        rows[0]["instance"]))[0]["instance"]
+    inst = stack.ledger_rows(
+        f"request_id = '{rid}'", expect=lambda rows: bool(rows) and bool(rows[0]["instance"])
+    )[0]["instance"]
     hashes = chat_block_hashes(msgs)
     gw = stack.gateway
     # the engine's own BlockStored events (same hashes as the emulator computes)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
 import requests
 
-from tokenfleet.live.testing import API_KEY, InstanceSpec, LiveStack, running_stack
+from tests.support.stack import API_KEY, InstanceSpec, LiveStack
 
 # ~40k tokens: about 2.7 s of prefill on the emulated H200
 _LONG = " ".join(f"Paragraph {i} of the contract, with clauses." for i in range(3700))
@@ -29,16 +30,21 @@ def long_prompt() -> str:
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[LiveStack]:
+def stack(live_stack: Any) -> Iterator[LiveStack]:
     # Tenant quotas (web.batch_api) look keys up in PostgreSQL when their cache
     # lapses, which turns a database outage into 503s; the live path itself must
     # keep serving, which is what this file checks, so they are off here.
     # DC selection off: the router alternates over both instances, so each fault
-    # below meets traffic (FleetMind would learn to avoid a failing DC instead)
-    with running_stack(router="round_robin", time_scale=1.0,
-                       live_overrides={"engine_fail_threshold": 2, "fleet_policy": "off"},
-                       app_config={"CHAT_QUOTAS": False},
-                       instances=[InstanceSpec("dc-a", "a0"), InstanceSpec("dc-b", "b0")]) as s:
+    # below meets traffic (FleetMind would learn to avoid a failing DC instead).
+    # Its own PostgreSQL (not the session's): a test below stops and restarts it.
+    with live_stack(
+        router="round_robin",
+        time_scale=1.0,
+        shared_postgres=None,
+        live_overrides={"engine_fail_threshold": 2, "fleet_policy": "off"},
+        app_config={"CHAT_QUOTAS": False},
+        instances=[InstanceSpec("dc-a", "a0"), InstanceSpec("dc-b", "b0")],
+    ) as s:
         yield s
 
 
@@ -62,8 +68,9 @@ def _heal(stack: LiveStack) -> None:
     stack.wait_ready(timeout_s=30)
 
 
-def _running(stack: LiveStack, since: float, first_token: bool,
-             timeout_s: float = 10.0) -> tuple[str, str]:
+def _running(
+    stack: LiveStack, since: float, first_token: bool, timeout_s: float = 10.0
+) -> tuple[str, str]:
     """(request id, instance) of a request that is running (with/without tokens)."""
     r = stack.gateway.state.r
     prefix = stack.gateway.state.k("req", "")
@@ -71,9 +78,12 @@ def _running(stack: LiveStack, since: float, first_token: bool,
     while time.time() < deadline:
         for key in r.scan_iter(match=prefix + "*", count=500):
             st = {k.decode(): v.decode() for k, v in r.hgetall(key).items()}
-            if (st.get("status") == "running" and float(st.get("queued_at", 0)) >= since
-                    and (st.get("first_token") == "1") == first_token):
-                return key.decode()[len(prefix):], st["instance"]
+            if (
+                st.get("status") == "running"
+                and float(st.get("queued_at", 0)) >= since
+                and (st.get("first_token") == "1") == first_token
+            ):
+                return key.decode()[len(prefix) :], st["instance"]
         time.sleep(0.05)
     raise AssertionError("no running request found")
 
@@ -90,8 +100,10 @@ def test_worker_killed_before_first_token_is_retried_elsewhere(healthy: LiveStac
     def call() -> None:
         try:
             out["resp"] = c.chat.completions.create(
-                model=stack.model, max_tokens=4,
-                messages=[{"role": "user", "content": long_prompt()}])
+                model=stack.model,
+                max_tokens=4,
+                messages=[{"role": "user", "content": long_prompt()}],
+            )
         except Exception as exc:  # noqa: BLE001
             out["error"] = exc
 
@@ -104,8 +116,10 @@ def test_worker_killed_before_first_token_is_retried_elsewhere(healthy: LiveStac
     assert not th.is_alive(), "the request hung"
     assert "error" not in out, out.get("error")
     assert out["resp"].usage.completion_tokens >= 1
-    rows = stack.ledger_rows(f"request_id = '{rid}'", expect=lambda rows: bool(rows) and rows[
-        0]["status"] in ("completed", "slo_missed"))
+    rows = stack.ledger_rows(
+        f"request_id = '{rid}'",
+        expect=lambda rows: bool(rows) and rows[0]["status"] in ("completed", "slo_missed"),
+    )
     row = rows[0]
     assert row["status"] in ("completed", "slo_missed")
     assert row["instance"] == _other(stack, victim)
@@ -118,9 +132,12 @@ def test_worker_killed_after_first_token_ends_with_an_error_event(healthy: LiveS
     c = stack.client(timeout=60)
     t0 = time.time()
     stream = c.chat.completions.create(
-        model=stack.model, max_tokens=4000, stream=True,
+        model=stack.model,
+        max_tokens=4000,
+        stream=True,
         extra_body={"vllm_xargs": {"output_tokens": 4000}},
-        messages=[{"role": "user", "content": "tell me a long story"}])
+        messages=[{"role": "user", "content": "tell me a long story"}],
+    )
     it = iter(stream)
     got = [next(it) for _ in range(3)]
     rid, victim = _running(stack, t0, first_token=True)
@@ -131,8 +148,9 @@ def test_worker_killed_after_first_token_ends_with_an_error_event(healthy: LiveS
             got.append(ch)
     assert time.time() - started < 10, "the error must come within a few lease periods"
     assert "lost" in str(exc.value)
-    rows = stack.ledger_rows(f"request_id = '{rid}'", expect=lambda rows: bool(rows) and rows[
-        0]["status"] == "failed")
+    rows = stack.ledger_rows(
+        f"request_id = '{rid}'", expect=lambda rows: bool(rows) and rows[0]["status"] == "failed"
+    )
     assert rows[0]["status"] == "failed" and rows[0]["first_token_ts"] is not None
 
 
@@ -141,30 +159,52 @@ def test_redelivered_task_is_recorded_as_duplicate_and_not_rerun(healthy: LiveSt
     timeout: deliver a message again. The claim refuses to run it twice."""
     stack = healthy
     c = stack.client()
-    resp = c.chat.completions.create(model=stack.model, max_tokens=3,
-                                     messages=[{"role": "user", "content": "once only"}])
+    resp = c.chat.completions.create(
+        model=stack.model, max_tokens=3, messages=[{"role": "user", "content": "once only"}]
+    )
     rid = resp.id.removeprefix("chatcmpl-")
-    rows = stack.ledger_rows(f"request_id = '{rid}'", expect=lambda rows: bool(rows) and rows[
-        0]["status"] in ("completed", "slo_missed"))
+    rows = stack.ledger_rows(
+        f"request_id = '{rid}'",
+        expect=lambda rows: bool(rows) and rows[0]["status"] in ("completed", "slo_missed"),
+    )
     row = rows[0]
-    engine_before = sum(e.metrics.success[r]._value.get()  # type: ignore[attr-defined]
-                        for e in stack.emulators.values() for r in e.metrics.success)
+    engine_before = sum(
+        e.metrics.success[r]._value.get()  # type: ignore[attr-defined]
+        for e in stack.emulators.values()
+        for r in e.metrics.success
+    )
     queue = f"{row['dc']}.{row['instance']}.interactive"
-    job = {"rid": rid, "attempt": 1, "tenant": row["tenant_id"], "tier": "interactive",
-           "model": row["model"], "body": {"model": row["model"], "stream": True,
-                                            "messages": [{"role": "user", "content": "x"}]},
-           "input_tokens": row["prompt_tokens"], "max_tokens": 3,
-           "arrival_ts": row["arrival_ts"].timestamp(), "queue": queue}
+    job = {
+        "rid": rid,
+        "attempt": 1,
+        "tenant": row["tenant_id"],
+        "tier": "interactive",
+        "model": row["model"],
+        "body": {
+            "model": row["model"],
+            "stream": True,
+            "messages": [{"role": "user", "content": "x"}],
+        },
+        "input_tokens": row["prompt_tokens"],
+        "max_tokens": 3,
+        "arrival_ts": row["arrival_ts"].timestamp(),
+        "queue": queue,
+    }
     celery = stack.app.extensions["tokenfleet.celery"]
-    celery.send_task("tokenfleet.chat", args=[job], task_id=f"{rid}.1", queue=queue,
-                     routing_key=queue)
+    celery.send_task(
+        "tokenfleet.chat", args=[job], task_id=f"{rid}.1", queue=queue, routing_key=queue
+    )
     dups = stack.ledger_rows(f"request_id LIKE '{rid}:dup:%'", expect=bool)
     assert len(dups) == 1 and dups[0]["status"] == "duplicate"
     again = stack.ledger_rows(f"request_id = '{rid}'")[0]
-    assert again["status"] == row["status"] and again["completion_tokens"] == row[
-        "completion_tokens"], "the bill is unchanged"
-    engine_after = sum(e.metrics.success[r]._value.get()  # type: ignore[attr-defined]
-                       for e in stack.emulators.values() for r in e.metrics.success)
+    assert (
+        again["status"] == row["status"] and again["completion_tokens"] == row["completion_tokens"]
+    ), "the bill is unchanged"
+    engine_after = sum(
+        e.metrics.success[r]._value.get()  # type: ignore[attr-defined]
+        for e in stack.emulators.values()
+        for r in e.metrics.success
+    )
     assert engine_after == engine_before, "the engine never saw the duplicate"
 
 
@@ -174,11 +214,16 @@ def test_engine_5xx_retries_elsewhere_and_marks_it_unhealthy(healthy: LiveStack)
     c = stack.client()
     ids = []
     for i in range(6):
-        resp = c.chat.completions.create(model=stack.model, max_tokens=3,
-                                         messages=[{"role": "user", "content": f"5xx {i}"}])
+        resp = c.chat.completions.create(
+            model=stack.model, max_tokens=3, messages=[{"role": "user", "content": f"5xx {i}"}]
+        )
         ids.append(resp.id.removeprefix("chatcmpl-"))
-    rows = stack.ledger_rows(expect=lambda rows: set(ids) <= {
-        r["request_id"] for r in rows if r["status"] in ("completed", "slo_missed")})
+    rows = stack.ledger_rows(
+        expect=lambda rows: (
+            set(ids)
+            <= {r["request_id"] for r in rows if r["status"] in ("completed", "slo_missed")}
+        )
+    )
     mine = [r for r in rows if r["request_id"] in ids]
     assert all(r["instance"] == "a0" for r in mine), [r["instance"] for r in mine]
     assert any(r["attempts"] == 2 for r in mine), "some went to b0 first and were retried"
@@ -195,7 +240,8 @@ def test_engine_stall_is_detected_within_two_scrapes_and_retried(healthy: LiveSt
 
     def call() -> None:
         out["resp"] = c.chat.completions.create(
-            model=stack.model, max_tokens=4, messages=[{"role": "user", "content": long_prompt()}])
+            model=stack.model, max_tokens=4, messages=[{"role": "user", "content": long_prompt()}]
+        )
 
     t0 = time.time()
     th = threading.Thread(target=call)
@@ -213,8 +259,10 @@ def test_engine_stall_is_detected_within_two_scrapes_and_retried(healthy: LiveSt
     assert marked is not None and marked <= 2 * interval + 0.1, marked
     th.join(60)
     assert "resp" in out
-    row = stack.ledger_rows(f"request_id = '{rid}'", expect=lambda rows: bool(rows) and rows[
-        0]["status"] in ("completed", "slo_missed"))[0]
+    row = stack.ledger_rows(
+        f"request_id = '{rid}'",
+        expect=lambda rows: bool(rows) and rows[0]["status"] in ("completed", "slo_missed"),
+    )[0]
     assert row["instance"] == _other(stack, victim) and row["attempts"] == 2
 
 
@@ -226,13 +274,20 @@ def test_postgres_outage_loses_no_ledger_rows(healthy: LiveStack) -> None:
         ids = []
         for i in range(5):
             resp = c.chat.completions.create(
-                model=stack.model, max_tokens=3,
-                messages=[{"role": "user", "content": f"while the database is down {i}"}])
+                model=stack.model,
+                max_tokens=3,
+                messages=[{"role": "user", "content": f"while the database is down {i}"}],
+            )
             ids.append(resp.id.removeprefix("chatcmpl-"))
     finally:
         stack.postgres.start()
-    rows = stack.ledger_rows(timeout_s=30, expect=lambda rows: set(ids) <= {
-        r["request_id"] for r in rows if r["status"] in ("completed", "slo_missed")})
+    rows = stack.ledger_rows(
+        timeout_s=30,
+        expect=lambda rows: (
+            set(ids)
+            <= {r["request_id"] for r in rows if r["status"] in ("completed", "slo_missed")}
+        ),
+    )
     done = {r["request_id"] for r in rows if r["status"] in ("completed", "slo_missed")}
     assert set(ids) <= done
     assert all(r["dispatched_ts"] and r["finished_ts"] for r in rows if r["request_id"] in ids)
@@ -240,13 +295,17 @@ def test_postgres_outage_loses_no_ledger_rows(healthy: LiveStack) -> None:
 
 def test_redis_restart_gives_503_then_recovers(healthy: LiveStack) -> None:
     stack = healthy
-    body = {"model": stack.model, "max_tokens": 3,
-            "messages": [{"role": "user", "content": "during the outage"}]}
+    body = {
+        "model": stack.model,
+        "max_tokens": 3,
+        "messages": [{"role": "user", "content": "during the outage"}],
+    }
     headers = {"Authorization": f"Bearer {API_KEY}"}
     stack.redis.stop()
     try:
-        r = requests.post(stack.url + "/v1/chat/completions", json=body, headers=headers,
-                          timeout=15)
+        r = requests.post(
+            stack.url + "/v1/chat/completions", json=body, headers=headers, timeout=15
+        )
         assert r.status_code == 503, r.text
         assert 1 <= int(r.headers["Retry-After"]) <= 120
         assert r.json()["error"]["type"] == "server_error"
@@ -259,8 +318,9 @@ def test_redis_restart_gives_503_then_recovers(healthy: LiveStack) -> None:
     last = None
     while time.time() < deadline:
         try:
-            last = requests.post(stack.url + "/v1/chat/completions", json=body, headers=headers,
-                                 timeout=15)
+            last = requests.post(
+                stack.url + "/v1/chat/completions", json=body, headers=headers, timeout=15
+            )
             if last.status_code == 200:
                 break
         except requests.RequestException as exc:

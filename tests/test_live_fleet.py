@@ -1,6 +1,6 @@
-"""FleetMind on the live request path (tokenfleet/live/fleet.py, web/gateway.py).
+"""FleetMind on the live request path (tokenfleet/live/dc_select.py, live/gateway/dispatch.py).
 
-The first tests drive :class:`LiveFleet` directly with instance views, as
+The first tests drive :class:`LiveDCSelector` directly with instance views, as
 the gateway does; the last ones go through the real stack (Redis, Postgres,
 Celery workers, emulated engines) and read where the ledger says requests ran.
 """
@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,7 @@ from tokenfleet.core.fleet import parse_topology
 from tokenfleet.core.types import InstanceView, RequestInfo, ScrapedMetrics
 from tokenfleet.engine.profiles import get_profile
 from tokenfleet.errors import NoCandidateError
-from tokenfleet.live.fleet import LiveFleet
+from tokenfleet.live.dc_select import LiveDCSelector
 
 MODEL = "llama"
 PROFILE = get_profile("llama3-8b-h200")
@@ -26,39 +27,67 @@ PROFILE = get_profile("llama3-8b-h200")
 TOPOLOGY = {
     "name": "two-regions",
     "datacenters": {
-        "east": {"region": "eu", "load_ceiling": 0.7,
-                 "deployments": [{"model": MODEL, "version": "2", "profile": PROFILE.name,
-                                  "instances": 2}]},
-        "west": {"region": "us", "load_ceiling": 0.7,
-                 "deployments": [{"model": MODEL, "version": "2", "profile": PROFILE.name,
-                                  "instances": 2}]},
+        "east": {
+            "region": "eu",
+            "load_ceiling": 0.7,
+            "deployments": [
+                {"model": MODEL, "version": "2", "profile": PROFILE.name, "instances": 2}
+            ],
+        },
+        "west": {
+            "region": "us",
+            "load_ceiling": 0.7,
+            "deployments": [
+                {"model": MODEL, "version": "2", "profile": PROFILE.name, "instances": 2}
+            ],
+        },
     },
     "rtt_ms": {"east": {"west": 40}},
-    "tenants": {"acme": {"home": "east"},
-                "bank": {"home": "east", "allowed_regions": ["eu"],
-                         "allow_cross_region": False}},
+    "tenants": {
+        "acme": {"home": "east"},
+        "bank": {"home": "east", "allowed_regions": ["eu"], "allow_cross_region": False},
+    },
 }
 
 
-def view(dc: str, iid: str, *, version: str = "2", ready: bool = True,
-         healthy: bool = True, waiting: int = 0) -> InstanceView:
-    return InstanceView(instance_id=iid, profile=PROFILE, dc=dc, model=MODEL,
-                        model_version=version, ready=ready,
-                        kv_capacity_tokens=PROFILE.kv_capacity_tokens,
-                        max_model_len_tokens=131072,
-                        metrics=ScrapedMetrics(scraped_at_s=0.0, num_waiting=waiting,
-                                               healthy=healthy))
+def view(
+    dc: str,
+    iid: str,
+    *,
+    version: str = "2",
+    ready: bool = True,
+    healthy: bool = True,
+    waiting: int = 0,
+) -> InstanceView:
+    return InstanceView(
+        instance_id=iid,
+        profile=PROFILE,
+        dc=dc,
+        model=MODEL,
+        model_version=version,
+        ready=ready,
+        kv_capacity_tokens=PROFILE.kv_capacity_tokens,
+        max_model_len_tokens=131072,
+        metrics=ScrapedMetrics(scraped_at_s=0.0, num_waiting=waiting, healthy=healthy),
+    )
 
 
 def request(i: int, tenant: str = "acme", tokens: int = 2000, version: str = "") -> RequestInfo:
-    return RequestInfo(request_id=f"r{i}", arrival_s=float(i), input_tokens=tokens,
-                       max_tokens=128, tenant=tenant, model=MODEL, model_version=version,
-                       tier="interactive",
-                       block_hashes=tuple(i * 1000 + k for k in range(1, 41)))  # 640 tokens
+    return RequestInfo(
+        request_id=f"r{i}",
+        arrival_s=float(i),
+        input_tokens=tokens,
+        max_tokens=128,
+        tenant=tenant,
+        model=MODEL,
+        model_version=version,
+        tier="interactive",
+        block_hashes=tuple(i * 1000 + k for k in range(1, 41)),
+    )  # 640 tokens
 
 
-def fleet(**kw: Any) -> LiveFleet:
-    return LiveFleet("fleetmind", topology=parse_topology(TOPOLOGY), **kw)
+def fleet(**kw: Any) -> LiveDCSelector:
+    return LiveDCSelector("fleetmind", topology=parse_topology(TOPOLOGY), **kw)
 
 
 def four() -> list[InstanceView]:
@@ -107,8 +136,12 @@ def test_the_plans_spill_share_closes_a_dc_to_spilled_work() -> None:
 
 def test_only_ready_healthy_pools_of_the_right_version_are_candidates() -> None:
     f = fleet()
-    views = [view("east", "e0", ready=False), view("east", "e1", healthy=False),
-             view("west", "w0", version="1"), view("west", "w1", version="2")]
+    views = [
+        view("east", "e0", ready=False),
+        view("east", "e1", healthy=False),
+        view("west", "w0", version="1"),
+        view("west", "w1", version="2"),
+    ]
     f.refresh(views, 0.0)
     d, _ = f.select(request(1, version="2"), f.tenant("acme"))
     assert d.dc == "west" and d.reason.startswith("failover")
@@ -137,7 +170,7 @@ def test_the_tenant_records_regions_narrow_the_topology() -> None:
 
 
 def test_without_a_home_the_best_predicted_dc_wins_and_ties_alternate() -> None:
-    f = LiveFleet("fleetmind")  # no topology: each DC its own region, no homes
+    f = LiveDCSelector("fleetmind")  # no topology: each DC its own region, no homes
     f.refresh(four(), 0.0)
     chosen = []
     for i in range(8):  # one at a time: nothing queued, equal predictions
@@ -176,19 +209,20 @@ def test_accounting_is_released_once_whatever_ends_the_request() -> None:
 
 # ---- through the live stack --------------------------------------------------------------
 @pytest.fixture(scope="module")
-def regional(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from tokenfleet.live.testing import running_stack
-
+def regional(tmp_path_factory: pytest.TempPathFactory, live_stack: Any) -> Iterator[Any]:
     topo: Path = tmp_path_factory.mktemp("topo") / "topology.yaml"
-    topo.write_text(textwrap.dedent(f"""\
+    topo.write_text(
+        textwrap.dedent(f"""\
         name: two-regions
         datacenters:
           dc-a: {{region: eu, deployments: [{{model: m, version: "1", profile: {PROFILE.name}}}]}}
           dc-b: {{region: us, deployments: [{{model: m, version: "1", profile: {PROFILE.name}}}]}}
         rtt_ms: {{dc-a: {{dc-b: 40}}}}
-        """))
-    with running_stack(router="tokenpilot", time_scale=0.02,
-                       live_overrides={"topology": str(topo)}) as stack:
+        """)
+    )
+    with live_stack(
+        router="tokenpilot", time_scale=0.02, live_overrides={"topology": str(topo)}
+    ) as stack:
         yield stack
         stack.app.extensions["tokenfleet.tenancy"].close()
 
@@ -199,27 +233,47 @@ def test_live_requests_go_only_to_the_regions_a_tenant_may_use(regional: Any) ->
     from tokenfleet.tenancy import admin
 
     svc = regional.app.extensions["tokenfleet.tenancy"]
-    admin.create_tenant(svc.engine, "us-co", actor="test", allowed_regions=["us"],
-                        cache=svc.directory)
+    admin.create_tenant(
+        svc.engine, "us-co", actor="test", allowed_regions=["us"], cache=svc.directory
+    )
     key, _ = admin.create_key(svc.engine, "us-co", actor="test", cache=svc.directory)
-    admin.create_tenant(svc.engine, "asia-co", actor="test", allowed_regions=["asia"],
-                        cache=svc.directory)
+    admin.create_tenant(
+        svc.engine, "asia-co", actor="test", allowed_regions=["asia"], cache=svc.directory
+    )
     asia_key, _ = admin.create_key(svc.engine, "asia-co", actor="test", cache=svc.directory)
     url = regional.url + "/v1/chat/completions"
     ids = []
     for i in range(6):
-        r = requests.post(url, timeout=60, headers={"Authorization": f"Bearer {key}"},
-                          json={"model": regional.model, "max_tokens": 3,
-                                "messages": [{"role": "user", "content": f"where {i}"}]})
+        r = requests.post(
+            url,
+            timeout=60,
+            headers={"Authorization": f"Bearer {key}"},
+            json={
+                "model": regional.model,
+                "max_tokens": 3,
+                "messages": [{"role": "user", "content": f"where {i}"}],
+            },
+        )
         assert r.status_code == 200, r.text
         ids.append(r.json()["id"].removeprefix("chatcmpl-"))
-    rows = regional.ledger_rows(expect=lambda rows: set(ids) <= {
-        x["request_id"] for x in rows if x["status"] in ("completed", "slo_missed")})
+    rows = regional.ledger_rows(
+        expect=lambda rows: (
+            set(ids)
+            <= {x["request_id"] for x in rows if x["status"] in ("completed", "slo_missed")}
+        )
+    )
     assert {x["dc"] for x in rows if x["request_id"] in ids} == {"dc-b"}
     # a tenant whose regions hold no deployment: a clear 403, and nothing ran
-    r = requests.post(url, timeout=60, headers={"Authorization": f"Bearer {asia_key}"},
-                      json={"model": regional.model, "max_tokens": 3,
-                            "messages": [{"role": "user", "content": "from asia"}]})
+    r = requests.post(
+        url,
+        timeout=60,
+        headers={"Authorization": f"Bearer {asia_key}"},
+        json={
+            "model": regional.model,
+            "max_tokens": 3,
+            "messages": [{"role": "user", "content": "from asia"}],
+        },
+    )
     assert r.status_code == 403, r.text
     err = r.json()["error"]
     assert err["code"] == "region_not_allowed" and "asia-co" in err["message"]
@@ -235,26 +289,33 @@ def test_live_residency_holds_when_the_only_allowed_region_is_down(regional: Any
     from tokenfleet.tenancy import admin
 
     svc = regional.app.extensions["tokenfleet.tenancy"]
-    admin.create_tenant(svc.engine, "us-only", actor="test", allowed_regions=["us"],
-                        cache=svc.directory)
+    admin.create_tenant(
+        svc.engine, "us-only", actor="test", allowed_regions=["us"], cache=svc.directory
+    )
     key, _ = admin.create_key(svc.engine, "us-only", actor="test", cache=svc.directory)
     url = regional.url + "/v1/chat/completions"
-    body = {"model": regional.model, "max_tokens": 3,
-            "messages": [{"role": "user", "content": "region down"}]}
+    body = {
+        "model": regional.model,
+        "max_tokens": 3,
+        "messages": [{"role": "user", "content": "region down"}],
+    }
     regional.sup.stop("worker-b0")
     deadline = time.time() + 10
     while time.time() < deadline and any(
-            i.instance_id == "b0" and i.is_live(time.time(), regional.live.stale_after_s)
-            for i in regional.gateway.state.instances()):
+        i.instance_id == "b0" and i.is_live(time.time(), regional.live.stale_after_s)
+        for i in regional.gateway.state.instances()
+    ):
         time.sleep(0.2)
     time.sleep(0.3)  # the gateway re-reads instances every 100 ms
     r = requests.post(url, json=body, timeout=60, headers={"Authorization": f"Bearer {key}"})
     assert r.status_code == 503, r.text  # never served outside its region
-    assert r.json()["error"]["code"] == "no_capacity" and 1 <= int(r.headers["Retry-After"])
+    assert r.json()["error"]["code"] == "no_capacity" and int(r.headers["Retry-After"]) >= 1
     # a tenant without restrictions is simply served in the other region
     c = regional.client()
     resp = c.chat.completions.create(**body)
     rid = resp.id.removeprefix("chatcmpl-")
-    rows = regional.ledger_rows(f"request_id = '{rid}'", expect=lambda rows: bool(rows) and rows[
-        0]["status"] in ("completed", "slo_missed"))
+    rows = regional.ledger_rows(
+        f"request_id = '{rid}'",
+        expect=lambda rows: bool(rows) and rows[0]["status"] in ("completed", "slo_missed"),
+    )
     assert rows[0]["dc"] == "dc-a"

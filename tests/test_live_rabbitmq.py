@@ -12,12 +12,13 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
+from tests.support.stack import InstanceSpec, LiveStack
 from tokenfleet.live.queues import worker_queues
-from tokenfleet.live.testing import InstanceSpec, LiveStack, running_stack
 
 BROKER = os.environ.get("TOKENFLEET_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 LONG = " ".join(f"Section {i} of the appendix, revised." for i in range(3300))
@@ -31,17 +32,21 @@ def _rabbit_up() -> bool:
         return False
 
 
-pytestmark = pytest.mark.skipif(not _rabbit_up(),
-                                reason="RabbitMQ not reachable at 127.0.0.1:5672")
+pytestmark = pytest.mark.skipif(not _rabbit_up(), reason="RabbitMQ not reachable at 127.0.0.1:5672")
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[LiveStack]:
+def stack(live_stack: Any) -> Iterator[LiveStack]:
     tag = uuid.uuid4().hex[:6]
     specs = [InstanceSpec(f"rq{tag}a", "a0"), InstanceSpec(f"rq{tag}b", "b0")]
     try:
-        with running_stack(router="round_robin", time_scale=1.0, broker_url=BROKER,
-                           app_config={"CHAT_QUOTAS": False}, instances=specs) as s:
+        with live_stack(
+            router="round_robin",
+            time_scale=1.0,
+            broker_url=BROKER,
+            app_config={"CHAT_QUOTAS": False},
+            instances=specs,
+        ) as s:
             yield s
     finally:
         from kombu import Connection
@@ -58,12 +63,19 @@ def stack() -> Iterator[LiveStack]:
 
 def test_chat_through_rabbitmq(stack: LiveStack) -> None:
     c = stack.client()
-    r = c.chat.completions.create(model=stack.model, max_tokens=5,
-                                  messages=[{"role": "user", "content": "via amqp"}])
+    r = c.chat.completions.create(
+        model=stack.model, max_tokens=5, messages=[{"role": "user", "content": "via amqp"}]
+    )
     assert r.usage is not None and r.usage.completion_tokens >= 1
-    chunks = list(c.chat.completions.create(
-        model=stack.model, max_tokens=5, stream=True, stream_options={"include_usage": True},
-        messages=[{"role": "user", "content": "via amqp, streamed"}]))
+    chunks = list(
+        c.chat.completions.create(
+            model=stack.model,
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+            messages=[{"role": "user", "content": "via amqp, streamed"}],
+        )
+    )
     assert chunks[-1].usage is not None
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert len(text.split()) == chunks[-1].usage.completion_tokens
@@ -78,8 +90,10 @@ def test_broker_redelivery_after_kill_is_a_recorded_duplicate(stack: LiveStack) 
 
     def call() -> None:
         out["resp"] = c.chat.completions.create(
-            model=stack.model, max_tokens=3,
-            messages=[{"role": "user", "content": f"[{uuid.uuid4().hex}] {LONG}"}])
+            model=stack.model,
+            max_tokens=3,
+            messages=[{"role": "user", "content": f"[{uuid.uuid4().hex}] {LONG}"}],
+        )
 
     t0 = time.time()
     th = threading.Thread(target=call)

@@ -15,48 +15,78 @@ from __future__ import annotations
 import textwrap
 import time
 import urllib.request
-from datetime import datetime, timedelta, timezone
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from tokenfleet.core.fleet import Plan, Planner, parse_topology
 from tokenfleet.engine.profiles import get_profile
-from tokenfleet.live.fleet import LivePool, planner_input
+from tokenfleet.live.dc_select import LivePool, planner_input
 from tokenfleet.service.queries import PoolWorkRow
 
 PROFILE = get_profile("llama3-8b-h200")
 MODEL = "m"
-TOPO = parse_topology({
-    "name": "t",
-    "datacenters": {
-        "dc-a": {"region": "r1", "gpus": 3, "load_ceiling": 0.8,
-                 "deployments": [{"model": MODEL, "version": "1", "profile": PROFILE.name}]},
-        "dc-b": {"region": "r2", "gpus": 1, "load_ceiling": 0.8,
-                 "deployments": [{"model": MODEL, "version": "1", "profile": PROFILE.name}]},
-    },
-    "rtt_ms": {"dc-a": {"dc-b": 30}},
-})
+TOPO = parse_topology(
+    {
+        "name": "t",
+        "datacenters": {
+            "dc-a": {
+                "region": "r1",
+                "gpus": 3,
+                "load_ceiling": 0.8,
+                "deployments": [{"model": MODEL, "version": "1", "profile": PROFILE.name}],
+            },
+            "dc-b": {
+                "region": "r2",
+                "gpus": 1,
+                "load_ceiling": 0.8,
+                "deployments": [{"model": MODEL, "version": "1", "profile": PROFILE.name}],
+            },
+        },
+        "rtt_ms": {"dc-a": {"dc-b": 30}},
+    }
+)
 
 
 def pools() -> list[LivePool]:
-    return [LivePool("dc-a", MODEL, "", PROFILE, ready=1),
-            LivePool("dc-b", MODEL, "", PROFILE, ready=1)]
+    return [
+        LivePool("dc-a", MODEL, "", PROFILE, ready=1),
+        LivePool("dc-b", MODEL, "", PROFILE, ready=1),
+    ]
 
 
-def work(dc: str, served: int, *, uncached: int = 4000, out: int = 200, met: float = 1.0,
-         rejected: int = 0) -> PoolWorkRow:
-    return PoolWorkRow(dc=dc, model=MODEL, version="", served=served,
-                       slo_met=int(served * met), uncached_prompt_tokens=served * uncached,
-                       completion_tokens=served * out, rejected=rejected,
-                       rejected_prompt_tokens=rejected * uncached)
+def work(
+    dc: str,
+    served: int,
+    *,
+    uncached: int = 4000,
+    out: int = 200,
+    met: float = 1.0,
+    rejected: int = 0,
+) -> PoolWorkRow:
+    return PoolWorkRow(
+        dc=dc,
+        model=MODEL,
+        version="",
+        served=served,
+        slo_met=int(served * met),
+        uncached_prompt_tokens=served * uncached,
+        completion_tokens=served * out,
+        rejected=rejected,
+        rejected_prompt_tokens=rejected * uncached,
+    )
 
 
 def plan_for(inp: Any) -> tuple[Plan, Any]:
-    initial = Plan(plan_id=0, at_s=0.0,
-                   replicas={(p.dc, p.model, p.version): p.replicas for p in inp.pools},
-                   spill_share={dc: 1.0 for dc in inp.dcs})
+    initial = Plan(
+        plan_id=0,
+        at_s=0.0,
+        replicas={(p.dc, p.model, p.version): p.replicas for p in inp.pools},
+        spill_share={dc: 1.0 for dc in inp.dcs},
+    )
     planner = Planner(initial=initial, rtt_s=TOPO.rtt)
     return planner.step(inp)
 
@@ -90,8 +120,9 @@ def test_without_a_topology_no_gpus_are_assumed_free() -> None:
 
 
 def test_spilled_in_work_that_hurts_a_dc_rolls_its_share_back() -> None:
-    inp = planner_input(60.0, 60.0, pools(),
-                        [work("dc-a", 100), work("dc-b", 100, met=0.5)], {"dc-b": 30}, TOPO)
+    inp = planner_input(
+        60.0, 60.0, pools(), [work("dc-a", 100), work("dc-b", 100, met=0.5)], {"dc-b": 30}, TOPO
+    )
     assert inp.dcs["dc-b"].spilled_in == 30 and inp.dcs["dc-b"].attainment == 0.5
     plan, rollbacks = plan_for(inp)
     assert [r.dc for r in rollbacks] == ["dc-b"]
@@ -100,42 +131,65 @@ def test_spilled_in_work_that_hurts_a_dc_rolls_its_share_back() -> None:
 
 # ---- beat's cycle over real Redis and PostgreSQL --------------------------------------
 def test_fleet_cycle_turns_ledger_demand_into_a_replica_target(
-        redis_server: Any, pg: Any, tmp_path: Path) -> None:
+    redis_server: Any, pg: Any, tmp_path: Path
+) -> None:
     import sqlalchemy as sa
 
+    from tests.support.stores import fresh_database
     from tokenfleet.live.config import LiveConfig
     from tokenfleet.live.state import InstanceInfo, LiveState
     from tokenfleet.service.db import make_engine
     from tokenfleet.service.ledger import RequestRow
-    from tokenfleet.service.testing import fresh_database
     from workers import control
 
     topo = tmp_path / "topo.yaml"
-    topo.write_text(textwrap.dedent(f"""\
+    topo.write_text(
+        textwrap.dedent(f"""\
         name: t
         datacenters:
           dc-a: {{region: r1, gpus: 3, deployments: [{{model: {MODEL}, version: "1", profile: {PROFILE.name}}}]}}
           dc-b: {{region: r2, gpus: 1, deployments: [{{model: {MODEL}, version: "1", profile: {PROFILE.name}}}]}}
         rtt_ms: {{dc-a: {{dc-b: 30}}}}
-        """))
+        """)
+    )
     url = fresh_database(pg, "tokenfleet_replicas")
     engine = make_engine(url)
     state = LiveState.from_url(redis_server.url, prefix="tfrep")
     state.r.flushdb()
     for dc, iid in (("dc-a", "a0"), ("dc-b", "b0")):
-        info = InstanceInfo(instance_id=iid, dc=dc, model=MODEL, url="http://x",
-                            profile=PROFILE.name, max_model_len_tokens=131072,
-                            kv_capacity_tokens=PROFILE.kv_capacity_tokens, slots=64)
+        info = InstanceInfo(
+            instance_id=iid,
+            dc=dc,
+            model=MODEL,
+            url="http://x",
+            profile=PROFILE.name,
+            max_model_len_tokens=131072,
+            kv_capacity_tokens=PROFILE.kv_capacity_tokens,
+            slots=64,
+        )
         state.register_instance(info)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     with engine.begin() as conn:
-        conn.execute(sa.insert(RequestRow), [
-            {"request_id": f"r{i}", "tenant_id": "t", "tier": "interactive", "model": MODEL,
-             "dc": "dc-a", "arrival_ts": now - timedelta(seconds=30),
-             "finished_ts": now, "prompt_tokens": 4000, "cached_tokens": 0,
-             "completion_tokens": 200, "status": "completed"} for i in range(600)])
-    live = LiveConfig.load(env={}, redis_prefix="tfrep", topology=str(topo),
-                           fleet_period_s=60.0)
+        conn.execute(
+            sa.insert(RequestRow),
+            [
+                {
+                    "request_id": f"r{i}",
+                    "tenant_id": "t",
+                    "tier": "interactive",
+                    "model": MODEL,
+                    "dc": "dc-a",
+                    "arrival_ts": now - timedelta(seconds=30),
+                    "finished_ts": now,
+                    "prompt_tokens": 4000,
+                    "cached_tokens": 0,
+                    "completion_tokens": 200,
+                    "status": "completed",
+                }
+                for i in range(600)
+            ],
+        )
+    live = LiveConfig.load(env={}, redis_prefix="tfrep", topology=str(topo), fleet_period_s=60.0)
     control.CONTEXT = control.ControlContext(live=live, state=state, db_engine=engine)
     try:
         out = control.fleet_cycle()
@@ -150,12 +204,14 @@ def test_fleet_cycle_turns_ledger_demand_into_a_replica_target(
 
 # ---- tokenfleet up's actuator with a real engine and worker ---------------------------
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Any]:
-    from tokenfleet.live.testing import running_stack
-
+def stack(live_stack: Any) -> Iterator[Any]:
     # DC selection off: round robin over every instance, so a new one gets its turn
-    with running_stack(router="round_robin", time_scale=0.05, with_postgres=False,
-                       live_overrides={"fleet_policy": "off"}) as s:
+    with live_stack(
+        router="round_robin",
+        time_scale=0.05,
+        with_postgres=False,
+        live_overrides={"fleet_policy": "off"},
+    ) as s:
         yield s
 
 
@@ -168,10 +224,10 @@ def _healthy(url: str) -> bool:
 
 
 def test_up_actuator_prewarms_then_retires_a_replica(stack: Any) -> None:
+    from tests.support.stack import PROFILE as STACK_PROFILE
+    from tests.support.stack import InstanceSpec
     from tokenfleet.emulator import EmulatorServer
     from tokenfleet.live.replicas import LocalReplicas
-    from tokenfleet.live.testing import PROFILE as STACK_PROFILE
-    from tokenfleet.live.testing import InstanceSpec
 
     st = stack.gateway.state
 
@@ -186,16 +242,26 @@ def test_up_actuator_prewarms_then_retires_a_replica(stack: Any) -> None:
         stack.start_worker(InstanceSpec(dc, name))
         return f"worker-{name}"
 
-    act = LocalReplicas(stack.sup, st, base={"dc-a": 1, "dc-b": 1}, start_engine=start_engine,
-                        start_worker=start_worker, healthy=_healthy, max_per_dc=2)
+    act = LocalReplicas(
+        stack.sup,
+        st,
+        base={"dc-a": 1, "dc-b": 1},
+        start_engine=start_engine,
+        start_worker=start_worker,
+        healthy=_healthy,
+        max_per_dc=2,
+    )
     key = f"target:dc-a|{stack.model}|"
     st.r.hset(st.k("fleet"), mapping={key: 5, f"target:dc-b|{stack.model}|": 1})
     said: list[str] = []
     deadline = time.time() + 30
     while time.time() < deadline:
         said += act.reconcile()
-        live = {i.instance_id for i in st.instances()
-                if i.is_healthy(time.time(), stack.live.stale_after_s)}
+        live = {
+            i.instance_id
+            for i in st.instances()
+            if i.is_healthy(time.time(), stack.live.stale_after_s)
+        }
         if "a-p1" in live:
             break
         time.sleep(0.2)
@@ -204,21 +270,21 @@ def test_up_actuator_prewarms_then_retires_a_replica(stack: Any) -> None:
     assert said[0].startswith("plan: prewarming") and any("is warm" in s for s in said)
     assert int(st.r.hget(st.k("fleet"), f"warming:dc-a|{stack.model}|") or 0) == 0
     # the new replica serves traffic once the API sees it healthy (its first scrape)
-    gw = stack.gateway
-    deadline = time.time() + 5
-    while time.time() < deadline and not any(
-            i.instance_id == "a-p1" and i.is_healthy(time.time(), stack.live.stale_after_s)
-            for i in gw.instances(max_age_s=0.0)):
-        time.sleep(0.05)
+    # and its worker consumes: healthy in Redis comes first, and until its consumer
+    # runs the pool requests routed to it are all taken by a0
+    stack.wait_ready(timeout_s=30, n=3)
     c = stack.client()
 
     def served() -> float:
-        return sum(v._value.get()  # type: ignore[attr-defined]
-                   for v in stack.emulators["a-p1"].metrics.success.values())
+        return sum(
+            v._value.get()  # type: ignore[attr-defined]
+            for v in stack.emulators["a-p1"].metrics.success.values()
+        )
 
     for i in range(30):  # round robin over three instances: a-p1's turn comes quickly
-        c.chat.completions.create(model=stack.model, max_tokens=2,
-                                  messages=[{"role": "user", "content": f"scale {i}"}])
+        c.chat.completions.create(
+            model=stack.model, max_tokens=2, messages=[{"role": "user", "content": f"scale {i}"}]
+        )
         if served() >= 1:
             break
         time.sleep(0.05)

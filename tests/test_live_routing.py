@@ -8,31 +8,36 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import requests
 
-from tokenfleet.live.testing import API_KEY, InstanceSpec, LiveStack, running_stack
+from tests.support.stack import API_KEY, InstanceSpec, LiveStack
 
 SYSTEM = " ".join(f"Rule {i}: be concise, cite the handbook, never guess." for i in range(260))
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[LiveStack]:
-    with running_stack(router="tokenpilot", time_scale=0.2,
-                       instances=[InstanceSpec("dc-a", "a0", slots=4),
-                                  InstanceSpec("dc-a", "a1", slots=4)]) as s:
+def stack(live_stack: Any) -> Iterator[LiveStack]:
+    with live_stack(
+        router="tokenpilot",
+        time_scale=0.2,
+        instances=[InstanceSpec("dc-a", "a0", slots=4), InstanceSpec("dc-a", "a1", slots=4)],
+    ) as s:
         yield s
 
 
-def _post(stack: LiveStack, body: dict[str, Any], tier: str | None = None,
-          timeout: float = 60) -> requests.Response:
+def _post(
+    stack: LiveStack, body: dict[str, Any], tier: str | None = None, timeout: float = 60
+) -> requests.Response:
     headers = {"Authorization": f"Bearer {API_KEY}"}
     if tier:
         headers["X-TokenFleet-Tier"] = tier
-    return requests.post(stack.url + "/v1/chat/completions", json=body, headers=headers,
-                         timeout=timeout)
+    return requests.post(
+        stack.url + "/v1/chat/completions", json=body, headers=headers, timeout=timeout
+    )
 
 
 def test_repeated_long_prefix_goes_to_the_same_instance(stack: LiveStack) -> None:
@@ -42,15 +47,23 @@ def test_repeated_long_prefix_goes_to_the_same_instance(stack: LiveStack) -> Non
     cached = []
     for i in range(6):
         resp = c.chat.completions.create(
-            model=stack.model, max_tokens=4,
-            messages=[{"role": "system", "content": SYSTEM},
-                      {"role": "user", "content": f"question number {i}?"}])
+            model=stack.model,
+            max_tokens=4,
+            messages=[
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"question number {i}?"},
+            ],
+        )
         ids.append(resp.id.removeprefix("chatcmpl-"))
         assert resp.usage is not None
         cached.append(resp.usage.prompt_tokens_details.cached_tokens or 0)
         time.sleep(0.3)  # let the worker's cache event reach the API's index
-    rows = stack.ledger_rows(expect=lambda rows: set(ids) <= {
-        r["request_id"] for r in rows if r["status"] in ("completed", "slo_missed")})
+    rows = stack.ledger_rows(
+        expect=lambda rows: (
+            set(ids)
+            <= {r["request_id"] for r in rows if r["status"] in ("completed", "slo_missed")}
+        )
+    )
     inst = {r["request_id"]: r["instance"] for r in rows}
     placed = [inst[i] for i in ids]
     assert len(set(placed[1:])) == 1 and placed[1] == placed[0], placed
@@ -62,8 +75,14 @@ def test_repeated_long_prefix_goes_to_the_same_instance(stack: LiveStack) -> Non
 def test_short_prompts_without_cache_value_use_the_pool_queue(stack: LiveStack) -> None:
     before = stack.gateway.state.counters().get("dispatched_pool", 0)
     for i in range(3):
-        r = _post(stack, {"model": stack.model, "max_tokens": 2,
-                          "messages": [{"role": "user", "content": f"tiny {i}"}]})
+        r = _post(
+            stack,
+            {
+                "model": stack.model,
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": f"tiny {i}"}],
+            },
+        )
         assert r.status_code == 200
     assert stack.gateway.state.counters().get("dispatched_pool", 0) - before == 3
 
@@ -74,11 +93,15 @@ def _conversation_instances(stack: LiveStack, key: str, turns: int) -> set[str]:
     ids = []
     for i in range(turns):
         resp = c.chat.completions.create(
-            model=stack.model, max_tokens=2, prompt_cache_key=key,
-            messages=[{"role": "user", "content": f"short turn {i}"}])
+            model=stack.model,
+            max_tokens=2,
+            prompt_cache_key=key,
+            messages=[{"role": "user", "content": f"short turn {i}"}],
+        )
         ids.append(resp.id.removeprefix("chatcmpl-"))
-    rows = stack.ledger_rows(expect=lambda rows: set(ids) <= {
-        r["request_id"] for r in rows if r["instance"]})
+    rows = stack.ledger_rows(
+        expect=lambda rows: set(ids) <= {r["request_id"] for r in rows if r["instance"]}
+    )
     return {r["instance"] for r in rows if r["request_id"] in ids}
 
 
@@ -86,16 +109,31 @@ def test_prompt_cache_key_pins_requests_to_one_instance(stack: LiveStack) -> Non
     assert len(_conversation_instances(stack, "conversation-42", 4)) == 1
 
 
-def _flood(stack: LiveStack, n: int, tier: str, tokens: int, out: list[dict[str, Any]],
-           tag: str) -> list[threading.Thread]:
+def _flood(
+    stack: LiveStack, n: int, tier: str, tokens: int, out: list[dict[str, Any]], tag: str
+) -> list[threading.Thread]:
     def one(i: int) -> None:
         t0 = time.time()
-        r = _post(stack, {"model": stack.model, "max_tokens": tokens,
-                          "vllm_xargs": {"output_tokens": tokens},
-                          "messages": [{"role": "user", "content": f"{tag} {i}"}]}, tier=tier)
-        out.append({"tier": tier, "status": r.status_code, "t0": t0, "t1": time.time(),
-                    "id": r.json().get("id", "").removeprefix("chatcmpl-"),
-                    "error": r.json().get("error") if r.status_code != 200 else None})
+        r = _post(
+            stack,
+            {
+                "model": stack.model,
+                "max_tokens": tokens,
+                "vllm_xargs": {"output_tokens": tokens},
+                "messages": [{"role": "user", "content": f"{tag} {i}"}],
+            },
+            tier=tier,
+        )
+        out.append(
+            {
+                "tier": tier,
+                "status": r.status_code,
+                "t0": t0,
+                "t1": time.time(),
+                "id": r.json().get("id", "").removeprefix("chatcmpl-"),
+                "error": r.json().get("error") if r.status_code != 200 else None,
+            }
+        )
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
@@ -111,6 +149,7 @@ def test_batch_yields_to_interactive(stack: LiveStack) -> None:
     # 32 long ones for 8 slots: the backlog outlasts the API's arrival spread and the
     # workers' snapshot period on a slow machine
     threads = _flood(stack, 32, "batch", 1000, results, "batch job")
+
     def saturated() -> bool:
         busy = sum(i.running_by_tier.get("batch", 0) for i in state.instances())
         return busy >= 8 and state.queued().get("dc-a.batch", 0) >= 12
@@ -122,16 +161,25 @@ def test_batch_yields_to_interactive(stack: LiveStack) -> None:
         full = saturated()
     # judged once: slots free and refill between two reads, and a second look
     # may catch one of them empty
-    assert full, ("all 8 slots busy with batch and a batch backlog queued", [
-        (i.instance_id, i.running_by_tier) for i in state.instances()], state.queued(),
-        [(r["status"], r["error"], round(r["t1"] - r["t0"], 2)) for r in results])
+    assert full, (
+        "all 8 slots busy with batch and a batch backlog queued",
+        [(i.instance_id, i.running_by_tier) for i in state.instances()],
+        state.queued(),
+        [(r["status"], r["error"], round(r["t1"] - r["t0"], 2)) for r in results],
+    )
     threads += _flood(stack, 3, "interactive", 4, results, "urgent")
     for t in threads:
         t.join(120)
     assert all(r["status"] == 200 for r in results), results
     ids = [r["id"] for r in results]
-    rows = {r["request_id"]: r for r in stack.ledger_rows(expect=lambda rows: set(ids) <= {
-        r["request_id"] for r in rows if r["dispatched_ts"] is not None})}
+    rows = {
+        r["request_id"]: r
+        for r in stack.ledger_rows(
+            expect=lambda rows: (
+                set(ids) <= {r["request_id"] for r in rows if r["dispatched_ts"] is not None}
+            )
+        )
+    }
     inter = [rows[r["id"]] for r in results if r["tier"] == "interactive"]
     batch = [rows[r["id"]] for r in results if r["tier"] == "batch"]
     assert {r["tier"] for r in inter} == {"interactive"} and len(batch) == 32
@@ -151,8 +199,13 @@ def test_batch_yields_to_interactive(stack: LiveStack) -> None:
         backlog = [b for b in batch_ids if queued[b] < adm < received[b]]
         overtook = [b for b in backlog if received[b] < received[rid]]
         assert len(backlog) >= 4, "the batch backlog must still be there"
-        assert len(overtook) <= 3, (len(overtook), len(backlog), adm, received[rid], [
-            (rows[b]["admitted_ts"].timestamp(), received[b]) for b in overtook])
+        assert len(overtook) <= 3, (
+            len(overtook),
+            len(backlog),
+            adm,
+            received[rid],
+            [(rows[b]["admitted_ts"].timestamp(), received[b]) for b in overtook],
+        )
     last_batch_start = max(b["dispatched_ts"] for b in batch)
     assert all(i["dispatched_ts"] < last_batch_start for i in inter)
 
@@ -176,11 +229,13 @@ def test_batch_share_caps_batch_slots(stack: LiveStack) -> None:
     assert 1 <= peak <= 1, f"batch share 0.25 of 4 slots allows 1 running, saw {peak}"
 
 
-def test_a_pinned_key_overrides_a_router_that_picks_elsewhere() -> None:
+def test_a_pinned_key_overrides_a_router_that_picks_elsewhere(live_stack: Any) -> None:
     """Round robin alternates between the two instances, so every other request
     of a pinned conversation is routed away from its pin: it must still run
     on the pinned instance (its own queue), not wherever the pool sends it."""
-    with running_stack(router="round_robin", time_scale=0.2,
-                       instances=[InstanceSpec("dc-a", "a0", slots=4),
-                                  InstanceSpec("dc-a", "a1", slots=4)]) as s:
+    with live_stack(
+        router="round_robin",
+        time_scale=0.2,
+        instances=[InstanceSpec("dc-a", "a0", slots=4), InstanceSpec("dc-a", "a1", slots=4)],
+    ) as s:
         assert len(_conversation_instances(s, "conversation-7", 6)) == 1

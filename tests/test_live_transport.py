@@ -13,7 +13,8 @@ import json
 import socket
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -21,10 +22,15 @@ from flask import Flask, Response
 
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.httpclient import KeepAliveClient
-from tokenfleet.live.redis_transport import (Channel, PipelinePublisher, publishes_into,
-                                             same_database)
+from tokenfleet.live.jobs import TASK_CHAT
+from tokenfleet.live.redis_transport import (
+    Channel,
+    PipelinePublisher,
+    publishes_into,
+    same_database,
+)
 from web.server import LINGER_S, ApiServer
-from workers.app import TASK_CHAT, create_celery
+from workers.app import create_celery
 
 
 def test_same_database_normalises_urls() -> None:
@@ -64,21 +70,24 @@ def _take(celery_app: Any, queue: str, n: int) -> list[tuple[Any, Any]]:
     from kombu import Queue
 
     got: list[tuple[Any, Any]] = []
-    with celery_app.connection_for_read() as conn:
-        with conn.Consumer(Queue(queue, routing_key=queue), accept=["json"],
-                           callbacks=[lambda body, msg: (got.append((msg.headers, body)),
-                                                         msg.ack())]):
-            deadline = time.monotonic() + 5
-            while len(got) < n and time.monotonic() < deadline:
-                try:
-                    conn.drain_events(timeout=0.5)
-                except socket.timeout:
-                    pass
+    with (
+        celery_app.connection_for_read() as conn,
+        conn.Consumer(
+            Queue(queue, routing_key=queue),
+            accept=["json"],
+            callbacks=[lambda body, msg: (got.append((msg.headers, body)), msg.ack())],
+        ),
+    ):
+        deadline = time.monotonic() + 5
+        while len(got) < n and time.monotonic() < deadline:
+            try:
+                conn.drain_events(timeout=0.5)
+            except TimeoutError:
+                pass
     return got
 
 
-def test_publish_joins_the_pipeline_and_is_consumable(celery_app: Any,
-                                                      redis_server: Any) -> None:
+def test_publish_joins_the_pipeline_and_is_consumable(celery_app: Any, redis_server: Any) -> None:
     """The LPUSH waits for the caller's pipeline, lands after the writes queued
     before it, and is a normal Celery message a kombu consumer can take."""
     r = redis.Redis.from_url(redis_server.url)
@@ -87,8 +96,9 @@ def test_publish_joins_the_pipeline_and_is_consumable(celery_app: Any,
     pipe = r.pipeline(transaction=False)
     pipe.set("marker", "state-first")
     with publishes_into(pipe):
-        celery_app.send_task(TASK_CHAT, args=[{"rid": "r1", "attempt": 1}], task_id="r1.1",
-                             queue=queue)
+        celery_app.send_task(
+            TASK_CHAT, args=[{"rid": "r1", "attempt": 1}], task_id="r1.1", queue=queue
+        )
     assert _queued(r, queue) == 0  # nothing sent yet
     assert r.get("marker") is None
     pipe.execute()
@@ -96,8 +106,7 @@ def test_publish_joins_the_pipeline_and_is_consumable(celery_app: Any,
     assert _queued(r, queue) == 1
 
     # outside the block publishing is immediate again
-    celery_app.send_task(TASK_CHAT, args=[{"rid": "r2", "attempt": 1}], task_id="r2.1",
-                         queue=queue)
+    celery_app.send_task(TASK_CHAT, args=[{"rid": "r2", "attempt": 1}], task_id="r2.1", queue=queue)
     assert _queued(r, queue) == 2
 
     got = _take(celery_app, queue, 2)
@@ -111,11 +120,10 @@ def test_a_failed_pipeline_publishes_nothing(celery_app: Any, redis_server: Any)
     r = redis.Redis.from_url(redis_server.url)
     queue = "test-dc.batch"
     r.delete(queue)
-    with pytest.raises(RuntimeError):
-        with r.pipeline(transaction=False) as pipe:
-            with publishes_into(pipe):
-                celery_app.send_task(TASK_CHAT, args=[{}], task_id="x.1", queue=queue)
-            raise RuntimeError("routing failed after the publish was built")
+    with pytest.raises(RuntimeError), r.pipeline(transaction=False) as pipe:
+        with publishes_into(pipe):
+            celery_app.send_task(TASK_CHAT, args=[{}], task_id="x.1", queue=queue)
+        raise RuntimeError("routing failed after the publish was built")
     assert _queued(r, queue) == 0
 
 
@@ -130,17 +138,25 @@ def _wire(pipe: Any) -> list[dict[str, Any]]:
     return out
 
 
-def test_pipeline_publisher_writes_what_send_task_writes(celery_app: Any,
-                                                         redis_server: Any) -> None:
+def test_pipeline_publisher_writes_what_send_task_writes(
+    celery_app: Any, redis_server: Any
+) -> None:
     r = redis.Redis.from_url(redis_server.url)
     queue = "test-dc.long_context"
     job = {"rid": "r9", "attempt": 2, "body": {"messages": [{"role": "user", "content": "hé"}]}}
     slow, fast = r.pipeline(transaction=False), r.pipeline(transaction=False)
     with publishes_into(slow):
         # the call the gateway made before it had the publisher
-        celery_app.send_task(TASK_CHAT, args=[job], task_id="r9.2", queue=queue,
-                             routing_key=queue, argsrepr="", kwargsrepr="",
-                             headers={"prefill": 12})
+        celery_app.send_task(
+            TASK_CHAT,
+            args=[job],
+            task_id="r9.2",
+            queue=queue,
+            routing_key=queue,
+            argsrepr="",
+            kwargsrepr="",
+            headers={"prefill": 12},
+        )
     publisher = PipelinePublisher(celery_app)
     for _ in range(2):  # the first publish declares the queue, the second does not
         publisher.publish(fast, TASK_CHAT, [job], "r9.2", queue, {"prefill": 12})
@@ -167,8 +183,7 @@ def test_pipeline_publisher_is_safe_across_threads(celery_app: Any, redis_server
 
     def run(k: int) -> None:
         for i in range(25):
-            publisher.publish(pipes[k], TASK_CHAT, [{"rid": f"{k}-{i}"}], f"{k}-{i}.1",
-                              f"q{k % 2}")
+            publisher.publish(pipes[k], TASK_CHAT, [{"rid": f"{k}-{i}"}], f"{k}-{i}.1", f"q{k % 2}")
 
     threads = [threading.Thread(target=run, args=(k,)) for k in range(8)]
     for t in threads:
@@ -184,8 +199,9 @@ def test_pipeline_publisher_is_safe_across_threads(celery_app: Any, redis_server
 
 # -- the API server ---------------------------------------------------------------------
 @contextlib.contextmanager
-def _serving(threads: int, linger_s: float = LINGER_S
-             ) -> Iterator[tuple[ApiServer, threading.Event]]:
+def _serving(
+    threads: int, linger_s: float = LINGER_S
+) -> Iterator[tuple[ApiServer, threading.Event]]:
     """An ApiServer over a small app: ``/ping``, ``/who`` (the serving thread)
     and ``/stream``, whose second chunk waits for the yielded event."""
     app = Flask("t")
@@ -205,6 +221,7 @@ def _serving(threads: int, linger_s: float = LINGER_S
             yield b"data: first\n\n"
             release.wait(20)  # the client must see the first chunk before this returns
             yield b"data: [DONE]\n\n"
+
         return Response(gen(), mimetype="text/event-stream")
 
     srv = ApiServer(app, threads=threads, linger_s=linger_s)
@@ -235,7 +252,8 @@ def test_server_keeps_connections_alive(server: tuple[ApiServer, threading.Event
 
 
 def test_server_streams_chunks_as_they_are_yielded(
-        server: tuple[ApiServer, threading.Event]) -> None:
+    server: tuple[ApiServer, threading.Event],
+) -> None:
     srv, release = server
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=5)
     conn.request("GET", "/stream")
@@ -341,14 +359,16 @@ def _consume(app: Any, queue: str, on_message: Any, want: int) -> None:
         seen[0] += 1
         on_message(body, msg)
 
-    with app.connection_for_read() as conn:
-        with conn.Consumer(Queue(queue, routing_key=queue), accept=["json"], callbacks=[cb]):
-            deadline = time.monotonic() + 5
-            while seen[0] < want and time.monotonic() < deadline:
-                try:
-                    conn.drain_events(timeout=0.2)
-                except socket.timeout:
-                    pass
+    with (
+        app.connection_for_read() as conn,
+        conn.Consumer(Queue(queue, routing_key=queue), accept=["json"], callbacks=[cb]),
+    ):
+        deadline = time.monotonic() + 5
+        while seen[0] < want and time.monotonic() < deadline:
+            try:
+                conn.drain_events(timeout=0.2)
+            except TimeoutError:
+                pass
     assert seen[0] >= want
 
 
@@ -367,23 +387,28 @@ def test_unacked_copy_is_kept_until_the_ack(celery_app: Any, redis_server: Any) 
     held: list[Any] = []
     from kombu import Queue
 
-    with celery_app.connection_for_read() as conn:
-        with conn.Consumer(Queue(queue, routing_key=queue), accept=["json"],
-                           callbacks=[lambda body, msg: held.append(msg)]):
-            deadline = time.monotonic() + 5
-            while not held and time.monotonic() < deadline:
-                try:
-                    conn.drain_events(timeout=0.2)
-                except socket.timeout:
-                    pass
-            assert held and _unacked(r) == 1
-            t0 = time.monotonic()
-            acker = threading.Thread(target=held[0].ack)
-            acker.start()
-            acker.join(5)
-            assert time.monotonic() - t0 < 2.0
-            assert _unacked(r) == 0
-            assert int(r.zcard("unacked_index")) == 0
+    with (
+        celery_app.connection_for_read() as conn,
+        conn.Consumer(
+            Queue(queue, routing_key=queue),
+            accept=["json"],
+            callbacks=[lambda body, msg: held.append(msg)],
+        ),
+    ):
+        deadline = time.monotonic() + 5
+        while not held and time.monotonic() < deadline:
+            try:
+                conn.drain_events(timeout=0.2)
+            except TimeoutError:
+                pass
+        assert held and _unacked(r) == 1
+        t0 = time.monotonic()
+        acker = threading.Thread(target=held[0].ack)
+        acker.start()
+        acker.join(5)
+        assert time.monotonic() - t0 < 2.0
+        assert _unacked(r) == 0
+        assert int(r.zcard("unacked_index")) == 0
 
 
 def test_ack_inside_the_callback_leaves_no_copy(celery_app: Any, redis_server: Any) -> None:
@@ -398,8 +423,9 @@ def test_ack_inside_the_callback_leaves_no_copy(celery_app: Any, redis_server: A
     assert _unacked(r) == 0 and int(r.zcard("unacked_index")) == 0
 
 
-def test_requeue_inside_the_callback_puts_the_message_back(celery_app: Any,
-                                                          redis_server: Any) -> None:
+def test_requeue_inside_the_callback_puts_the_message_back(
+    celery_app: Any, redis_server: Any
+) -> None:
     r = redis.Redis.from_url(redis_server.url)
     queue = "test-qos.long_context"
     r.delete(queue, "unacked", "unacked_index")

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import requests
 
+from tests.support.stores import embedded_redis, temp_data_dir
 from tokenfleet.core.types import DispatchAccounting, KVEvent, RequestInfo, ScrapedMetrics
 from tokenfleet.emulator import EmulatorServer
 from tokenfleet.errors import ConfigError
@@ -20,7 +21,6 @@ from tokenfleet.live.queues import affinity_queue, pool_queue, tier_of_queue, wo
 from tokenfleet.live.relay import RelayReader, RelayWriter
 from tokenfleet.live.scrape import Scraper, parse_metrics
 from tokenfleet.live.state import InstanceInfo, LiveState
-from tokenfleet.service.testing import embedded_redis, temp_data_dir
 from web.errors import ApiError, retry_after_header
 from workers.runtime import WorkerRuntime
 
@@ -45,18 +45,20 @@ def _req(rid: str = "r1", n: int = 100) -> RequestInfo:
 
 # -- metrics ---------------------------------------------------------------------------
 def test_parse_vllm_metrics_sums_engines_and_averages_kv() -> None:
-    text = "\n".join([
-        "# HELP vllm:num_requests_running x",
-        'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
-        'vllm:num_requests_running{engine="1",model_name="m"} 2.0',
-        'vllm:num_requests_waiting{engine="0",model_name="m"} 4.0',
-        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5',
-        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25',
-        'vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.9',
-        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0',
-        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 250.0',
-        'vllm:time_to_first_token_seconds_bucket{le="0.1"} 7.0',
-    ])
+    text = "\n".join(
+        [
+            "# HELP vllm:num_requests_running x",
+            'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
+            'vllm:num_requests_running{engine="1",model_name="m"} 2.0',
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 4.0',
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5',
+            'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25',
+            'vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.9',
+            'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0',
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 250.0',
+            'vllm:time_to_first_token_seconds_bucket{le="0.1"} 7.0',
+        ]
+    )
     m = parse_metrics(text, 12.5)
     assert (m.num_running, m.num_waiting) == (5, 4)
     assert m.kv_usage == pytest.approx(0.375)  # the new name wins over the deprecated one
@@ -78,23 +80,73 @@ def test_scraper_reads_a_real_emulator_and_notices_a_stall(emulator: EmulatorSer
     assert not gone.metrics.healthy and "scrape failed" in gone.error
 
 
+def test_one_timed_out_scrape_after_a_good_one_is_not_a_dead_engine() -> None:
+    """A scrape can time out because the scraping host is busy: only a second
+    one in a row marks the engine unhealthy (a refusal or a 503 does at once)."""
+    import http.server
+    import threading
+
+    hang = threading.Event()
+    release = threading.Event()
+
+    class Engine(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if hang.is_set():
+                release.wait(5)
+            body = b"vllm:num_requests_running 1\n" if self.path == "/metrics" else b"ok"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Engine)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        sc = Scraper(f"http://127.0.0.1:{srv.server_address[1]}", timeout_s=0.2)
+        assert sc.scrape().metrics.healthy
+        hang.set()
+        once = sc.scrape()
+        assert once.metrics.healthy and "timed out" in once.error
+        twice = sc.scrape()
+        assert not twice.metrics.healthy and "timed out again" in twice.error
+        hang.clear()
+        release.set()
+        assert sc.scrape().metrics.healthy
+    finally:
+        release.set()
+        srv.shutdown()
+        srv.server_close()
+
+
 # -- queues and config -------------------------------------------------------------------
 def test_queue_names_are_computed_and_ordered_by_tier() -> None:
     assert pool_queue("dc1", "batch") == "dc1.batch"
     assert affinity_queue("dc1", "i7", "interactive") == "dc1.i7.interactive"
     assert tier_of_queue("dc1.i7.long_context") == "long_context"
     assert worker_queues("dc1", "i7") == [
-        "dc1.i7.interactive", "dc1.interactive", "dc1.i7.long_context", "dc1.long_context",
-        "dc1.i7.batch", "dc1.batch"]
+        "dc1.i7.interactive",
+        "dc1.interactive",
+        "dc1.i7.long_context",
+        "dc1.long_context",
+        "dc1.i7.batch",
+        "dc1.batch",
+    ]
     assert worker_queues("dc1", None) == ["dc1.interactive", "dc1.long_context", "dc1.batch"]
     with pytest.raises(ValueError):
         pool_queue("dc.1", "batch")
 
 
 def test_live_config_from_env_and_seed_keys() -> None:
-    cfg = LiveConfig.load(env={"TOKENFLEET_ROUTER": "round_robin",
-                               "TOKENFLEET_SCRAPE_INTERVAL_S": "0.2",
-                               "TOKENFLEET_SEED_API_KEYS": "k1=t1, k2=t2"})
+    cfg = LiveConfig.load(
+        env={
+            "TOKENFLEET_ROUTER": "round_robin",
+            "TOKENFLEET_SCRAPE_INTERVAL_S": "0.2",
+            "TOKENFLEET_SEED_API_KEYS": "k1=t1, k2=t2",
+        }
+    )
     assert cfg.router == "round_robin" and cfg.scrape_interval_s == 0.2
     assert cfg.seed_keys() == {"k1": "t1", "k2": "t2"}
     assert LiveConfig.load(env=cfg.as_env()) == cfg
@@ -108,8 +160,14 @@ def test_live_config_from_env_and_seed_keys() -> None:
 
 def test_error_shape_and_retry_after_bounds() -> None:
     e = ApiError(429, "busy", code="rate_limit_exceeded", retry_after_s=500)
-    assert e.body() == {"error": {"message": "busy", "type": "requests", "param": None,
-                                  "code": "rate_limit_exceeded"}}
+    assert e.body() == {
+        "error": {
+            "message": "busy",
+            "type": "requests",
+            "param": None,
+            "code": "rate_limit_exceeded",
+        }
+    }
     assert e.headers() == {"Retry-After": "120"}
     assert retry_after_header(0.2) == 1 and retry_after_header(None) == 1
     assert retry_after_header(float("inf")) == 1 and retry_after_header(7.1) == 8
@@ -164,8 +222,7 @@ def test_claim_books_queue_depth_and_dispatch_accounting(state: LiveState) -> No
     state.create_request("c6", "dcx.interactive", 60)
     state.queued_incr("dcx.interactive", 1)
     req = _req("c6", 320)
-    assert state.claim("c6", 1, "w", 5, "ix", queue="dcx.interactive",
-                       dispatch=(req, 64)) == "run"
+    assert state.claim("c6", 1, "w", 5, "ix", queue="dcx.interactive", dispatch=(req, 64)) == "run"
     assert state.queued()["dcx.interactive"] == 0
     acct = state.accounting(["ix"])["ix"]
     want = DispatchAccounting()
@@ -222,8 +279,9 @@ def test_relay_reader_reports_idle_and_a_terminal_idle_verdict(state: LiveState)
 # -- instances and the shared prefix feed ------------------------------------------------
 def test_instance_views_show_age_health_and_accounting(state: LiveState) -> None:
     info = InstanceInfo("v1", "dcv", "m", "http://x", "llama3-8b-h200", 4096, 100000, 8)
-    state.publish_snapshot("v1", ScrapedMetrics(scraped_at_s=time.time(), num_running=2),
-                           {"interactive": 2}, info=info)
+    state.publish_snapshot(
+        "v1", ScrapedMetrics(scraped_at_s=time.time(), num_running=2), {"interactive": 2}, info=info
+    )
     now = time.time()
     (v,) = [x for x in state.instance_views(now, 3.0) if x.instance_id == "v1"]
     assert v.ready and v.metrics.healthy and v.metrics.num_running == 2
@@ -237,8 +295,11 @@ def test_instance_views_show_age_health_and_accounting(state: LiveState) -> None
 
 def test_kv_event_stream_round_trip(state: LiveState) -> None:
     last, _ = state.read_kv_events("0-0", block_ms=None)
-    sent = [KVEvent("i1", "stored", (1, 2, 3)), KVEvent("i1", "cleared", ()),
-            KVEvent("i2", "stored", (4, 5), exact=False)]
+    sent = [
+        KVEvent("i1", "stored", (1, 2, 3)),
+        KVEvent("i1", "cleared", ()),
+        KVEvent("i2", "stored", (4, 5), exact=False),
+    ]
     state.publish_kv_events(sent)
     last2, evs = state.read_kv_events(last, block_ms=100)
     assert evs == sent and [e.exact for e in evs] == [True, True, False]
@@ -247,12 +308,16 @@ def test_kv_event_stream_round_trip(state: LiveState) -> None:
 
 # -- engine client ---------------------------------------------------------------------
 def _body(n: int) -> dict:  # type: ignore[type-arg]
-    return {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": n,
-            "stream_options": {"include_usage": True}, "vllm_xargs": {"output_tokens": n}}
+    return {
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "max_tokens": n,
+        "stream_options": {"include_usage": True},
+        "vllm_xargs": {"output_tokens": n},
+    }
 
 
-def test_accounting_view_adds_own_writes_until_a_read_includes_them(
-        state: LiveState) -> None:
+def test_accounting_view_adds_own_writes_until_a_read_includes_them(state: LiveState) -> None:
     """The API's cached accounting: Redis as of the last read plus this
     replica's writes since, never counted twice once a read has them."""
     from tokenfleet.live.accounting import AccountingView
@@ -340,20 +405,21 @@ def test_engine_call_classifies_failures(emulator: EmulatorServer) -> None:
 def test_tier_gate_applies_shares_health_and_yielding(state: LiveState) -> None:
     info = InstanceInfo("g1", "dcg", "m", "http://127.0.0.1:1", "llama3-8b-h200", 4096, 1, 4)
     rt = WorkerRuntime(LiveConfig.load(env={}), state, info)
-    rt._shares, rt._shares_at = {"interactive": 1.0, "long_context": 1.0,
-                                 "batch": 0.5}, time.monotonic() + 1e6
+    rt._shares, rt._shares_at = (
+        {"interactive": 1.0, "long_context": 1.0, "batch": 0.5},
+        time.monotonic() + 1e6,
+    )
     all_q = worker_queues("dcg", "g1")
     assert rt.desired_queues() == all_q
-    from workers.runtime import Flight
+    from workers.runtime import RequestInFlight
 
     for rid in ("t1", "t2"):  # batch at its share (2 of 4 slots), decoding
-        rt.add_flight(Flight(rid, "batch", 1, first_token=True))
+        rt.add_flight(RequestInFlight(rid, "batch", 1, first_token=True))
     assert rt.desired_queues() == [q for q in all_q if not q.endswith(".batch")]
     rt.remove_flight("t1")
     rt.remove_flight("t2")
     # RabbitMQ-style broker: lower tiers pause while a higher one has work queued
-    assert rt.desired_queues({"dcg.interactive": 2}) == ["dcg.g1.interactive",
-                                                         "dcg.interactive"]
+    assert rt.desired_queues({"dcg.interactive": 2}) == ["dcg.g1.interactive", "dcg.interactive"]
     rt.broker_orders_queues = True  # Redis: the poll order already does it
     assert rt.desired_queues({"dcg.interactive": 2}) == all_q
     rt.unhealthy_until = time.time() + 5
@@ -364,18 +430,20 @@ def test_a_started_task_holds_its_tier_slot_until_its_flight_does(state: LiveSta
     """Between the pool thread starting a task and the task's flight (after the
     claim round trip) the slot must stay counted, or the gate opens the tier
     for one message more than its share."""
-    from workers.runtime import Flight
+    from workers.runtime import RequestInFlight
 
     info = InstanceInfo("h1", "dch", "m", "http://127.0.0.1:1", "llama3-8b-h200", 4096, 1, 4)
     rt = WorkerRuntime(LiveConfig.load(env={}), state, info)
-    rt._shares, rt._shares_at = {"interactive": 1.0, "long_context": 1.0,
-                                 "batch": 0.25}, time.monotonic() + 1e6
+    rt._shares, rt._shares_at = (
+        {"interactive": 1.0, "long_context": 1.0, "batch": 0.25},
+        time.monotonic() + 1e6,
+    )
     batch_qs = [q for q in worker_queues("dch", "h1") if q.endswith(".batch")]
     rt.on_received("r1.1", "dch.batch", 100)
     assert rt.started("r1.1") is not None
     assert rt.running_by_tier(include_reserved=True)["batch"] == 1
     assert not set(batch_qs) & set(rt.desired_queues()), "claim in flight: still full"
-    rt.add_flight(Flight("r1", "batch", 1, prefill_tokens=100), "r1.1")
+    rt.add_flight(RequestInFlight("r1", "batch", 1, prefill_tokens=100), "r1.1")
     assert rt.running_by_tier(include_reserved=True)["batch"] == 1  # moved, not doubled
     rt.task_done("r1.1")
     assert rt.running_by_tier(include_reserved=True)["batch"] == 1  # the flight holds it
@@ -409,17 +477,17 @@ def test_a_worker_bug_ends_the_request_with_an_error_event(state: LiveState) -> 
 
 
 def test_pool_queues_pause_while_the_engine_has_prefill_queued(state: LiveState) -> None:
-    from workers.runtime import Flight
+    from workers.runtime import RequestInFlight
 
     info = InstanceInfo("p1", "dcp", "m", "http://127.0.0.1:1", "llama3-8b-h200", 4096, 1, 8)
     rt = WorkerRuntime(LiveConfig.load(env={}, pool_prefill_budget_tokens=2048), state, info)
     rt._shares, rt._shares_at = {"batch": 1.0}, time.monotonic() + 1e6
     affinity_only = [q for q in worker_queues("dcp", "p1") if q.count(".") == 2]
-    rt.add_flight(Flight("long", "interactive", 1, prefill_tokens=30000))
+    rt.add_flight(RequestInFlight("long", "interactive", 1, prefill_tokens=30000))
     assert rt.desired_queues() == affinity_only, "late binding waits for a free engine"
     rt._flights["long"].first_token = True  # prefill done: decoding does not block
     assert rt.desired_queues() == worker_queues("dcp", "p1")
-    rt.add_flight(Flight("short", "interactive", 1, prefill_tokens=300))
+    rt.add_flight(RequestInFlight("short", "interactive", 1, prefill_tokens=300))
     assert rt.desired_queues() == worker_queues("dcp", "p1")
     rt.reserved["m1"] = "interactive"  # a message on its way counts as a full budget
     assert rt.desired_queues() == affinity_only

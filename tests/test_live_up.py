@@ -9,16 +9,18 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import openai
 import pytest
 
+from tests.support.stores import temp_data_dir
 from tokenfleet.service.embedded import free_port
-from tokenfleet.service.testing import temp_data_dir
 
 KEY = "tf-up-test-key"
+
+pytestmark = pytest.mark.stack  # `tokenfleet up` as a subprocess: the whole stack
 
 
 def _descendants(pid: int) -> set[int]:
@@ -57,10 +59,26 @@ def up() -> Iterator[tuple[subprocess.Popen[str], str, Path]]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENFLEET_")}
         env["TOKENFLEET_API_KEY"] = KEY
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenfleet.cli.main", "up", "--port", str(port),
-             "--data-dir", str(data_dir), "--time-scale", "0.05", "--loglevel", "WARNING"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            cwd="/")  # from anywhere: nothing may depend on the working directory
+            [
+                sys.executable,
+                "-m",
+                "tokenfleet.cli.main",
+                "up",
+                "--port",
+                str(port),
+                "--data-dir",
+                str(data_dir),
+                "--time-scale",
+                "0.05",
+                "--loglevel",
+                "WARNING",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd="/",
+        )  # from anywhere: nothing may depend on the working directory
         out: list[str] = []
         deadline = time.monotonic() + 120
         try:
@@ -94,17 +112,25 @@ def test_up_prints_url_key_and_examples(up: tuple[subprocess.Popen[str], str, Pa
 
 
 def test_up_serves_the_openai_client_and_records_the_ledger(
-        up: tuple[subprocess.Popen[str], str, Path]) -> None:
+    up: tuple[subprocess.Popen[str], str, Path],
+) -> None:
     proc, text, data_dir = up
     url = text.split("API:", 1)[1].split()[0]
     c = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=30)
     model = c.models.list().data[0].id
-    r = c.chat.completions.create(model=model, max_tokens=5,
-                                  messages=[{"role": "user", "content": "hello up"}])
+    r = c.chat.completions.create(
+        model=model, max_tokens=5, messages=[{"role": "user", "content": "hello up"}]
+    )
     assert r.usage is not None and r.usage.completion_tokens >= 1
-    chunks = list(c.chat.completions.create(model=model, max_tokens=5, stream=True,
-                                            stream_options={"include_usage": True},
-                                            messages=[{"role": "user", "content": "stream"}]))
+    chunks = list(
+        c.chat.completions.create(
+            model=model,
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+            messages=[{"role": "user", "content": "stream"}],
+        )
+    )
     assert chunks[-1].usage is not None
     # the ledger lives in the embedded PostgreSQL under the data dir
     import sqlalchemy as sa
@@ -117,9 +143,9 @@ def test_up_serves_the_openai_client_and_records_the_ledger(
         deadline = time.monotonic() + 10
         while True:
             with engine.connect() as conn:
-                rows = conn.execute(sa.text(
-                    "SELECT request_id, status, dc FROM requests WHERE tenant_id = 'demo'"
-                )).all()
+                rows = conn.execute(
+                    sa.text("SELECT request_id, status, dc FROM requests WHERE tenant_id = 'demo'")
+                ).all()
             done = [row for row in rows if row.status in ("completed", "slo_missed")]
             if len(done) >= 2 or time.monotonic() > deadline:
                 break

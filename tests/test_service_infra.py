@@ -13,32 +13,27 @@ import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import sqlalchemy as sa
 import yaml
 
-from tokenfleet.cli.main import main as cli_main
-from tokenfleet.errors import ConfigError
-from tokenfleet.service import db, queries
-from tokenfleet.service.config import config_reference_markdown, load_config
-from tokenfleet.service.embedded import (
-    EmbeddedPostgres,
-    EmbeddedRedis,
-    ServiceStack,
-    discover_endpoints,
-    pid_alive,
-)
-from tokenfleet.service.ledger import ALL_TABLES, ApiKey, RequestStatus
-from tokenfleet.service.testing import (
+from tests.support.stores import (
     FAST_POSTGRES_SETTINGS,
     epoch,
     fresh_database,
     isolated_config,
     temp_data_dir,
 )
+from tokenfleet.cli.main import main as cli_main
+from tokenfleet.errors import ConfigError
+from tokenfleet.service import db, queries
+from tokenfleet.service.config import config_reference_markdown, load_config
+from tokenfleet.service.embedded import EmbeddedPostgres, EmbeddedRedis, pid_alive
+from tokenfleet.service.endpoints import ServiceStack, discover
+from tokenfleet.service.ledger import ALL_TABLES, ApiKey, RequestStatus
 from tokenfleet.service.writer import LedgerWriter, RequestRecord
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,7 +132,9 @@ def test_config_layers_defaults_file_env_overrides(tmp_path: Path) -> None:
     assert cfg.ledger_batch_size == 90 and cfg.sources["ledger_batch_size"] == "override"
     # derived Celery URLs and masking of secrets
     assert cfg.effective_broker_url() == "redis://file-host:6379/0"
-    assert cfg.effective_result_backend_url() == "redis://file-host:6379/1"
+    # the live path's knobs come from the same layers
+    assert cfg.live.router == "tokenpilot" and cfg.sources["router"] == "default"
+    assert load_config(env={**env, "TOKENFLEET_ROUTER": "round_robin"}).live.router == "round_robin"
     assert "secret" not in cfg.redacted()["database_url"]
 
     # an explicit path beats $TOKENFLEET_CONFIG, and YAML reads the same way
@@ -175,10 +172,17 @@ def test_embedded_redis_over_tcp_and_reused(redis_server: EmbeddedRedis, data_di
     client.set("tf:key", "value")
     # another process reaches it over TCP with nothing but the URL
     out = subprocess.run(
-        [sys.executable, "-c",
-         "import redis,sys; r=redis.Redis.from_url(sys.argv[1]); print(r.get('tf:key').decode())",
-         redis_server.url],
-        capture_output=True, text=True, timeout=30, check=True,
+        [
+            sys.executable,
+            "-c",
+            "import redis,sys; r=redis.Redis.from_url(sys.argv[1]); "
+            "print(r.get('tf:key').decode())",
+            redis_server.url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
     )
     assert out.stdout.strip() == "value"
 
@@ -196,17 +200,21 @@ def test_stack_uses_external_urls_and_starts_nothing(
     with ServiceStack(cfg) as endpoints:
         assert endpoints.redis_url == redis_server.url
         assert endpoints.database_url == pg.url
-        assert endpoints.broker_url.endswith("/0") and endpoints.result_backend_url.endswith("/1")
+        assert endpoints.broker_url.endswith("/0")
     assert not (tmp_path / "other" / "run").exists()
 
 
-def test_discover_endpoints_needs_running_services_or_urls(
+def test_discover_needs_running_services_or_urls(
     data_dir: Path, redis_server: EmbeddedRedis, pg: EmbeddedPostgres, tmp_path: Path
 ) -> None:
     with pytest.raises(ConfigError, match="tokenfleet services up"):
-        discover_endpoints(isolated_config(tmp_path / "empty"))
-    found = discover_endpoints(isolated_config(data_dir))
+        discover(isolated_config(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match="no PostgreSQL found"):
+        discover(isolated_config(tmp_path / "empty"), require=("database",))
+    found = discover(isolated_config(data_dir))
     assert (found.redis_url, found.database_url) == (redis_server.url, pg.url)
+    # what a process may run without is None, not an error
+    assert discover(isolated_config(tmp_path / "empty"), require=()).database_url is None
 
 
 def test_stopped_server_leaves_no_process(tmp_path: Path) -> None:
@@ -220,7 +228,10 @@ def test_stopped_server_leaves_no_process(tmp_path: Path) -> None:
 
 # ---- migrations -------------------------------------------------------------------
 def test_db_upgrade_cli_creates_schema_from_any_cwd(
-    pg: EmbeddedPostgres, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    pg: EmbeddedPostgres,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     name = f"cli{os.getpid()}"
     pg.drop_database(name)
@@ -252,10 +263,15 @@ def test_writer_writes_all_rows_and_goodput_aggregates(engine: sa.Engine, tmp_pa
         assert writer.stats.recorded == n and writer.stats.spilled == 0
     assert _count(engine) == (n, n)
 
-    rows = {r.key: r for r in queries.goodput(engine, since=epoch(0), until=epoch(n * 0.01), group_by="tier")}
+    rows = {
+        r.key: r
+        for r in queries.goodput(engine, since=epoch(0), until=epoch(n * 0.01), group_by="tier")
+    }
     # even i -> interactive, i % 5 == 0 -> slo_missed
     interactive = rows["interactive"]
-    assert interactive.total == 1000 and interactive.slo_missed == 200 and interactive.completed == 800
+    assert (
+        interactive.total == 1000 and interactive.slo_missed == 200 and interactive.completed == 800
+    )
     assert interactive.attainment == pytest.approx(0.8)
     assert interactive.goodput_rps == pytest.approx(800 / 20.0)
     assert interactive.goodput_tokens_per_s == pytest.approx(800 * 20 / 20.0)
@@ -277,7 +293,9 @@ def test_same_request_id_is_one_row_merged(engine: sa.Engine, tmp_path: Path) ->
         assert writer.stats.merged_in_batch == 1
     with engine.connect() as conn:
         rows = conn.execute(
-            sa.text("SELECT status, attempts, completion_tokens, instance, finished_ts FROM requests")
+            sa.text(
+                "SELECT status, attempts, completion_tokens, instance, finished_ts FROM requests"
+            )
         ).all()
     assert len(rows) == 1
     status, attempts, tokens, instance, finished = rows[0]
@@ -302,7 +320,9 @@ def test_postgres_outage_loses_nothing_and_duplicates_nothing(
             assert not writer.flush(timeout=0.5)
             assert writer.pending() == 600
             assert writer.stats.failures > 0 and not writer.stats.healthy
-            assert list(spill.glob("ledger-*")), "overflow beyond max_buffer_rows must spill to disk"
+            assert list(spill.glob("ledger-*")), (
+                "overflow beyond max_buffer_rows must spill to disk"
+            )
         finally:
             pg.start()
         assert writer.flush(timeout=30)
@@ -319,7 +339,9 @@ def test_close_during_outage_spills_and_next_writer_replays(
     spill = tmp_path / "spill"
     pg.stop()
     try:
-        first = LedgerWriter(db_url, spill_dir=spill, batch_size=40, flush_interval_s=0.02, retry_max_s=0.1)
+        first = LedgerWriter(
+            db_url, spill_dir=spill, batch_size=40, flush_interval_s=0.02, retry_max_s=0.1
+        )
         first.record_many(_row(i) for i in range(120))
         assert first.close(timeout=0.3) is False  # could not drain: everything spilled
         assert sum(1 for f in spill.glob("ledger-*.jsonl") for _ in f.open()) == 120
@@ -335,7 +357,9 @@ def test_close_during_outage_spills_and_next_writer_replays(
         engine.dispose()
 
 
-def test_bad_row_is_dead_lettered_without_blocking_others(engine: sa.Engine, tmp_path: Path) -> None:
+def test_bad_row_is_dead_lettered_without_blocking_others(
+    engine: sa.Engine, tmp_path: Path
+) -> None:
     spill = tmp_path / "spill"
     with _writer(engine, spill) as writer:
         writer.record_many(_row(i) for i in range(10))

@@ -10,20 +10,20 @@ import itertools
 import math
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
-from pathlib import Path
-from typing import Any, Iterator
+from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
+from tests.support.stores import fresh_database
 from tokenfleet.cli.main import main as cli_main
 from tokenfleet.errors import ConfigError
 from tokenfleet.service.db import make_engine
 from tokenfleet.service.embedded import EmbeddedPostgres, EmbeddedRedis
 from tokenfleet.service.ledger import ApiKey, AuditLog
-from tokenfleet.service.testing import fresh_database
 from tokenfleet.tenancy import admin
 from tokenfleet.tenancy.directory import TenantDirectory
 from tokenfleet.tenancy.gate import TenancyError, TenancyGate
@@ -94,10 +94,15 @@ def test_fifty_concurrent_requests_with_ten_left_admit_exactly_ten(
 ) -> None:
     # use up 20 of 30 (requests or 100-token requests), leaving exactly 10
     for _ in range(spend):
-        assert quotas.admit("acme", "interactive", limits, prompt_tokens=prompt,
-                            max_tokens=max_tokens).allowed
-    results = fire(50, lambda i: quotas.admit("acme", "interactive", limits,
-                                              prompt_tokens=prompt, max_tokens=max_tokens))
+        assert quotas.admit(
+            "acme", "interactive", limits, prompt_tokens=prompt, max_tokens=max_tokens
+        ).allowed
+    results = fire(
+        50,
+        lambda i: quotas.admit(
+            "acme", "interactive", limits, prompt_tokens=prompt, max_tokens=max_tokens
+        ),
+    )
     admitted = [r for r in results if r.allowed]
     rejected = [r for r in results if not r.allowed]
     # token buckets refill at limit/60 per second: over a sub-second burst that is
@@ -106,7 +111,9 @@ def test_fifty_concurrent_requests_with_ten_left_admit_exactly_ten(
     assert {r.code for r in rejected} == {code}
     assert all(r.retry_after_s is not None and r.retry_after_s > 0 for r in rejected)
     # the other budget is independent
-    assert quotas.admit("acme", "batch", limits, prompt_tokens=prompt, max_tokens=max_tokens).allowed
+    assert quotas.admit(
+        "acme", "batch", limits, prompt_tokens=prompt, max_tokens=max_tokens
+    ).allowed
 
 
 def test_retry_after_is_when_the_bucket_has_refilled(quotas: QuotaEnforcer) -> None:
@@ -117,8 +124,10 @@ def test_retry_after_is_when_the_bucket_has_refilled(quotas: QuotaEnforcer) -> N
             break
     assert not denied.allowed and denied.code == CODE_RPM
     assert denied.retry_after_s is not None and 0 < denied.retry_after_s <= 0.1 + 1e-3
-    assert denied.retry_after_header() == {"Retry-After": "1",
-                                           "retry-after-ms": str(math.ceil(denied.retry_after_s * 1000))}
+    assert denied.retry_after_header() == {
+        "Retry-After": "1",
+        "retry-after-ms": str(math.ceil(denied.retry_after_s * 1000)),
+    }
     time.sleep(denied.retry_after_s + 0.02)  # honest: after the stated wait it passes
     assert quotas.admit("r", "interactive", limits, prompt_tokens=1, max_tokens=1).allowed
 
@@ -140,26 +149,24 @@ def test_daily_budget_retry_after_is_next_utc_midnight(quotas: QuotaEnforcer) ->
 
 
 def test_requests_that_can_never_pass_get_no_retry_after(quotas: QuotaEnforcer) -> None:
-    d = quotas.admit("x", "interactive", QuotaLimits(tokens_per_minute=1000),
-                     prompt_tokens=900, max_tokens=200)
+    d = quotas.admit(
+        "x", "interactive", QuotaLimits(tokens_per_minute=1000), prompt_tokens=900, max_tokens=200
+    )
     assert not d.allowed and d.code == CODE_TOO_LARGE and d.retry_after_s is None
     assert d.retry_after_header() == {}
     assert "lower max_tokens" in d.message()
 
 
-def test_an_unlimited_admission_costs_no_redis_round_trip(quotas: QuotaEnforcer,
-                                                         rc: Any) -> None:
+def test_an_unlimited_admission_costs_no_redis_round_trip(quotas: QuotaEnforcer, rc: Any) -> None:
     def evals() -> int:
         stats = rc.info("commandstats")
-        return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0))
-                   for c in ("evalsha", "eval"))
+        return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval"))
 
     before = evals()
     d = quotas.admit("u", "interactive", QuotaLimits(), prompt_tokens=10, max_tokens=20)
     assert d.allowed and d.ticket is not None and not d.ticket.charged
     # the tenant got limits while its request ran: still nothing to give back
-    assert quotas.release(d.ticket, QuotaLimits(tokens_per_minute=100),
-                          actual_tokens=15) == 0
+    assert quotas.release(d.ticket, QuotaLimits(tokens_per_minute=100), actual_tokens=15) == 0
     assert evals() == before
     state = quotas.state("u", "interactive", QuotaLimits(tokens_per_minute=100))
     assert state.running == 0 and state.daily_tokens_used == 0
@@ -193,8 +200,9 @@ def test_crashed_holder_releases_its_concurrency_slot_after_the_lease(rc: Any) -
 
 
 def test_lowering_a_limit_takes_effect_on_the_next_request(quotas: QuotaEnforcer) -> None:
-    assert quotas.admit("l", "interactive", QuotaLimits(requests_per_minute=100),
-                        prompt_tokens=1, max_tokens=1).allowed
+    assert quotas.admit(
+        "l", "interactive", QuotaLimits(requests_per_minute=100), prompt_tokens=1, max_tokens=1
+    ).allowed
     lowered = QuotaLimits(requests_per_minute=1)  # bucket had 99 left; capped at the new size
     assert quotas.admit("l", "interactive", lowered, prompt_tokens=1, max_tokens=1).allowed
     assert not quotas.admit("l", "interactive", lowered, prompt_tokens=1, max_tokens=1).allowed
@@ -205,14 +213,23 @@ def test_tenant_lifecycle_keys_hashed_and_revocation_within_one_second(
     engine: sa.Engine, rc: Any
 ) -> None:
     directory = TenantDirectory(engine, rc, prefix="lc")
-    admin.create_tenant(engine, "lifecycle", actor="test", slo_class="premium",
-                        allowed_models=["llama-3-8b"], allowed_regions=["eu-west"], cache=directory)
-    admin.set_quota(engine, "lifecycle", "batch", {"tokens_per_minute": 5000}, actor="test",
-                    cache=directory)
+    admin.create_tenant(
+        engine,
+        "lifecycle",
+        actor="test",
+        slo_class="premium",
+        allowed_models=["llama-3-8b"],
+        allowed_regions=["eu-west"],
+        cache=directory,
+    )
+    admin.set_quota(
+        engine, "lifecycle", "batch", {"tokens_per_minute": 5000}, actor="test", cache=directory
+    )
     key, info = admin.create_key(engine, "lifecycle", actor="test", name="ci", cache=directory)
     with engine.connect() as conn:
-        stored = conn.execute(sa.select(ApiKey.key_sha256, ApiKey.prefix)
-                              .where(ApiKey.id == info.id)).one()
+        stored = conn.execute(
+            sa.select(ApiKey.key_sha256, ApiKey.prefix).where(ApiKey.id == info.id)
+        ).one()
     assert key not in stored and stored.key_sha256 != key and key.startswith(stored.prefix)
 
     ctx = directory.authenticate(key)
@@ -232,9 +249,14 @@ def test_tenant_lifecycle_keys_hashed_and_revocation_within_one_second(
     assert admin.revoke_key(engine, info.prefix, actor="test", cache=directory) == 0
 
     with engine.connect() as conn:
-        actions = [a for (a,) in conn.execute(
-            sa.select(AuditLog.action).where(AuditLog.payload["tenant_id"].as_string() == "lifecycle")
-            .order_by(AuditLog.id))]
+        actions = [
+            a
+            for (a,) in conn.execute(
+                sa.select(AuditLog.action)
+                .where(AuditLog.payload["tenant_id"].as_string() == "lifecycle")
+                .order_by(AuditLog.id)
+            )
+        ]
     assert actions == ["tenant.create", "tenant.set_quota", "key.create", "key.revoke"]
 
 
@@ -246,8 +268,14 @@ def test_quota_change_and_disable_reach_warm_caches_within_one_second(
     key, _ = admin.create_key(engine, "quotachange", actor="test")
     warm = TenantDirectory(engine, rc, prefix="qc")
     assert warm.authenticate(key) is not None
-    admin.set_quota(engine, "quotachange", "interactive", {"requests_per_minute": 7},
-                    actor="test", cache=directory)
+    admin.set_quota(
+        engine,
+        "quotachange",
+        "interactive",
+        {"requests_per_minute": 7},
+        actor="test",
+        cache=directory,
+    )
     time.sleep(directory.local_ttl_s + 0.05)
     ctx = warm.authenticate(key)
     assert ctx is not None and ctx.quotas.interactive.requests_per_minute == 7
@@ -256,19 +284,26 @@ def test_quota_change_and_disable_reach_warm_caches_within_one_second(
     assert warm.authenticate(key) is None
 
 
-def test_gate_authenticates_checks_models_and_answers_openai_errors(
+def test_api_authenticates_and_gate_checks_models_and_answers_openai_errors(
     engine: sa.Engine, rc: Any
 ) -> None:
+    from web.auth import Authenticator
+    from web.errors import ApiError
+
     directory = TenantDirectory(engine, rc, prefix="gate")
-    gate = TenancyGate(directory, QuotaEnforcer(rc, prefix="gate"), UsageRecorder(rc, engine, prefix="gate"))
+    auth = Authenticator({}, directory)
+    gate = TenancyGate(
+        directory, QuotaEnforcer(rc, prefix="gate"), UsageRecorder(rc, engine, prefix="gate")
+    )
     admin.create_tenant(engine, "gated", actor="test", allowed_models=["m1"])
     admin.set_quota(engine, "gated", "interactive", {"requests_per_minute": 1}, actor="test")
     key, _ = admin.create_key(engine, "gated", actor="test")
 
-    with pytest.raises(TenancyError) as e:
-        gate.authenticate("Bearer tf-not-a-key")
-    assert e.value.status == 401 and e.value.body()["error"]["code"] == "invalid_api_key"
-    ctx = gate.authenticate(f"Bearer {key}")
+    with pytest.raises(ApiError) as bad:
+        auth.authenticate("Bearer tf-not-a-key")
+    assert bad.value.status == 401 and bad.value.body()["error"]["code"] == "invalid_api_key"
+    ctx = auth.authenticate(f"Bearer {key}").context
+    assert ctx is not None and ctx.id == "gated"
     with pytest.raises(TenancyError) as e:
         gate.admit(ctx, "interactive", model="m2", prompt_tokens=1, max_tokens=1)
     assert e.value.status == 404 and e.value.code == "model_not_found"
@@ -284,36 +319,118 @@ def test_gate_authenticates_checks_models_and_answers_openai_errors(
     gate.finish(adm, completion_tokens=42)  # idempotent
     assert gate.usage is not None and gate.usage.flush() == 1
     rows = usage_for(engine, "gated")
-    assert rows == [{"day": datetime.now(timezone.utc).date().isoformat(), "budget": "interactive",
-                     "requests": 1, "rejected": 1, "prompt_tokens": 10, "completion_tokens": 42}]
+    assert rows == [
+        {
+            "day": datetime.now(UTC).date().isoformat(),
+            "budget": "interactive",
+            "requests": 1,
+            "rejected": 1,
+            "prompt_tokens": 10,
+            "completion_tokens": 42,
+        }
+    ]
 
 
 def test_usage_is_buffered_one_row_per_tenant_and_day_per_flush(engine: sa.Engine, rc: Any) -> None:
     rec = UsageRecorder(rc, engine, prefix="usage")
-    fire(20, lambda i: [rec.record(f"u{i % 2}", "batch", requests=1, prompt_tokens=3,
-                                   completion_tokens=5) for _ in range(50)])
+    fire(
+        20,
+        lambda i: [
+            rec.record(f"u{i % 2}", "batch", requests=1, prompt_tokens=3, completion_tokens=5)
+            for _ in range(50)
+        ],
+    )
     assert rec.flush() == 2  # 1,000 requests -> 2 row upserts
     rec.record("u0", "batch", requests=1, prompt_tokens=3)
     assert rec.flush() == 1 and rec.flush() == 0
     with engine.connect() as conn:
-        rows = {r.tenant_id: r for r in conn.execute(
-            sa.select(TenantUsage).where(TenantUsage.tenant_id.in_(["u0", "u1"])))}
+        rows = {
+            r.tenant_id: r
+            for r in conn.execute(
+                sa.select(TenantUsage).where(TenantUsage.tenant_id.in_(["u0", "u1"]))
+            )
+        }
     assert rows["u0"].requests == 501 and rows["u0"].prompt_tokens == 1503
     assert rows["u1"].requests == 500 and rows["u1"].completion_tokens == 2500
 
 
+def test_a_flush_never_writes_a_hash_another_flusher_is_writing(engine: sa.Engine, rc: Any) -> None:
+    """Two flushers (the API's thread and an explicit flush, or two API processes):
+    one that finds another's claimed hash leaves it alone until it is abandoned
+    (failed once in a clean-clone run: a tenant's three batch lines counted six)."""
+    import time
+
+    from tokenfleet.tenancy.usage import ABANDONED_AFTER_S
+
+    a = UsageRecorder(rc, engine, prefix="race")
+    b = UsageRecorder(rc, engine, prefix="race")
+    a.record("r0", "interactive", requests=3)
+    in_progress = a._claim(a.pending_key)  # a renamed it away and is writing it now
+    assert in_progress is not None
+    assert b.flush() == 0, "b must not write what a is writing"
+    assert a._flush_key(in_progress) == 1
+    # a hash whose flusher died after its RENAME is taken over, by one flusher only
+    a.record("r1", "interactive", requests=2)
+    dead = f"{a.flushing_prefix}{time.time() - ABANDONED_AFTER_S - 1:.3f}:x"
+    rc.rename(a.pending_key, dead)
+    assert b.flush() == 1 and a.flush() == 0
+    with engine.connect() as conn:
+        got = {
+            r.tenant_id: r.requests
+            for r in conn.execute(
+                sa.select(TenantUsage).where(TenantUsage.tenant_id.in_(["r0", "r1"]))
+            )
+        }
+    assert got == {"r0": 3, "r1": 2}
+
+
 # ---- CLI ----------------------------------------------------------------------------
-def test_cli_create_list_set_quota_and_keys(db_url: str, redis_server: EmbeddedRedis,
-                                            engine: sa.Engine, rc: Any,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_create_list_set_quota_and_keys(
+    db_url: str,
+    redis_server: EmbeddedRedis,
+    engine: sa.Engine,
+    rc: Any,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     stores = ["--database-url", db_url, "--redis-url", redis_server.url]
-    assert cli_main(["tenants", "create", "cli-co", "--models", "a,b", "--regions", "us",
-                     "--rpm", "60", "--with-key", *stores]) == 0
+    assert (
+        cli_main(
+            [
+                "tenants",
+                "create",
+                "cli-co",
+                "--models",
+                "a,b",
+                "--regions",
+                "us",
+                "--rpm",
+                "60",
+                "--with-key",
+                *stores,
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     key = out.strip().splitlines()[-1].split(": ")[-1]
     assert key.startswith("tf-")
-    assert cli_main(["tenants", "set-quota", "cli-co", "--budget", "batch", "--tpm", "9000",
-                     "--daily-tokens", "100000", *stores]) == 0
+    assert (
+        cli_main(
+            [
+                "tenants",
+                "set-quota",
+                "cli-co",
+                "--budget",
+                "batch",
+                "--tpm",
+                "9000",
+                "--daily-tokens",
+                "100000",
+                *stores,
+            ]
+        )
+        == 0
+    )
     assert "tpm=9000" in capsys.readouterr().out
     assert cli_main(["tenants", "set-quota", "cli-co", "--rpm", "none", *stores]) == 0
     assert cli_main(["tenants", "list", "--json", *stores]) == 0
@@ -323,8 +440,12 @@ def test_cli_create_list_set_quota_and_keys(db_url: str, redis_server: EmbeddedR
     t = listed["cli-co"]
     assert t["allowed_models"] == ["a", "b"] and t["active_keys"] == 1
     assert t["quotas"]["interactive"]["requests_per_minute"] is None
-    assert t["quotas"]["batch"] == {"requests_per_minute": None, "tokens_per_minute": 9000,
-                                    "max_concurrent_requests": None, "daily_token_budget": 100000}
+    assert t["quotas"]["batch"] == {
+        "requests_per_minute": None,
+        "tokens_per_minute": 9000,
+        "max_concurrent_requests": None,
+        "daily_token_budget": 100000,
+    }
     assert cli_main(["tenants", "keys", "create", "cli-co", "-q", *stores]) == 0
     key2 = capsys.readouterr().out.strip()
     directory = TenantDirectory(engine, rc)
@@ -354,22 +475,27 @@ def test_admin_rejects_bad_input(engine: sa.Engine) -> None:
 
 # ---- through the live HTTP API (real workers and engines) ------------------------------------
 @pytest.fixture(scope="module")
-def live() -> Iterator[Any]:
-    from tokenfleet.live.testing import running_stack
-
-    with running_stack(router="round_robin", time_scale=0.02) as stack:
+def live(live_stack: Any) -> Iterator[Any]:
+    with live_stack(router="round_robin", time_scale=0.02) as stack:
         yield stack
         stack.app.extensions["tokenfleet.tenancy"].close()
 
 
 def test_api_admits_exactly_ten_of_fifty_concurrent_chats_and_revokes_in_a_second(
-        live: Any) -> None:
+    live: Any,
+) -> None:
     import requests
 
     svc = live.app.extensions["tokenfleet.tenancy"]
     admin.create_tenant(svc.engine, "http-co", actor="test", cache=svc.directory)
-    admin.set_quota(svc.engine, "http-co", "interactive", {"requests_per_minute": 10},
-                    actor="test", cache=svc.directory)
+    admin.set_quota(
+        svc.engine,
+        "http-co",
+        "interactive",
+        {"requests_per_minute": 10},
+        actor="test",
+        cache=svc.directory,
+    )
     key, info = admin.create_key(svc.engine, "http-co", actor="test", cache=svc.directory)
     body = {"model": live.model, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
     url = live.url + "/v1/chat/completions"
@@ -394,8 +520,14 @@ def test_api_admits_exactly_ten_of_fifty_concurrent_chats_and_revokes_in_a_secon
     assert day["requests"] == 10 and day["rejected"] == 40 and day["completion_tokens"] > 0
 
     # revocation: the API refuses the key within a second
-    admin.set_quota(svc.engine, "http-co", "interactive", {"requests_per_minute": None},
-                    actor="test", cache=svc.directory)
+    admin.set_quota(
+        svc.engine,
+        "http-co",
+        "interactive",
+        {"requests_per_minute": None},
+        actor="test",
+        cache=svc.directory,
+    )
     time.sleep(svc.directory.local_ttl_s + 0.05)
     assert post(0).status_code == 200
     other = TenantDirectory(svc.engine, svc.redis, prefix=svc.directory.prefix)

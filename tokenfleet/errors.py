@@ -70,7 +70,3 @@ class NoCandidateError(TokenFleetError):
 
 class CapacityError(TokenFleetError):
     """A request can never fit an instance (prompt + output > KV capacity)."""
-
-
-class ServiceError(TokenFleetError):
-    """A backing service (Redis, PostgreSQL, broker, engine) is unreachable or failed."""

@@ -9,18 +9,27 @@
 * ``LIVE``: a :class:`tokenfleet.live.config.LiveConfig` (default: from env);
 * ``API_KEYS``: {key: tenant} seed keys, added to ``LIVE.seed_api_keys``;
 * ``ADMISSION``: admission policy name in ``tokenfleet.core.admission.ADMISSION``
-  (default ``"slomax"``; ``"none"`` admits everything);
-* ``SLO``: a :class:`tokenfleet.core.tiers.SLOConfig`.
+  (default: ``LIVE.admission``, ``"slomax"``; ``"none"`` admits everything);
+* ``SLO``: a :class:`tokenfleet.core.tiers.SLOConfig`;
+* with ``DATABASE_URL``, the files/batches API (:mod:`web.batch_api`) and:
+  ``CHAT_QUOTAS`` (default True: tenant quotas on chat completions),
+  ``ADMIN_UI`` (default True: the admin UI at ``/admin``), ``BATCH_RUNNER``
+  (default True: a batch runner thread in this process) and the keys those
+  modules document.
 
-Call ``app.extensions["tokenfleet"].close()`` (or :func:`close_app`) to stop
-its background thread and flush its ledger writer.
+``web/`` speaks HTTP only: the live driver is :class:`tokenfleet.live.gateway.Gateway`
+(``app.extensions["tokenfleet"]``), whose refusals (``GatewayError``) become
+OpenAI-shaped responses here. Call :func:`close_app` to stop its background
+threads, the batch runner, and flush the ledger writer.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import redis
 from flask import Flask, Response
@@ -28,10 +37,11 @@ from sqlalchemy import exc as sa_exc
 from werkzeug.exceptions import HTTPException
 
 from tokenfleet.live.config import LiveConfig
+from tokenfleet.live.gateway import Gateway, GatewayError
 from tokenfleet.live.state import LiveState
+from tokenfleet.tenancy.gate import TenancyError
 from web.auth import Authenticator
 from web.errors import ApiError
-from web.gateway import Gateway
 from web.metrics import ApiMetrics
 
 log = logging.getLogger("tokenfleet.api")
@@ -51,68 +61,96 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     state = LiveState.from_url(cfg["REDIS_URL"], prefix=live.redis_prefix)
     celery = create_celery(cfg.get("BROKER_URL") or cfg["REDIS_URL"], live)
     ledger = None
-    engine = None
     if cfg.get("DATABASE_URL"):
         from tokenfleet.service.db import make_engine
         from tokenfleet.service.writer import LedgerWriter
 
         data_dir = Path(cfg.get("DATA_DIR") or ".tokenfleet")
-        engine = make_engine(cfg["DATABASE_URL"])
-        ledger = LedgerWriter(engine, spill_dir=data_dir / "spill", name="api-ledger")
-    admission = None
-    adm_name = cfg.get("ADMISSION", "slomax")
-    if adm_name and adm_name != "none":
-        from tokenfleet.core.admission import ADMISSION
-
-        admission = ADMISSION.create(adm_name, adaptive=False) if adm_name == "slomax" \
-            else ADMISSION.create(adm_name)
+        ledger = LedgerWriter(
+            make_engine(cfg["DATABASE_URL"]), spill_dir=data_dir / "spill", name="api-ledger"
+        )
     _warm_publisher(celery)
-    from tokenfleet.live.redis_transport import TRANSPORT_PATH, same_database
-
-    gw = Gateway(state=state, celery=celery, live=live, slo=cfg.get("SLO"), ledger=ledger,
-                 admission=admission,
-                 # the broker is the live-state Redis: a task's LPUSH joins the state writes
-                 publish_with_state=celery.conf.broker_transport == TRANSPORT_PATH
-                 and same_database(celery.conf.broker_url, cfg["REDIS_URL"]))
+    gw = Gateway(
+        state=state,
+        celery=celery,
+        live=live,
+        slo=cfg.get("SLO"),
+        ledger=ledger,
+        admission=cfg.get("ADMISSION") or live.admission,
+        redis_url=cfg["REDIS_URL"],
+    )
     metrics = ApiMetrics(gw)
     gw.metrics = metrics
     keys = live.seed_keys()
     keys.update(cfg.get("API_KEYS") or {})
     app.extensions["tokenfleet"] = gw
-    app.extensions["tokenfleet.auth"] = Authenticator(keys, engine)
+    app.extensions["tokenfleet.auth"] = Authenticator(keys)
     app.extensions["tokenfleet.metrics"] = metrics
     app.extensions["tokenfleet.celery"] = celery
 
-    from web.routes import openai_bp, ops_bp
+    from web.chat import chat_bp
+    from web.routes import models_bp, ops_bp
 
-    app.register_blueprint(openai_bp)
+    app.register_blueprint(chat_bp)
+    app.register_blueprint(models_bp)
     app.register_blueprint(ops_bp)
 
-    # tenancy (quotas on chat), /v1/files + /v1/batches and the batch runner: web/batch_api
+    # with a database: tenants (keys, quotas, regions), /v1/files, /v1/batches, /v1/usage
     from web.batch_api import init_app as init_batch_api
+    from web.batch_api import start_runner
 
-    init_batch_api(app)
+    tenancy = init_batch_api(app, REDIS_PREFIX=cfg.get("REDIS_PREFIX") or live.redis_prefix)
+    if tenancy is not None:
+        gw.tenant_regions = tenancy.allowed_regions  # FleetMind honours them
+        if cfg.get("CHAT_QUOTAS", True):
+            app.extensions["tokenfleet.quota"] = tenancy  # web.chat charges each request
+        if cfg.get("ADMIN_UI", True):
+            from web.admin import init_app as init_admin
+
+            init_admin(app)
+        if cfg.get("BATCH_RUNNER", True):
+            start_runner(app)
 
     @app.errorhandler(ApiError)
     def _api_error(err: ApiError) -> Response:
         metrics.error(err.status)
         return err.response()
 
+    @app.errorhandler(GatewayError)
+    def _refused(err: GatewayError) -> Response:
+        metrics.error(err.status)
+        return ApiError.from_gateway(err).response()
+
+    @app.errorhandler(TenancyError)
+    def _quota(err: TenancyError) -> Response:
+        metrics.error(err.status)
+        resp = Response(json.dumps(err.body()), status=err.status, mimetype="application/json")
+        for k, v in err.headers.items():
+            resp.headers[k] = v
+        return resp
+
     @app.errorhandler(redis.RedisError)
     def _redis_down(err: redis.RedisError) -> Response:
         # any code on the request path (ours or a hook) that needs Redis while it
         # is down or restarting: a retryable 503, not an internal error
         metrics.error(503)
-        return ApiError(503, f"the live state store is unavailable ({err.__class__.__name__});"
-                        " retry shortly", code="service_unavailable",
-                        retry_after_s=2).response()
+        return ApiError(
+            503,
+            f"the live state store is unavailable ({err.__class__.__name__}); retry shortly",
+            code="service_unavailable",
+            retry_after_s=2,
+        ).response()
 
     @app.errorhandler(sa_exc.OperationalError)
     @app.errorhandler(sa_exc.InterfaceError)
     def _db_down(err: Exception) -> Response:
         metrics.error(503)
-        return ApiError(503, "the database is unavailable; retry shortly",
-                        code="service_unavailable", retry_after_s=5).response()
+        return ApiError(
+            503,
+            "the database is unavailable; retry shortly",
+            code="service_unavailable",
+            retry_after_s=5,
+        ).response()
 
     @app.errorhandler(HTTPException)
     def _http_error(err: HTTPException) -> Response:
@@ -125,8 +163,9 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     def _unexpected(err: Exception) -> Response:
         log.exception("unhandled error")
         metrics.error(500)
-        return ApiError(500, "internal error in TokenFleet; it was logged",
-                        code="internal_error").response()
+        return ApiError(
+            500, "internal error in TokenFleet; it was logged", code="internal_error"
+        ).response()
 
     return app
 
@@ -137,8 +176,9 @@ def _warm_publisher(celery: Any, connections: int = 8) -> None:
     client lazily on first publish). Best effort: a broker that is down now is
     retried on the first publish."""
     try:
-        producers = [celery.producer_pool.acquire(block=True, timeout=2.0)
-                     for _ in range(connections)]
+        producers = [
+            celery.producer_pool.acquire(block=True, timeout=2.0) for _ in range(connections)
+        ]
         try:
             for p in producers:
                 p.connection.ensure_connection(max_retries=1)

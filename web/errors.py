@@ -14,31 +14,46 @@ from typing import Any
 
 from flask import Response
 
-MAX_RETRY_AFTER_S = 120
+from tokenfleet.live.gateway.errors import GatewayError, error_type, openai_error_body
 
-_DEFAULT_TYPE = {400: "invalid_request_error", 401: "invalid_request_error",
-                 403: "invalid_request_error", 404: "invalid_request_error",
-                 405: "invalid_request_error", 413: "invalid_request_error",
-                 415: "invalid_request_error", 429: "requests", 500: "server_error",
-                 502: "server_error", 503: "server_error", 504: "server_error"}
+MAX_RETRY_AFTER_S = 120
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type_: str | None = None,
-                 retry_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
-        self.type = type_ or _DEFAULT_TYPE.get(status, "server_error" if status >= 500
-                                               else "invalid_request_error")
+        self.type = error_type(status, type_)
         self.retry_after_s = retry_after_s
 
+    @classmethod
+    def from_gateway(cls, err: GatewayError) -> ApiError:
+        """The response to a request the live path refused."""
+        return cls(
+            err.status,
+            err.message,
+            param=err.param,
+            code=err.code,
+            type_=err.type_,
+            retry_after_s=err.retry_after_s,
+        )
+
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return openai_error_body(
+            self.status, self.message, param=self.param, code=self.code, type_=self.type
+        )
 
     def headers(self) -> dict[str, str]:
         if self.retry_after_s is None and self.status not in (429, 503):
@@ -46,8 +61,7 @@ class ApiError(Exception):
         return {"Retry-After": str(retry_after_header(self.retry_after_s))}
 
     def response(self) -> Response:
-        resp = Response(json.dumps(self.body()), status=self.status,
-                        mimetype="application/json")
+        resp = Response(json.dumps(self.body()), status=self.status, mimetype="application/json")
         for k, v in self.headers().items():
             resp.headers[k] = v
         return resp
@@ -58,7 +72,3 @@ def retry_after_header(seconds: float | None) -> int:
     if seconds is None or not math.isfinite(seconds):
         return 1
     return int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(seconds))))
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)

@@ -10,118 +10,262 @@ from typing import Any
 
 from tokenfleet import __version__
 
-_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
-    "type": "object", "required": ["message", "type", "param", "code"],
-    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                   "param": {"type": ["string", "null"]},
-                   "code": {"type": ["string", "integer", "null"]}}}}}
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "integer", "null"]},
+            },
+        }
+    },
+}
 
-_USAGE = {"type": "object", "properties": {
-    "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
-    "total_tokens": {"type": "integer"},
-    "prompt_tokens_details": {"type": "object",
-                              "properties": {"cached_tokens": {"type": "integer"}}}}}
+_USAGE = {
+    "type": "object",
+    "properties": {
+        "prompt_tokens": {"type": "integer"},
+        "completion_tokens": {"type": "integer"},
+        "total_tokens": {"type": "integer"},
+        "prompt_tokens_details": {
+            "type": "object",
+            "properties": {"cached_tokens": {"type": "integer"}},
+        },
+    },
+}
 
-_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
-    "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
-    "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
-        "type": "object", "properties": {"type": {"const": "text"},
-                                         "text": {"type": "string"}}}}]}}}
+_MESSAGE = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {
+        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {
+            "oneOf": [
+                {"type": "string"},
+                {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                    },
+                },
+            ]
+        },
+    },
+}
 
-_REQUEST = {"type": "object", "required": ["model", "messages"], "properties": {
-    "model": {"type": "string", "description": "A model listed by GET /v1/models."},
-    "messages": {"type": "array", "minItems": 1, "items": {"$ref": "#/components/schemas/Message"}},
-    "max_completion_tokens": {"type": "integer", "minimum": 1,
-                              "description": "Output budget; default: 4096 or the context left."},
-    "max_tokens": {"type": "integer", "minimum": 1, "deprecated": True,
-                   "description": "Older name of max_completion_tokens."},
-    "stream": {"type": "boolean", "default": False},
-    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}},
-                       "description": "Only with stream=true: a last chunk carries usage."},
-    "user": {"type": "string", "description": "End-user id (session affinity)."},
-    "prompt_cache_key": {"type": "string",
-                         "description": "Affinity hint: requests with the same key go to the "
-                                        "same engine instance while it is healthy."},
-    "service_tier": {"type": "string", "enum": ["auto", "default", "flex"],
-                     "description": "'flex' runs the request in the batch tier."},
-    "n": {"type": "integer", "enum": [1]},
-    "temperature": {"type": "number"}, "top_p": {"type": "number"},
-    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
-    "seed": {"type": "integer"}}}
+_REQUEST = {
+    "type": "object",
+    "required": ["model", "messages"],
+    "properties": {
+        "model": {"type": "string", "description": "A model listed by GET /v1/models."},
+        "messages": {
+            "type": "array",
+            "minItems": 1,
+            "items": {"$ref": "#/components/schemas/Message"},
+        },
+        "max_completion_tokens": {
+            "type": "integer",
+            "minimum": 1,
+            "description": "Output budget; default: 4096 or the context left.",
+        },
+        "max_tokens": {
+            "type": "integer",
+            "minimum": 1,
+            "deprecated": True,
+            "description": "Older name of max_completion_tokens.",
+        },
+        "stream": {"type": "boolean", "default": False},
+        "stream_options": {
+            "type": "object",
+            "properties": {"include_usage": {"type": "boolean"}},
+            "description": "Only with stream=true: a last chunk carries usage.",
+        },
+        "user": {"type": "string", "description": "End-user id (session affinity)."},
+        "prompt_cache_key": {
+            "type": "string",
+            "description": "Affinity hint: requests with the same key go to the "
+            "same engine instance while it is healthy.",
+        },
+        "service_tier": {
+            "type": "string",
+            "enum": ["auto", "default", "flex"],
+            "description": "'flex' runs the request in the batch tier.",
+        },
+        "n": {"type": "integer", "enum": [1]},
+        "temperature": {"type": "number"},
+        "top_p": {"type": "number"},
+        "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+        "seed": {"type": "integer"},
+    },
+}
 
-_COMPLETION = {"type": "object", "properties": {
-    "id": {"type": "string"}, "object": {"const": "chat.completion"},
-    "created": {"type": "integer"}, "model": {"type": "string"},
-    "choices": {"type": "array", "items": {"type": "object", "properties": {
-        "index": {"type": "integer"},
-        "message": {"type": "object", "properties": {"role": {"const": "assistant"},
-                                                     "content": {"type": "string"}}},
-        "finish_reason": {"type": "string", "enum": ["stop", "length", "abort"]}}}},
-    "usage": {"$ref": "#/components/schemas/Usage"}}}
+_COMPLETION = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"const": "chat.completion"},
+        "created": {"type": "integer"},
+        "model": {"type": "string"},
+        "choices": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "index": {"type": "integer"},
+                    "message": {
+                        "type": "object",
+                        "properties": {
+                            "role": {"const": "assistant"},
+                            "content": {"type": "string"},
+                        },
+                    },
+                    "finish_reason": {"type": "string", "enum": ["stop", "length", "abort"]},
+                },
+            },
+        },
+        "usage": {"$ref": "#/components/schemas/Usage"},
+    },
+}
 
 
 def _err(desc: str, retry: bool = False) -> dict[str, Any]:
-    out: dict[str, Any] = {"description": desc, "content": {"application/json": {
-        "schema": {"$ref": "#/components/schemas/Error"}}}}
+    out: dict[str, Any] = {
+        "description": desc,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+    }
     if retry:
-        out["headers"] = {"Retry-After": {"schema": {"type": "integer", "minimum": 1,
-                                                     "maximum": 120},
-                                          "description": "Seconds to wait (<= 120)."}}
+        out["headers"] = {
+            "Retry-After": {
+                "schema": {"type": "integer", "minimum": 1, "maximum": 120},
+                "description": "Seconds to wait (<= 120).",
+            }
+        }
     return out
 
 
 def document() -> dict[str, Any]:
-    auth = [{"bearer": []}]
+    auth: list[dict[str, list[str]]] = [{"bearer": []}]
     return {
         "openapi": "3.1.0",
-        "info": {"title": "TokenFleet API", "version": __version__,
-                 "description": "OpenAI-compatible chat completions scheduled across a "
-                                "fleet of inference engines for goodput."},
+        "info": {
+            "title": "TokenFleet API",
+            "version": __version__,
+            "description": "OpenAI-compatible chat completions scheduled across a "
+            "fleet of inference engines for goodput.",
+        },
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-            "schemas": {"Error": _ERROR, "Usage": _USAGE, "Message": _MESSAGE,
-                        "ChatCompletionRequest": _REQUEST, "ChatCompletion": _COMPLETION}},
+            "schemas": {
+                "Error": _ERROR,
+                "Usage": _USAGE,
+                "Message": _MESSAGE,
+                "ChatCompletionRequest": _REQUEST,
+                "ChatCompletion": _COMPLETION,
+            },
+        },
         "paths": {
-            "/v1/chat/completions": {"post": {
-                "summary": "Create a chat completion (JSON, or SSE when stream=true).",
-                "security": auth,
-                "parameters": [{"name": "X-TokenFleet-Tier", "in": "header", "required": False,
-                                "schema": {"type": "string",
-                                           "enum": ["interactive", "long_context", "batch"]},
-                                "description": "Force the request's tier."}],
-                "requestBody": {"required": True, "content": {"application/json": {
-                    "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}}},
-                "responses": {
-                    "200": {"description": "The completion. With stream=true: text/event-stream "
-                                           "of chat.completion.chunk objects, a usage chunk "
-                                           "if asked, then 'data: [DONE]'; an error after the "
-                                           "stream started is sent as an 'error' event.",
-                            "content": {"application/json": {"schema": {
-                                "$ref": "#/components/schemas/ChatCompletion"}},
-                                "text/event-stream": {"schema": {"type": "string"}}}},
-                    "400": _err("Malformed JSON, missing/invalid field, prompt too long."),
-                    "401": _err("Missing or invalid API key."),
-                    "404": _err("Unknown model."),
-                    "429": _err("Admission rejected the request (at capacity).", True),
-                    "502": _err("All attempts failed on the engines."),
-                    "503": _err("No capacity or a backing store is down.", True),
-                    "504": _err("The request did not finish in time.")}}},
-            "/v1/models": {"get": {"summary": "Models served by live instances.",
-                                   "security": auth,
-                                   "responses": {"200": {"description": "Model list."},
-                                                 "401": _err("Missing or invalid API key.")}}},
-            "/v1/models/{model}": {"get": {
-                "summary": "One model.", "security": auth,
-                "parameters": [{"name": "model", "in": "path", "required": True,
-                                "schema": {"type": "string"}}],
-                "responses": {"200": {"description": "The model."},
-                              "404": _err("Unknown model.")}}},
-            "/health": {"get": {"summary": "Liveness: Redis and healthy instances.",
-                                "responses": {"200": {"description": "Serving."},
-                                              "503": _err("Not serving.", True)}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics.",
-                                 "responses": {"200": {"description": "Text exposition."}}}},
-            "/openapi.json": {"get": {"summary": "This document.",
-                                      "responses": {"200": {"description": "OpenAPI 3.1."}}}},
+            "/v1/chat/completions": {
+                "post": {
+                    "summary": "Create a chat completion (JSON, or SSE when stream=true).",
+                    "security": auth,
+                    "parameters": [
+                        {
+                            "name": "X-TokenFleet-Tier",
+                            "in": "header",
+                            "required": False,
+                            "schema": {
+                                "type": "string",
+                                "enum": ["interactive", "long_context", "batch"],
+                            },
+                            "description": "Force the request's tier.",
+                        }
+                    ],
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {
+                                "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}
+                            }
+                        },
+                    },
+                    "responses": {
+                        "200": {
+                            "description": "The completion. With stream=true: text/event-stream "
+                            "of chat.completion.chunk objects, a usage chunk "
+                            "if asked, then 'data: [DONE]'; an error after the "
+                            "stream started is sent as an 'error' event.",
+                            "content": {
+                                "application/json": {
+                                    "schema": {"$ref": "#/components/schemas/ChatCompletion"}
+                                },
+                                "text/event-stream": {"schema": {"type": "string"}},
+                            },
+                        },
+                        "400": _err("Malformed JSON, missing/invalid field, prompt too long."),
+                        "401": _err("Missing or invalid API key."),
+                        "404": _err("Unknown model."),
+                        "429": _err("Admission rejected the request (at capacity).", True),
+                        "502": _err("All attempts failed on the engines."),
+                        "503": _err("No capacity or a backing store is down.", True),
+                        "504": _err("The request did not finish in time."),
+                    },
+                }
+            },
+            "/v1/models": {
+                "get": {
+                    "summary": "Models served by live instances.",
+                    "security": auth,
+                    "responses": {
+                        "200": {"description": "Model list."},
+                        "401": _err("Missing or invalid API key."),
+                    },
+                }
+            },
+            "/v1/models/{model}": {
+                "get": {
+                    "summary": "One model.",
+                    "security": auth,
+                    "parameters": [
+                        {
+                            "name": "model",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string"},
+                        }
+                    ],
+                    "responses": {
+                        "200": {"description": "The model."},
+                        "404": _err("Unknown model."),
+                    },
+                }
+            },
+            "/health": {
+                "get": {
+                    "summary": "Liveness: Redis and healthy instances.",
+                    "responses": {
+                        "200": {"description": "Serving."},
+                        "503": _err("Not serving.", True),
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics.",
+                    "responses": {"200": {"description": "Text exposition."}},
+                }
+            },
+            "/openapi.json": {
+                "get": {
+                    "summary": "This document.",
+                    "responses": {"200": {"description": "OpenAPI 3.1."}},
+                }
+            },
         },
     }

@@ -5,7 +5,7 @@ Why not werkzeug's development server: it answers every request with
 the next request line), so each request pays a TCP handshake and a new
 thread, and every per-thread cache (Celery's producer and backend, redis-py
 connections) starts cold. Measured on the live path at 50 req/s
-(``python -m tokenfleet.live.overhead``): time to first token through the API
+(``python benchmarks/live_overhead.py``): time to first token through the API
 fell by about 1.5 ms with cheroot (docs/live.md). Why not waitress: it
 writes responses from its I/O thread, one more hand-off per streamed chunk,
 which cost more than keep-alive saved (docs/live.md).
@@ -87,8 +87,7 @@ class _LingeringServer(_CherootServer):
 
     def _may_linger(self) -> bool:
         pool = self.requests
-        return (self.ready and pool.qsize == 0
-                and pool.idle * 4 >= max(1, len(pool._threads)))
+        return self.ready and pool.qsize == 0 and pool.idle * 4 >= max(1, len(pool._threads))
 
     def put_conn(self, conn: Any) -> None:
         # runs on the pool thread, in cheroot's ``finally``: nothing may escape
@@ -114,7 +113,7 @@ class _LingeringServer(_CherootServer):
                 conn.close()
                 return
             super().put_conn(conn)
-        except Exception:  # noqa: BLE001 - a broken connection: drop it, keep the thread
+        except Exception:
             log.debug("lingering connection dropped", exc_info=True)
             conn.close()
 
@@ -122,11 +121,22 @@ class _LingeringServer(_CherootServer):
 class ApiServer:
     """``serve_forever()`` in one thread, ``shutdown()`` from another."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0,
-                 threads: int = 128, linger_s: float = LINGER_S) -> None:
-        self._server = _LingeringServer((host, port), app, numthreads=max(1, threads),
-                                        request_queue_size=256, timeout=KEEPALIVE_S,
-                                        shutdown_timeout=2)
+    def __init__(
+        self,
+        app: Any,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        threads: int = 128,
+        linger_s: float = LINGER_S,
+    ) -> None:
+        self._server = _LingeringServer(
+            (host, port),
+            app,
+            numthreads=max(1, threads),
+            request_queue_size=256,
+            timeout=KEEPALIVE_S,
+            shutdown_timeout=2,
+        )
         self._server.linger_s = linger_s
         self._server.gateway = _OneWriteGateway
         # bind now, so a taken port fails here and port 0 resolves at once

@@ -19,7 +19,7 @@ Settings and why (Celery 5.6 docs):
   queued+running time of any request ("Backends and Brokers > Redis >
   Visibility timeout"); we use ``LiveConfig.visibility_timeout_s`` (2 h,
   above the batch tier's 1 h deadline). Faster recovery from a dead worker
-  does not wait for it: the API re-sends the request (see web.gateway).
+  does not wait for it: the API re-sends the request (see tokenfleet.live.gateway.watch).
 * ``queue_order_strategy = "priority"`` (kombu Redis transport): a worker
   polls its queues in the order given (interactive, long_context, batch)
   instead of round-robin, so a free slot always takes the highest tier
@@ -56,10 +56,6 @@ from celery import Celery
 
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.redis_transport import TRANSPORT_PATH
-
-TASK_CHAT = "tokenfleet.chat"
-TASK_CONTROL = "tokenfleet.control_tick"
-TASK_FLEET = "tokenfleet.fleet_cycle"
 
 
 def celery_settings(broker_url: str, live: LiveConfig) -> dict[str, Any]:
@@ -102,8 +98,9 @@ def celery_settings(broker_url: str, live: LiveConfig) -> dict[str, Any]:
     }
 
 
-def create_celery(broker_url: str, live: LiveConfig | None = None,
-                  name: str = "tokenfleet") -> Celery:
+def create_celery(
+    broker_url: str, live: LiveConfig | None = None, name: str = "tokenfleet"
+) -> Celery:
     """A configured Celery app; the API uses one only to publish."""
     app = Celery(name, set_as_current=False)
     app.conf.update(celery_settings(broker_url, live or LiveConfig.load()))
@@ -111,8 +108,11 @@ def create_celery(broker_url: str, live: LiveConfig | None = None,
 
 
 def _default_broker() -> str:
-    return (os.environ.get("TOKENFLEET_BROKER_URL") or os.environ.get("TOKENFLEET_REDIS_URL")
-            or "redis://127.0.0.1:6379/0")
+    return (
+        os.environ.get("TOKENFLEET_BROKER_URL")
+        or os.environ.get("TOKENFLEET_REDIS_URL")
+        or "redis://127.0.0.1:6379/0"
+    )
 
 
 #: the worker/beat app; ``tokenfleet worker`` re-points it at the real broker

@@ -19,8 +19,15 @@ from tokenfleet.live.state import LiveState
 log = logging.getLogger("tokenfleet.beat")
 
 
-def run_beat(*, redis_url: str, broker_url: str, database_url: str | None, data_dir: Any,
-             live: LiveConfig | None = None, loglevel: str = "INFO") -> int:
+def run_beat(
+    *,
+    redis_url: str,
+    broker_url: str,
+    database_url: str | None,
+    data_dir: Any,
+    live: LiveConfig | None = None,
+    loglevel: str = "INFO",
+) -> int:
     from workers import control
     from workers.app import app, celery_settings
 
@@ -39,19 +46,30 @@ def run_beat(*, redis_url: str, broker_url: str, database_url: str | None, data_
     app.conf.beat_schedule_filename = str(sched)
     app.conf.beat_max_loop_interval = min(5.0, live.control_period_s)
     warnings.filterwarnings("ignore", message="You're running the worker with superuser")
-    log.info("beat: SLOMax control every %.1fs, FleetMind cycle every %.0fs",
-             live.control_period_s, live.fleet_period_s)
+    log.info(
+        "beat: SLOMax control every %.1fs, FleetMind cycle every %.0fs",
+        live.control_period_s,
+        live.fleet_period_s,
+    )
     from celery.beat import EmbeddedService
 
     # beat as a thread of this process (Celery's embedded beat would fork a child)
-    scheduler = EmbeddedService(app, thread=True, schedule_filename=str(sched),
-                                max_interval=app.conf.beat_max_loop_interval)
+    scheduler = EmbeddedService(
+        app, thread=True, schedule_filename=str(sched), max_interval=app.conf.beat_max_loop_interval
+    )
     scheduler.start()
     try:
-        worker = app.Worker(hostname="beat@tokenfleet", pool_cls="threads", concurrency=2,
-                            queues=[CONTROL_QUEUE], loglevel=loglevel,
-                            without_mingle=True, without_gossip=True, without_heartbeat=True,
-                            quiet=True)
+        worker = app.Worker(
+            hostname="beat@tokenfleet",
+            pool_cls="threads",
+            concurrency=2,
+            queues=[CONTROL_QUEUE],
+            loglevel=loglevel,
+            without_mingle=True,
+            without_gossip=True,
+            without_heartbeat=True,
+            quiet=True,
+        )
         worker.start()
         return int(getattr(worker, "exitcode", 0) or 0)
     finally:

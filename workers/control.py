@@ -25,7 +25,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from tokenfleet.core.types import TIERS
@@ -48,7 +48,7 @@ class ControlContext:
     def topology(self) -> Any:
         """The topology file's Topology (None without one); read once per beat."""
         if self._topology is None and self.live.topology:
-            from tokenfleet.live.fleet import load_topology
+            from tokenfleet.live.dc_select import load_topology
 
             self._topology = load_topology(self.live.topology)
         return self._topology
@@ -69,8 +69,10 @@ def _window(ctx: ControlContext, now: float) -> tuple[Any, dict[str, int], float
     st = ctx.state
     counters = st.counters()
     raw = st.r.get(st.k("control", "prev"))
-    prev = json.loads(raw) if raw else {"at": now - ctx.live.control_period_s, "c": {}}
-    pc: dict[str, int] = prev["c"]
+    prev: dict[str, Any] = (
+        json.loads(raw) if raw else {"at": now - ctx.live.control_period_s, "c": {}}
+    )
+    pc: dict[str, int] = dict(prev["c"])
     period = max(1e-3, now - float(prev["at"]))
 
     def delta(name: str) -> int:
@@ -116,31 +118,47 @@ def control_tick() -> dict[str, Any]:
         pipe.execute()
     ledger = _ledger_goodput(ctx, now - period, now, "tier")
     summary = {t: (w.met, w.finished) for t, w in win.tiers.items() if w.finished or w.arrivals}
-    log.info("SLOMax tick: %s | window %.1fs met/finished %s | ledger goodput %s",
-             ctrl.last_reason, period, summary, ledger)
+    log.info(
+        "SLOMax tick: %s | window %.1fs met/finished %s | ledger goodput %s",
+        ctrl.last_reason,
+        period,
+        summary,
+        ledger,
+    )
     _record_shares(ctx, shares, knobs.as_dict(), ctrl.last_reason)
     return {"knobs": knobs.as_dict(), "reason": ctrl.last_reason, "window": summary}
 
 
-def _ledger_goodput(ctx: ControlContext, since: float, until: float,
-                    group_by: str) -> dict[str, Any]:
+def _ledger_goodput(
+    ctx: ControlContext, since: float, until: float, group_by: str
+) -> dict[str, Any]:
     if ctx.db_engine is None:
         return {}
     from tokenfleet.service.queries import goodput
 
     try:
-        rows = goodput(ctx.db_engine, since=datetime.fromtimestamp(since, timezone.utc),
-                       until=datetime.fromtimestamp(until, timezone.utc),
-                       group_by=group_by)  # type: ignore[arg-type]
+        rows = goodput(
+            ctx.db_engine,
+            since=datetime.fromtimestamp(since, UTC),
+            until=datetime.fromtimestamp(until, UTC),
+            group_by=group_by,
+        )
     except Exception as exc:  # noqa: BLE001 - the database may blip; control goes on
         log.warning("ledger unavailable for the control loop: %s", exc.__class__.__name__)
         return {}
-    return {str(r.key): {"goodput_rps": round(r.goodput_rps, 3),
-                         "attainment": r.attainment, "total": r.total} for r in rows}
+    return {
+        str(r.key): {
+            "goodput_rps": round(r.goodput_rps, 3),
+            "attainment": r.attainment,
+            "total": r.total,
+        }
+        for r in rows
+    }
 
 
-def _record_shares(ctx: ControlContext, shares: dict[str, float], knobs: dict[str, float],
-                   reason: str) -> None:
+def _record_shares(
+    ctx: ControlContext, shares: dict[str, float], knobs: dict[str, float], reason: str
+) -> None:
     if ctx.db_engine is None:
         return
     from tokenfleet.service.db import session_scope
@@ -167,7 +185,7 @@ def fleet_cycle() -> dict[str, Any]:
     keys). Plans and rollbacks also go to the ``fleet_events`` table.
     """
     from tokenfleet.core.fleet import Plan, Planner
-    from tokenfleet.live.fleet import LivePool, planner_input
+    from tokenfleet.live.dc_select import LivePool, planner_input
 
     ctx = _ctx()
     st = ctx.state
@@ -185,14 +203,21 @@ def fleet_cycle() -> dict[str, Any]:
             groups.setdefault((dc, model, version), [])
     pools = []
     for (dc, model, version), members in sorted(groups.items()):
-        prof_name = members[0].profile if members else fleet.get(
-            f"profile:{dc}|{model}|{version}", "")
+        prof_name = (
+            members[0].profile if members else fleet.get(f"profile:{dc}|{model}|{version}", "")
+        )
         if not prof_name:
             continue
-        pools.append(LivePool(dc, model, version, st.profile(prof_name),
-                              ready=sum(1 for m in members if m.is_healthy(
-                                  now, ctx.live.stale_after_s)),
-                              warming=int(fleet.get(f"warming:{dc}|{model}|{version}", 0))))
+        pools.append(
+            LivePool(
+                dc,
+                model,
+                version,
+                st.profile(prof_name),
+                ready=sum(1 for m in members if m.is_healthy(now, ctx.live.stale_after_s)),
+                warming=int(fleet.get(f"warming:{dc}|{model}|{version}", 0)),
+            )
+        )
     work = _ledger_work(ctx, now - period, now)
     counters = st.counters()
     prev_raw = st.r.get(st.k("fleet", "prev"))
@@ -202,28 +227,45 @@ def fleet_cycle() -> dict[str, Any]:
         if name.startswith("spilled_in:"):
             dc = name.partition(":")[2]
             spilled[dc] = max(0, v - int(prev.get(name, 0)))
-    st.r.set(st.k("fleet", "prev"), json.dumps({k: v for k, v in counters.items()
-                                                if k.startswith("spilled_in:")}))
+    st.r.set(
+        st.k("fleet", "prev"),
+        json.dumps({k: v for k, v in counters.items() if k.startswith("spilled_in:")}),
+    )
     inp = planner_input(now, period, pools, work, spilled, topo)
     if ctx.planner is None:
-        initial = Plan(plan_id=0, at_s=now, replicas={(p.dc, p.model, p.version): p.replicas
-                                                      for p in inp.pools},
-                       spill_share={dc: 1.0 for dc in inp.dcs}, reason="as deployed")
+        initial = Plan(
+            plan_id=0,
+            at_s=now,
+            replicas={(p.dc, p.model, p.version): p.replicas for p in inp.pools},
+            spill_share={dc: 1.0 for dc in inp.dcs},
+            reason="as deployed",
+        )
         ctx.planner = Planner(initial=initial, rtt_s=_rtt_of(topo))
     plan, rollbacks = ctx.planner.step(inp)
     mapping: dict[str, Any] = {f"spill_share:{dc}": v for dc, v in plan.spill_share.items()}
-    mapping.update({f"target:{dc}|{model}|{version}": n
-                    for (dc, model, version), n in plan.replicas.items()})
+    mapping.update(
+        {f"target:{dc}|{model}|{version}": n for (dc, model, version), n in plan.replicas.items()}
+    )
     mapping.update({f"profile:{p.dc}|{p.model}|{p.version}": p.profile.name for p in pools})
     mapping.update({"plan_id": plan.plan_id, "at": now})
     st.r.hset(st.k("fleet"), mapping=mapping)
     st.count(fleet_cycles=1, fleet_rollbacks=len(rollbacks))
-    actions = [f"{a.kind} {a.dc} {a.model} x{a.count} ({a.reason})" if a.kind != "spill_share"
-               else f"spill_share {a.dc} -> {a.value:.2f} ({a.reason})" for a in plan.actions]
+    actions = [
+        f"{a.kind} {a.dc} {a.model} x{a.count} ({a.reason})"
+        if a.kind != "spill_share"
+        else f"spill_share {a.dc} -> {a.value:.2f} ({a.reason})"
+        for a in plan.actions
+    ]
     loads = {f"{p.dc}/{p.model}": round(p.demand_work_s, 3) for p in inp.pools}
-    log.info("FleetMind cycle: plan %d (%s%s), %d rollbacks, demand work-s/s %s, actions: %s",
-             plan.plan_id, plan.kind, ", new" if plan.plan_id != ctx.last_plan_id else "",
-             len(rollbacks), loads, actions or "none")
+    log.info(
+        "FleetMind cycle: plan %d (%s%s), %d rollbacks, demand work-s/s %s, actions: %s",
+        plan.plan_id,
+        plan.kind,
+        ", new" if plan.plan_id != ctx.last_plan_id else "",
+        len(rollbacks),
+        loads,
+        actions or "none",
+    )
     new_plan = plan.plan_id != ctx.last_plan_id
     ctx.last_plan_id = plan.plan_id
     if ctx.db_engine is not None and new_plan and (plan.actions or rollbacks):
@@ -232,11 +274,16 @@ def fleet_cycle() -> dict[str, Any]:
             from tokenfleet.service.queries import append_fleet_event
 
             with session_scope(ctx.db_engine) as session:
-                append_fleet_event(session, "rollback" if rollbacks else "plan",
-                                   {"plan_id": plan.plan_id, "actions": actions,
-                                    "spill_share": dict(plan.spill_share),
-                                    "replicas": {"|".join(k): v
-                                                 for k, v in plan.replicas.items()}})
+                append_fleet_event(
+                    session,
+                    "rollback" if rollbacks else "plan",
+                    {
+                        "plan_id": plan.plan_id,
+                        "actions": actions,
+                        "spill_share": dict(plan.spill_share),
+                        "replicas": {"|".join(k): v for k, v in plan.replicas.items()},
+                    },
+                )
         except Exception as exc:  # noqa: BLE001
             log.warning("fleet event not recorded: %s", exc.__class__.__name__)
     return {"plan_id": plan.plan_id, "rollbacks": len(rollbacks), "actions": actions}
@@ -248,8 +295,11 @@ def _ledger_work(ctx: ControlContext, since: float, until: float) -> list[Any]:
     from tokenfleet.service.queries import pool_work
 
     try:
-        return pool_work(ctx.db_engine, since=datetime.fromtimestamp(since, timezone.utc),
-                         until=datetime.fromtimestamp(until, timezone.utc))
+        return pool_work(
+            ctx.db_engine,
+            since=datetime.fromtimestamp(since, UTC),
+            until=datetime.fromtimestamp(until, UTC),
+        )
     except Exception as exc:  # noqa: BLE001 - the database may blip; plan without it
         log.warning("ledger unavailable for the fleet cycle: %s", exc.__class__.__name__)
         return []
@@ -269,14 +319,23 @@ def _rtt_of(topo: Any) -> Any:
 
 
 def beat_schedule(live: LiveConfig) -> dict[str, Any]:
+    from tokenfleet.live.jobs import TASK_CONTROL, TASK_FLEET
     from tokenfleet.live.queues import CONTROL_QUEUE
-    from workers.app import TASK_CONTROL, TASK_FLEET
 
-    opts = {"queue": CONTROL_QUEUE, "routing_key": CONTROL_QUEUE,
-            "expires": max(1.0, live.control_period_s)}
+    opts = {
+        "queue": CONTROL_QUEUE,
+        "routing_key": CONTROL_QUEUE,
+        "expires": max(1.0, live.control_period_s),
+    }
     return {
-        "slomax-control": {"task": TASK_CONTROL, "schedule": timedelta(
-            seconds=live.control_period_s), "options": opts},
-        "fleetmind-cycle": {"task": TASK_FLEET, "schedule": timedelta(
-            seconds=live.fleet_period_s), "options": {**opts, "expires": live.fleet_period_s}},
+        "slomax-control": {
+            "task": TASK_CONTROL,
+            "schedule": timedelta(seconds=live.control_period_s),
+            "options": opts,
+        },
+        "fleetmind-cycle": {
+            "task": TASK_FLEET,
+            "schedule": timedelta(seconds=live.fleet_period_s),
+            "options": {**opts, "expires": live.fleet_period_s},
+        },
     }

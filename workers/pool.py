@@ -22,7 +22,8 @@ acknowledgement, so the next message is fetched at once.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from celery.concurrency.thread import TaskPool
 
@@ -38,13 +39,19 @@ class WakingThreadPool(TaskPool):
         self.hub = loop
         super().register_with_event_loop(loop)
 
-    def on_apply(self, target: Callable[..., Any], args: Any = None, kwargs: Any = None,
-                 callback: Callable[..., Any] | None = None,
-                 accept_callback: Callable[..., Any] | None = None, **options: Any) -> Any:
+    def on_apply(
+        self,
+        target: Callable[..., Any],
+        args: Any = None,
+        kwargs: Any = None,
+        callback: Callable[..., Any] | None = None,
+        accept_callback: Callable[..., Any] | None = None,
+        **options: Any,
+    ) -> Any:
         if callback is not None:
             inner = callback
 
-            def callback(*a: Any, **kw: Any) -> Any:  # noqa: F811
+            def callback(*a: Any, **kw: Any) -> Any:
                 try:
                     return inner(*a, **kw)
                 finally:

@@ -24,8 +24,9 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from tokenfleet.core.tiers import SLOConfig
 from tokenfleet.live.config import LiveConfig
@@ -41,7 +42,7 @@ DEFAULT_SHARES = {"interactive": 1.0, "long_context": 1.0, "batch": 0.5}
 
 
 @dataclass(slots=True)
-class Flight:
+class RequestInFlight:
     """One request this worker is running."""
 
     request_id: str
@@ -54,10 +55,18 @@ class Flight:
 
 
 class WorkerRuntime:
-    def __init__(self, live: LiveConfig, state: LiveState, info: InstanceInfo, *,
-                 ledger: Any = None, slo: SLOConfig | None = None, pool_mode: bool = False,
-                 kv_events_endpoint: str | None = None,
-                 send_task: Callable[..., Any] | None = None) -> None:
+    def __init__(
+        self,
+        live: LiveConfig,
+        state: LiveState,
+        info: InstanceInfo,
+        *,
+        ledger: Any = None,
+        slo: SLOConfig | None = None,
+        pool_mode: bool = False,
+        kv_events_endpoint: str | None = None,
+        send_task: Callable[..., Any] | None = None,
+    ) -> None:
         self.live = live
         self.state = state
         self.info = info
@@ -78,7 +87,7 @@ class WorkerRuntime:
         self.engine_unhealthy_reason = ""
         self.consecutive_failures = 0
         self.unhealthy_until = 0.0
-        self._flights: dict[str, Flight] = {}
+        self._flights: dict[str, RequestInFlight] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -100,8 +109,11 @@ class WorkerRuntime:
     def start(self) -> None:
         self.state.register_instance(self.info)
         self.scrape_once()
-        for target, name in ((self._scrape_loop, "scraper"), (self._watchdog_loop, "watchdog"),
-                             (self._gate_loop, "tier-gate")):
+        for target, name in (
+            (self._scrape_loop, "scraper"),
+            (self._watchdog_loop, "watchdog"),
+            (self._gate_loop, "tier-gate"),
+        ):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
@@ -127,7 +139,7 @@ class WorkerRuntime:
         self._consumer = consumer
 
     # -- flights --------------------------------------------------------------------
-    def add_flight(self, flight: Flight, task_id: str | None = None) -> None:
+    def add_flight(self, flight: RequestInFlight, task_id: str | None = None) -> None:
         """``task_id``'s reservation becomes this flight in one step: between the
         two the tier gate would see a free slot and let one more message in."""
         with self._lock:
@@ -141,7 +153,7 @@ class WorkerRuntime:
             self._flights.pop(rid, None)
         self.gate_kick.set()
 
-    def flights(self) -> list[Flight]:
+    def flights(self) -> list[RequestInFlight]:
         with self._lock:
             return list(self._flights.values())
 
@@ -186,8 +198,9 @@ class WorkerRuntime:
         with self._lock:
             flights = list(self._flights.values())
             reserved = [self.reserved_prefill.get(t) for t in self.reserved]
-        return (sum(f.prefill_tokens for f in flights if not f.first_token)
-                + sum(budget if n is None else n for n in reserved))
+        return sum(f.prefill_tokens for f in flights if not f.first_token) + sum(
+            budget if n is None else n for n in reserved
+        )
 
     def pool_open(self) -> bool:
         return self.pending_prefill_tokens() < self.live.pool_prefill_budget_tokens
@@ -199,7 +212,7 @@ class WorkerRuntime:
             for q in [q.name for q in c.task_consumer.queues]:
                 if pred(q):
                     c.cancel_task_queue(q)
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.debug("could not pause queues (%s)", why, exc_info=True)
 
     def started(self, task_id: str) -> float | None:
@@ -227,13 +240,18 @@ class WorkerRuntime:
         self.consecutive_failures += 1
         if self.consecutive_failures >= self.live.engine_fail_threshold:
             self.unhealthy_until = time.time() + self.live.engine_unhealthy_s
-            log.warning("instance %s marked unhealthy for %.1fs: %s", self.info.instance_id,
-                        self.live.engine_unhealthy_s, reason)
+            log.warning(
+                "instance %s marked unhealthy for %.1fs: %s",
+                self.info.instance_id,
+                self.live.engine_unhealthy_s,
+                reason,
+            )
             try:
-                self.state.mark_unhealthy(self.info.instance_id, self.live.engine_unhealthy_s,
-                                          reason)
+                self.state.mark_unhealthy(
+                    self.info.instance_id, self.live.engine_unhealthy_s, reason
+                )
                 self.state.count(instances_marked_unhealthy=1)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("could not mark instance unhealthy in Redis")
 
     def note_engine_success(self) -> None:
@@ -250,8 +268,9 @@ class WorkerRuntime:
         elif not was and res.metrics.healthy:
             log.info("engine %s healthy again", self.info.url)
         try:
-            self.state.publish_snapshot(self.info.instance_id, res.metrics,
-                                        self.running_by_tier(), info=self.info)
+            self.state.publish_snapshot(
+                self.info.instance_id, res.metrics, self.running_by_tier(), info=self.info
+            )
         except Exception as exc:  # noqa: BLE001 - Redis blip: next round retries
             log.debug("snapshot not written: %r", exc)
 
@@ -319,8 +338,11 @@ class WorkerRuntime:
         out: list[str] = []
         higher_waiting = False
         for tier in TIER_PRIORITY:
-            tier_qs = [q for q in self.queues if tier_of_queue(q) == tier
-                       and (pool_ok or not is_pool_queue(q))]
+            tier_qs = [
+                q
+                for q in self.queues
+                if tier_of_queue(q) == tier and (pool_ok or not is_pool_queue(q))
+            ]
             cap = max(1, math.ceil(shares.get(tier, 1.0) * slots))
             # A cap of all slots needs no gate (Celery's concurrency is the cap),
             # and not cancelling keeps the broker's poll on every queue.
@@ -340,8 +362,9 @@ class WorkerRuntime:
             queued: dict[str, int] = {}
             if not self.broker_orders_queues:
                 try:
-                    queued = (self.queue_depths(self.queues) if self.queue_depths
-                              else self.state.queued())
+                    queued = (
+                        self.queue_depths(self.queues) if self.queue_depths else self.state.queued()
+                    )
                 except Exception:  # noqa: BLE001
                     queued = {}
             try:
@@ -370,7 +393,7 @@ class WorkerRuntime:
                 c.cancel_task_queue(q)
             for q in want[n:]:
                 c.add_task_queue(q)
-        except Exception:  # noqa: BLE001 - a broker blip: the next gate round retries
+        except Exception:
             log.debug("tier gate not applied", exc_info=True)
 
     def _kv_loop(self) -> None:
@@ -379,9 +402,8 @@ class WorkerRuntime:
 
         assert self.kv_events_endpoint is not None
         try:
-            sub = KVEventSubscriber(self.kv_events_endpoint,
-                                    instance_id=self.info.instance_id)
-        except Exception:  # noqa: BLE001
+            sub = KVEventSubscriber(self.kv_events_endpoint, instance_id=self.info.instance_id)
+        except Exception:
             log.exception("cannot subscribe to KV events at %s", self.kv_events_endpoint)
             self.exact_kv_events = False
             return
@@ -404,6 +426,5 @@ RUNTIME: WorkerRuntime | None = None
 
 def runtime() -> WorkerRuntime:
     if RUNTIME is None:
-        raise RuntimeError("worker runtime not initialised; start workers with "
-                           "`tokenfleet worker`")
+        raise RuntimeError("worker runtime not initialised; start workers with `tokenfleet worker`")
     return RUNTIME

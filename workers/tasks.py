@@ -18,25 +18,33 @@ from typing import Any
 from celery.signals import task_received
 
 from tokenfleet.core.tiers import meets_slo
-from tokenfleet.core.types import KVEvent, RequestInfo
-from tokenfleet.emulator.tokenizer import chat_block_hashes
+from tokenfleet.core.types import KVEvent
 from tokenfleet.live.engine_client import EngineCall, EngineError, send_abort
-from tokenfleet.live.queues import PREFILL_HEADER, affinity_queue, pool_queue, prefill_header
+from tokenfleet.live.jobs import (
+    PREFILL_HEADER,
+    TASK_CHAT,
+    TASK_CONTROL,
+    TASK_FLEET,
+    ChatJob,
+    send_chat_job,
+)
+from tokenfleet.live.queues import pool_queue
 from tokenfleet.live.relay import RelayWriter
-from tokenfleet.live.state import LiveState
-from workers.app import TASK_CHAT, TASK_CONTROL, TASK_FLEET, app
-from workers.runtime import Flight, WorkerRuntime, runtime
+from tokenfleet.live.resend import pick_resend_target
+from tokenfleet.service.writer import RequestRecord
+from tokenfleet.tokenizer import chat_block_hashes
+from workers.app import app
+from workers.runtime import RequestInFlight, WorkerRuntime, runtime
 
 log = logging.getLogger("tokenfleet.worker")
 
 
-@app.task(name=TASK_CHAT, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
-          bind=True)
-def chat(self: Any, job: dict[str, Any]) -> str:
+@app.task(name=TASK_CHAT, acks_late=True, reject_on_worker_lost=True, ignore_result=True, bind=True)
+def chat(self: Any, message: dict[str, Any]) -> str:
     rt = runtime()
     received = rt.started(self.request.id)
     try:
-        return run_job_guarded(rt, job, received_ts=received, task_id=self.request.id)
+        return run_job_guarded(rt, message, received_ts=received, task_id=self.request.id)
     finally:
         rt.task_done(self.request.id)
 
@@ -51,59 +59,66 @@ def _on_received(request: Any = None, **_: Any) -> None:
         info = getattr(request, "delivery_info", None) or {}
         headers = getattr(request, "request_dict", None) or {}
         prefill = headers.get(PREFILL_HEADER)
-        rt_mod.RUNTIME.on_received(request.id, str(info.get("routing_key") or ""),
-                                   int(prefill) if prefill is not None else None)
+        rt_mod.RUNTIME.on_received(
+            request.id,
+            str(info.get("routing_key") or ""),
+            int(prefill) if prefill is not None else None,
+        )
 
 
-def _info(job: dict[str, Any]) -> RequestInfo:
-    return RequestInfo(request_id=job["rid"], arrival_s=float(job["arrival_ts"]),
-                       input_tokens=int(job["input_tokens"]),
-                       max_tokens=int(job["max_tokens"]), tenant=job["tenant"],
-                       tier=job["tier"], model=job["model"])
+def _row(job: ChatJob, rt: WorkerRuntime, status: str, **cols: Any) -> RequestRecord:
+    """The ledger row of ``job`` run here (placement: this instance)."""
+    return job.ledger_row(status, **{"dc": rt.info.dc, "instance": rt.info.instance_id, **cols})
 
 
-def _row(job: dict[str, Any], rt: WorkerRuntime, status: str, **cols: Any) -> dict[str, Any]:
-    row = {"request_id": job["rid"], "tenant_id": job["tenant"], "tier": job["tier"],
-           "model": job["model"], "status": status, "arrival_ts": float(job["arrival_ts"]),
-           "admitted_ts": job.get("admitted_ts"), "dc": rt.info.dc,
-           "instance": rt.info.instance_id, "prompt_tokens": int(job["input_tokens"]),
-           "attempts": int(job["attempt"])}
-    row.update(cols)
-    return row
-
-
-def _record(rt: WorkerRuntime, row: dict[str, Any]) -> None:
+def _record(rt: WorkerRuntime, row: RequestRecord) -> None:
     if rt.ledger is None:
         return
     try:
         rt.ledger.record(row)
-    except Exception:  # noqa: BLE001 - a bad row must not fail the request
-        log.exception("ledger row for %s not recorded", row.get("request_id"))
+    except Exception:
+        log.exception("ledger row for %s not recorded", row.request_id)
 
 
-def _record_duplicate(rt: WorkerRuntime, job: dict[str, Any], why: str) -> str:
+def _record_duplicate(rt: WorkerRuntime, job: ChatJob, why: str) -> str:
     rt.state.count(duplicates=1)
-    log.info("duplicate delivery of %s attempt %s (%s): not run", job["rid"],
-             job["attempt"], why)
-    _record(rt, _row(job, rt, "duplicate", request_id=f"{job['rid']}:dup:{uuid.uuid4().hex[:8]}",
-                     finished_ts=time.time(), error=f"duplicate delivery ({why})"))
+    log.info("duplicate delivery of %s attempt %s (%s): not run", job.request_id, job.attempt, why)
+    _record(
+        rt,
+        _row(
+            job,
+            rt,
+            "duplicate",
+            request_id=f"{job.request_id}:dup:{uuid.uuid4().hex[:8]}",
+            finished_ts=time.time(),
+            error=f"duplicate delivery ({why})",
+        ),
+    )
     return "duplicate"
 
 
-def run_job(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = None,
-            task_id: str | None = None) -> str:
+def run_job(
+    rt: WorkerRuntime, job: ChatJob, received_ts: float | None = None, task_id: str | None = None
+) -> str:
     state = rt.state
-    rid = job["rid"]
-    attempt = int(job["attempt"])
-    info = _info(job)
-    accounted = job.get("accounted") == rt.info.instance_id
-    cached_est = int(job.get("expected_cached") or 0)
-    verdict = state.claim(rid, attempt, rt.worker_id, rt.live.lease_ttl_s,
-                          rt.info.instance_id, received_ts or time.time(), queue=job["queue"],
-                          dispatch=None if accounted else (info, cached_est))
+    rid = job.request_id
+    attempt = job.attempt
+    info = job.info()
+    accounted = job.accounted == rt.info.instance_id
+    cached_est = job.expected_cached
+    verdict = state.claim(
+        rid,
+        attempt,
+        rt.worker_id,
+        rt.live.lease_ttl_s,
+        rt.info.instance_id,
+        received_ts or time.time(),
+        queue=job.queue,
+        dispatch=None if accounted else (info, cached_est),
+    )
     relay = RelayWriter(state, rid, rt.live.stream_ttl_s, rt.info.instance_id)
     if verdict != "run":
-        state.queued_incr(job["queue"], -1)
+        state.queued_incr(job.queue, -1)
     if verdict in ("done", "busy", "stale", "missing"):
         return _record_duplicate(rt, job, verdict)
     if verdict == "cancelled":
@@ -116,10 +131,21 @@ def run_job(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = 
         # a partial answer we cannot continue, so end it cleanly.
         won, _ = state.finish(rid, "failed")
         if won:
-            relay.error("the worker serving this request was lost after streaming began; "
-                        "retry the request", 502, "server_error")
-            _record(rt, _row(job, rt, "failed", finished_ts=time.time(),
-                             error="worker lost after first token"))
+            relay.error(
+                "the worker serving this request was lost after streaming began; retry the request",
+                502,
+                "server_error",
+            )
+            _record(
+                rt,
+                _row(
+                    job,
+                    rt,
+                    "failed",
+                    finished_ts=time.time(),
+                    error="worker lost after first token",
+                ),
+            )
         return "failed"
 
     if not rt.is_engine_healthy() and attempt < rt.live.max_attempts:
@@ -128,8 +154,7 @@ def run_job(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = 
             state.account_finish(rt.info.instance_id, info, False, cached_est)
             return "retried"
 
-    flight = Flight(rid, job["tier"], attempt,
-                    prefill_tokens=max(0, int(job["input_tokens"]) - cached_est))
+    flight = RequestInFlight(rid, job.tier, attempt, prefill_tokens=job.prefill_tokens)
     rt.add_flight(flight, task_id)
     dispatched = time.time()
     first_ts: float | None = None
@@ -137,10 +162,14 @@ def run_job(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = 
     usage: dict[str, Any] | None = None
     finish_reason = "stop"
     engine_rid = f"{rid}-{attempt}"
-    call = EngineCall(rt.info.url, job["body"], engine_rid,
-                      connect_timeout_s=rt.live.engine_connect_timeout_s,
-                      stall_timeout_s=rt.live.engine_stall_timeout_s,
-                      headers=job.get("engine_headers") or None)
+    call = EngineCall(
+        rt.info.url,
+        job.body,
+        engine_rid,
+        connect_timeout_s=rt.live.engine_connect_timeout_s,
+        stall_timeout_s=rt.live.engine_stall_timeout_s,
+        headers=job.engine_headers or None,
+    )
     flight.call = call
     streamed = False
     try:
@@ -151,8 +180,11 @@ def run_job(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = 
                 first_ts = time.time()
                 flight.first_token = True
                 with state.batch() as b:
-                    b.xadd(relay.key, relay.delta_fields(piece.text, piece.tokens),
-                           ttl_s=rt.live.stream_ttl_s)
+                    b.xadd(
+                        relay.key,
+                        relay.delta_fields(piece.text, piece.tokens),
+                        ttl_s=rt.live.stream_ttl_s,
+                    )
                     b.first_token(rid)
                     b.account(rt.info.instance_id, "on_first_token", info, cached_est)
                 relay.mark_expiry_set()
@@ -186,113 +218,163 @@ def run_job(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = 
         finished = time.time()
         completion = int((usage or {}).get("completion_tokens", tokens))
         cached = int(((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0))
-        prompt = int((usage or {}).get("prompt_tokens", job["input_tokens"]))
+        prompt = int((usage or {}).get("prompt_tokens", job.input_tokens))
         if first_ts is None:  # zero-token answer: first token = end
             first_ts = finished
-        ttft = first_ts - float(job["arrival_ts"])
+        ttft = first_ts - job.arrival_ts
         tpot = (finished - first_ts) / (completion - 1) if completion > 1 else None
-        slo = rt.slo.slo_for(job["tier"])
+        slo = rt.slo.slo_for(job.tier)
         deadline_in = None
-        if job.get("deadline_ts"):
-            deadline_in = float(job["deadline_ts"]) - float(job["arrival_ts"])
-        ok = meets_slo(slo, status="completed", input_tokens=prompt, ttft_s=ttft, tpot_s=tpot,
-                       e2e_s=finished - float(job["arrival_ts"]), deadline_in_s=deadline_in)
+        if job.deadline_ts:
+            deadline_in = job.deadline_ts - job.arrival_ts
+        ok = meets_slo(
+            slo,
+            status="completed",
+            input_tokens=prompt,
+            ttft_s=ttft,
+            tpot_s=tpot,
+            e2e_s=finished - job.arrival_ts,
+            deadline_in_s=deadline_in,
+        )
         status = "completed" if ok else "slo_missed"
-        end = relay.end_fields(finish_reason, usage or {
-            "prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}})
+        end = relay.end_fields(
+            finish_reason,
+            usage
+            or {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached},
+            },
+        )
         # settle and append the end entry atomically: only the winner ends the stream
-        won, final = state.finish(rid, status, rt.worker_id, end_event=end,
-                                  stream_ttl_s=rt.live.stream_ttl_s)
+        won, final = state.finish(
+            rid, status, rt.worker_id, end_event=end, stream_ttl_s=rt.live.stream_ttl_s
+        )
     finally:
         # the instance's accounting and the winner's counters: one round trip,
         # after the end entry (the client's answer does not wait for them)
         with state.batch() as b:
-            b.account(rt.info.instance_id, "on_finish", info, cached_est,
-                      got_first_token=got_first_token)
+            b.account(
+                rt.info.instance_id, "on_finish", info, cached_est, got_first_token=got_first_token
+            )
             if won:
-                b.count(**{f"finished_{job['tier']}": 1, f"slo_met_{job['tier']}": int(ok),
-                           "completion_tokens": completion})
+                b.count(
+                    **{
+                        f"finished_{job.tier}": 1,
+                        f"slo_met_{job.tier}": int(ok),
+                        "completion_tokens": completion,
+                    }
+                )
     if not won:
         status = final or status
-    _record(rt, _row(job, rt, status, dispatched_ts=dispatched, first_token_ts=first_ts,
-                     finished_ts=finished, prompt_tokens=prompt, cached_tokens=cached,
-                     completion_tokens=completion))
+    _record(
+        rt,
+        _row(
+            job,
+            rt,
+            status,
+            dispatched_ts=dispatched,
+            first_token_ts=first_ts,
+            finished_ts=finished,
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            completion_tokens=completion,
+        ),
+    )
     return status
 
 
-def run_job_guarded(rt: WorkerRuntime, job: dict[str, Any], received_ts: float | None = None,
-                    task_id: str | None = None) -> str:
-    """:func:`run_job`, but an unexpected error (a bug, a malformed job) ends
-    the request with an error event at once: otherwise the client would wait
-    for its request timeout, since nothing else settles a request that no
-    worker holds a lease on."""
+def run_job_guarded(
+    rt: WorkerRuntime,
+    message: dict[str, Any],
+    received_ts: float | None = None,
+    task_id: str | None = None,
+) -> str:
+    """Decode the task's message and :func:`run_job` it; an unexpected error (a
+    bug, a malformed message) ends the request with an error event at once:
+    otherwise the client would wait for its request timeout, since nothing
+    else settles a request that no worker holds a lease on."""
+    job: ChatJob | None = None
     try:
+        job = ChatJob.from_message(message)
         return run_job(rt, job, received_ts=received_ts, task_id=task_id)
-    except Exception as exc:  # noqa: BLE001 - reported to the client and the log
-        rid = job.get("rid") if isinstance(job, dict) else None
-        log.exception("request %s attempt %s failed inside the worker", rid,
-                      job.get("attempt") if isinstance(job, dict) else None)
+    except Exception as exc:
+        msg = message if isinstance(message, dict) else {}
+        rid = msg.get("rid")
+        log.exception("request %s attempt %s failed inside the worker", rid, msg.get("attempt"))
         if not rid:
             return "failed"
-        err = RelayWriter.error_fields(f"internal error in the worker "
-                                       f"({exc.__class__.__name__}); retry the request")
+        err = RelayWriter.error_fields(
+            f"internal error in the worker ({exc.__class__.__name__}); retry the request"
+        )
         try:
-            won, _ = rt.state.finish(str(rid), "failed", rt.worker_id, end_event=err,
-                                     stream_ttl_s=rt.live.stream_ttl_s)
+            won, _ = rt.state.finish(
+                str(rid), "failed", rt.worker_id, end_event=err, stream_ttl_s=rt.live.stream_ttl_s
+            )
             if won:
-                rt.state.count(**{f"failed_{job.get('tier') or 'unknown'}": 1})
-        except Exception:  # noqa: BLE001 - Redis gone too: the API's own checks remain
+                rt.state.count(**{f"failed_{msg.get('tier') or 'unknown'}": 1})
+        except Exception:
             log.exception("request %s could not be settled after the error", rid)
             return "failed"
-        if won:
-            try:  # the job may lack what a full row needs: record what it has
-                row = _row(job, rt, "failed", finished_ts=time.time(),
-                           error=f"worker error: {exc!r}"[:500])
-            except Exception:  # noqa: BLE001
-                row = {"request_id": str(rid), "status": "failed", "dc": rt.info.dc,
-                       "instance": rt.info.instance_id, "finished_ts": time.time(),
-                       "error": f"worker error: {exc!r}"[:500]}
-            _record(rt, row)
+        if won and job is not None:  # a malformed message has no row to record
+            _record(
+                rt,
+                _row(
+                    job, rt, "failed", finished_ts=time.time(), error=f"worker error: {exc!r}"[:500]
+                ),
+            )
         return "failed"
 
 
-def _prefix_events(rt: WorkerRuntime, job: dict[str, Any]) -> list[KVEvent]:
+def _prefix_events(rt: WorkerRuntime, job: ChatJob) -> list[KVEvent]:
     """Approximate prefix knowledge for every API replica: once prefill is done
     this instance holds the prompt's blocks. None when the engine's own vLLM KV
     events are relayed (exact mode)."""
-    messages = (job.get("body") or {}).get("messages")
+    messages = job.body.get("messages")
     if rt.exact_kv_events or not messages:
         return []
     try:
         hashes = chat_block_hashes(messages)
-    except Exception:  # noqa: BLE001
+    except Exception:
         log.debug("approximate KV event not built", exc_info=True)
         return []
     return [KVEvent(rt.info.instance_id, "stored", hashes, exact=False)] if hashes else []
 
 
-def _on_engine_error(rt: WorkerRuntime, job: dict[str, Any], relay: RelayWriter,
-                     exc: EngineError, first_ts: float | None, tokens: int,
-                     dispatched: float) -> str:
+def _on_engine_error(
+    rt: WorkerRuntime,
+    job: ChatJob,
+    relay: RelayWriter,
+    exc: EngineError,
+    first_ts: float | None,
+    tokens: int,
+    dispatched: float,
+) -> str:
     state = rt.state
-    rid = job["rid"]
-    attempt = int(job["attempt"])
+    rid = job.request_id
+    attempt = job.attempt
     now = time.time()
     if exc.kind == "aborted":
         send_abort(rt.info.url, f"{rid}-{attempt}")
         if "cancelled" in str(exc):
             won, _ = state.finish(rid, "cancelled", rt.worker_id)
-            _record(rt, _row(job, rt, "cancelled", dispatched_ts=dispatched,
-                             first_token_ts=first_ts, finished_ts=now,
-                             completion_tokens=tokens))
+            _record(
+                rt,
+                _row(
+                    job,
+                    rt,
+                    "cancelled",
+                    dispatched_ts=dispatched,
+                    first_token_ts=first_ts,
+                    finished_ts=now,
+                    completion_tokens=tokens,
+                ),
+            )
             return "cancelled"
-    if exc.kind in ("error", "stall", "connect") or (exc.kind == "aborted"
-                                                    and first_ts is None):
+    if exc.kind in ("error", "stall", "connect") or (exc.kind == "aborted" and first_ts is None):
         rt.note_engine_failure(str(exc))
-    log.warning("request %s attempt %d failed on %s: %s", rid, attempt, rt.info.instance_id,
-                exc)
+    log.warning("request %s attempt %d failed on %s: %s", rid, attempt, rt.info.instance_id, exc)
     started = first_ts is not None
     # an abort that was not the client's (engine unhealthy, stalled) is the
     # engine's fault: another instance may well serve the request
@@ -301,74 +383,75 @@ def _on_engine_error(rt: WorkerRuntime, job: dict[str, Any], relay: RelayWriter,
         if _retry_elsewhere(rt, job, relay, str(exc)):
             # placement columns stay NULL: this row may reach the database after
             # the next attempt's final row, and must not overwrite where it ran
-            _record(rt, _row(job, rt, "in_flight", attempts=attempt + 1, dc=None,
-                             instance=None,
-                             error=f"attempt {attempt} on {rt.info.instance_id}: {exc}"))
+            _record(
+                rt,
+                _row(
+                    job,
+                    rt,
+                    "in_flight",
+                    attempts=attempt + 1,
+                    dc=None,
+                    instance=None,
+                    error=f"attempt {attempt} on {rt.info.instance_id}: {exc}",
+                ),
+            )
             return "retried"
     status = "timed_out" if exc.kind == "stall" else "failed"
     won, final = state.finish(rid, status, rt.worker_id)
     if won:
-        code = 504 if status == "timed_out" else (exc.status if not retryable
-                                                   and exc.status < 500 else 502)
-        relay.error(f"{'engine timed out' if status == 'timed_out' else 'engine failed'}"
-                    f" after {attempt} attempt(s): {exc}", code,
-                    "invalid_request_error" if code < 500 else "server_error")
-        state.count(**{f"failed_{job['tier']}": 1})
-    _record(rt, _row(job, rt, final if not won else status, dispatched_ts=dispatched,
-                     first_token_ts=first_ts, finished_ts=now, completion_tokens=tokens,
-                     error=str(exc)[:500]))
+        code = (
+            504
+            if status == "timed_out"
+            else (exc.status if not retryable and exc.status < 500 else 502)
+        )
+        relay.error(
+            f"{'engine timed out' if status == 'timed_out' else 'engine failed'}"
+            f" after {attempt} attempt(s): {exc}",
+            code,
+            "invalid_request_error" if code < 500 else "server_error",
+        )
+        state.count(**{f"failed_{job.tier}": 1})
+    _record(
+        rt,
+        _row(
+            job,
+            rt,
+            final if not won else status,
+            dispatched_ts=dispatched,
+            first_token_ts=first_ts,
+            finished_ts=now,
+            completion_tokens=tokens,
+            error=str(exc)[:500],
+        ),
+    )
     return status
 
 
-def pick_retry_queue(state: LiveState, job: dict[str, Any], exclude: set[str],
-                     stale_after_s: float) -> tuple[str, str] | None:
-    """(queue, instance) for the next attempt: the least loaded other healthy
-    instance serving the model, same DC first; None if there is none."""
-    now = time.time()
-    best: tuple[tuple[int, int, int], str, str] | None = None
-    views = state.instance_views(now, stale_after_s)
-    home_dc = job.get("dc")
-    for v in views:
-        if v.instance_id in exclude or not v.ready or not v.metrics.healthy:
-            continue
-        if v.model != job["model"]:
-            continue
-        if v.max_model_len_tokens and int(job["input_tokens"]) + 1 > v.max_model_len_tokens:
-            continue
-        key = (0 if v.dc == home_dc else 1, v.accounting.inflight_requests,
-               v.metrics.num_running + v.metrics.num_waiting)
-        if best is None or key < best[0]:
-            best = (key, affinity_queue(v.dc, v.instance_id, job["tier"]), v.instance_id)
-    if best is None:
-        return None
-    return best[1], best[2]
-
-
-def _retry_elsewhere(rt: WorkerRuntime, job: dict[str, Any], relay: RelayWriter,
-                     why: str) -> bool:
+def _retry_elsewhere(rt: WorkerRuntime, job: ChatJob, relay: RelayWriter, why: str) -> bool:
+    """Re-send ``job`` (its engine failed before the first token) by the shared
+    re-send rule (:mod:`tokenfleet.live.resend`); with no other instance, to this
+    DC's pool queue (another worker, or this one later). False: not re-sent."""
     state = rt.state
-    tried = set(job.get("tried") or ()) | {rt.info.instance_id}
-    target = pick_retry_queue(state, job, tried, rt.live.stale_after_s)
+    tried = set(job.tried) | {rt.info.instance_id}
+    views = state.instance_views(time.time(), rt.live.stale_after_s)
+    target = pick_resend_target(views, job, tried)
     if target is None:
-        # nobody else: the pool queue of this DC (another worker, or this one later)
-        queue, instance = pool_queue(rt.info.dc, job["tier"]), ""
         if not rt.pool_mode and len(tried) <= 1:
             return False
+        queue = pool_queue(rt.info.dc, job.tier)
     else:
-        queue, instance = target
-    new_attempt = state.redispatch(job["rid"], int(job["attempt"]), rt.live.max_attempts,
-                                   queue, rt.worker_id)
+        queue = target.queue
+    new_attempt = state.redispatch(
+        job.request_id, job.attempt, rt.live.max_attempts, queue, rt.worker_id
+    )
     if new_attempt < 0:
         return False
-    nxt = dict(job, attempt=new_attempt, queue=queue, tried=sorted(tried),
-               accounted="", target=instance)
+    nxt = job.next_attempt(new_attempt, queue, tried=tried)
     relay.retry(new_attempt)
     state.count(retries=1)
-    log.info("request %s: attempt %d -> %s (%s)", job["rid"], new_attempt, queue, why)
-    send = rt.send_task or app.send_task
+    log.info("request %s: attempt %d -> %s (%s)", job.request_id, new_attempt, queue, why)
     state.queued_incr(queue)
-    send(TASK_CHAT, args=[nxt], task_id=f"{job['rid']}.{new_attempt}", queue=queue,
-         routing_key=queue, argsrepr="", kwargsrepr="", headers=prefill_header(nxt))
+    send_chat_job(rt.send_task or app.send_task, nxt)
     return True
 
 

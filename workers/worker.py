@@ -42,9 +42,11 @@ class AttachConsumer(bootsteps.StartStopStep):
             runtime.RUNTIME.attach_consumer(c)
         try:
             ch = c.connection.default_channel
-            log.info("consumer attached: queue cycle %s over %s",
-                     type(getattr(ch, "_queue_cycle", None)).__name__,
-                     getattr(getattr(ch, "_queue_cycle", None), "items", None))
+            log.info(
+                "consumer attached: queue cycle %s over %s",
+                type(getattr(ch, "_queue_cycle", None)).__name__,
+                getattr(getattr(ch, "_queue_cycle", None), "items", None),
+            )
         except Exception:  # noqa: BLE001
             pass
 
@@ -75,8 +77,7 @@ def probe_engine(url: str, timeout_s: float = 30.0) -> tuple[str, int]:
     last: Exception | None = None
     while time.monotonic() < deadline:
         try:
-            conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80,
-                                              timeout=2.0)
+            conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=2.0)
             conn.request("GET", "/v1/models")
             resp = conn.getresponse()
             body = json.loads(resp.read())
@@ -88,8 +89,10 @@ def probe_engine(url: str, timeout_s: float = 30.0) -> tuple[str, int]:
         except (OSError, ValueError, http.client.HTTPException) as exc:
             last = exc
         time.sleep(0.2)
-    raise ConfigError(f"engine at {url} did not answer /v1/models within {timeout_s:.0f}s "
-                      f"({last!r}); start it first or fix --engine-url")
+    raise ConfigError(
+        f"engine at {url} did not answer /v1/models within {timeout_s:.0f}s "
+        f"({last!r}); start it first or fix --engine-url"
+    )
 
 
 def _amqp_depths(app: Any) -> Any:
@@ -112,8 +115,15 @@ def _amqp_depths(app: Any) -> Any:
     return depths
 
 
-def run_worker(opts: WorkerOptions, *, redis_url: str, broker_url: str,
-               database_url: str | None, data_dir: Any, live: LiveConfig | None = None) -> int:
+def run_worker(
+    opts: WorkerOptions,
+    *,
+    redis_url: str,
+    broker_url: str,
+    database_url: str | None,
+    data_dir: Any,
+    live: LiveConfig | None = None,
+) -> int:
     from workers import runtime
     from workers.app import app, celery_settings
 
@@ -121,21 +131,34 @@ def run_worker(opts: WorkerOptions, *, redis_url: str, broker_url: str,
     model, max_len = probe_engine(opts.engine_url)
     prof = get_profile(opts.profile)
     state = LiveState.from_url(redis_url, prefix=live.redis_prefix)
-    info = InstanceInfo(instance_id=opts.instance_id, dc=opts.dc, model=model,
-                        url=opts.engine_url.rstrip("/"), profile=prof.name,
-                        max_model_len_tokens=max_len or prof.model.max_model_len_tokens,
-                        kv_capacity_tokens=prof.kv_capacity_tokens, slots=opts.slots)
+    info = InstanceInfo(
+        instance_id=opts.instance_id,
+        dc=opts.dc,
+        model=model,
+        url=opts.engine_url.rstrip("/"),
+        profile=prof.name,
+        max_model_len_tokens=max_len or prof.model.max_model_len_tokens,
+        kv_capacity_tokens=prof.kv_capacity_tokens,
+        slots=opts.slots,
+    )
     ledger = None
     if database_url:
         from pathlib import Path
 
         from tokenfleet.service.writer import LedgerWriter
 
-        ledger = LedgerWriter(database_url, spill_dir=Path(data_dir) / "spill",
-                              name=f"ledger-{opts.instance_id}")
+        ledger = LedgerWriter(
+            database_url, spill_dir=Path(data_dir) / "spill", name=f"ledger-{opts.instance_id}"
+        )
     app.conf.update(celery_settings(broker_url, live))
-    rt = runtime.WorkerRuntime(live, state, info, ledger=ledger, pool_mode=opts.pool_mode,
-                               kv_events_endpoint=opts.kv_events_endpoint)
+    rt = runtime.WorkerRuntime(
+        live,
+        state,
+        info,
+        ledger=ledger,
+        pool_mode=opts.pool_mode,
+        kv_events_endpoint=opts.kv_events_endpoint,
+    )
     runtime.RUNTIME = rt
     if broker_url.startswith(("redis://", "rediss://", "unix://")):
         rt.broker_orders_queues = True  # queue_order_strategy=priority (workers.app)
@@ -152,13 +175,27 @@ def run_worker(opts: WorkerOptions, *, redis_url: str, broker_url: str,
         for name in ("celery.worker.strategy", "celery.app.trace"):
             logging.getLogger(name).setLevel(logging.WARNING)
     rt.start()
-    log.info("worker %s (dc %s) serving %s at %s, %d slots, queues: %s", opts.instance_id,
-             opts.dc, model, opts.engine_url, opts.slots, ", ".join(queues))
+    log.info(
+        "worker %s (dc %s) serving %s at %s, %d slots, queues: %s",
+        opts.instance_id,
+        opts.dc,
+        model,
+        opts.engine_url,
+        opts.slots,
+        ", ".join(queues),
+    )
     try:
-        worker = app.Worker(hostname=f"{opts.instance_id}@{opts.dc}", pool_cls=WakingThreadPool,
-                            concurrency=opts.slots, queues=queues, loglevel=opts.loglevel,
-                            without_mingle=True, without_gossip=True,
-                            without_heartbeat=True, quiet=True)
+        worker = app.Worker(
+            hostname=f"{opts.instance_id}@{opts.dc}",
+            pool_cls=WakingThreadPool,
+            concurrency=opts.slots,
+            queues=queues,
+            loglevel=opts.loglevel,
+            without_mingle=True,
+            without_gossip=True,
+            without_heartbeat=True,
+            quiet=True,
+        )
         worker.start()
         return int(getattr(worker, "exitcode", 0) or 0)
     finally:

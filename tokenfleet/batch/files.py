@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, Any, Iterable
+from typing import IO, Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -81,7 +82,8 @@ class FileStore:
                     size += len(chunk)
                     if max_bytes is not None and size > max_bytes:
                         raise FileTooLarge(
-                            f"file is larger than {max_bytes // (1024 * 1024)} MiB; split it")
+                            f"file is larger than {max_bytes // (1024 * 1024)} MiB; split it"
+                        )
                     fh.write(chunk)
                 fh.flush()
                 os.fsync(fh.fileno())
@@ -92,8 +94,15 @@ class FileStore:
             raise
         return size
 
-    def upload(self, tenant_id: str, purpose: str, filename: str, stream: IO[bytes], *,
-               max_bytes: int = MAX_UPLOAD_BYTES) -> File:
+    def upload(
+        self,
+        tenant_id: str,
+        purpose: str,
+        filename: str,
+        stream: IO[bytes],
+        *,
+        max_bytes: int = MAX_UPLOAD_BYTES,
+    ) -> File:
         fid = new_file_id()
         path = self.path_for(tenant_id, fid)
 
@@ -106,21 +115,34 @@ class FileStore:
 
         size = self._write(path, chunks(), max_bytes)
         with session_scope(self.engine) as session:
-            row = File(id=fid, tenant_id=tenant_id, purpose=purpose, filename=filename,
-                       bytes=size, storage_path=str(path))
+            row = File(
+                id=fid,
+                tenant_id=tenant_id,
+                purpose=purpose,
+                filename=filename,
+                bytes=size,
+                storage_path=str(path),
+            )
             session.add(row)
         return row
 
-    def write_generated(self, tenant_id: str, file_id: str, purpose: str, filename: str,
-                        lines: Iterable[bytes]) -> File:
+    def write_generated(
+        self, tenant_id: str, file_id: str, purpose: str, filename: str, lines: Iterable[bytes]
+    ) -> File:
         """Write (or rewrite: idempotent) a file we produce, e.g. a batch's output."""
         path = self.path_for(tenant_id, file_id)
         size = self._write(path, lines, None)
         with session_scope(self.engine) as session:
             row = session.get(File, file_id)
             if row is None:
-                row = File(id=file_id, tenant_id=tenant_id, purpose=purpose, filename=filename,
-                           bytes=size, storage_path=str(path))
+                row = File(
+                    id=file_id,
+                    tenant_id=tenant_id,
+                    purpose=purpose,
+                    filename=filename,
+                    bytes=size,
+                    storage_path=str(path),
+                )
                 session.add(row)
             else:
                 row.bytes = size
@@ -133,8 +155,14 @@ class FileStore:
                 sa.select(File).where(File.id == file_id, File.tenant_id == tenant_id)
             ).scalar_one_or_none()
 
-    def list(self, tenant_id: str, *, purpose: str | None = None, limit: int = 10000,
-             after: str | None = None) -> list[File]:
+    def list(
+        self,
+        tenant_id: str,
+        *,
+        purpose: str | None = None,
+        limit: int = 10000,
+        after: str | None = None,
+    ) -> list[File]:
         stmt = sa.select(File).where(File.tenant_id == tenant_id)
         if purpose:
             stmt = stmt.where(File.purpose == purpose)
@@ -152,13 +180,23 @@ class FileStore:
 
         with session_scope(self.engine) as session:
             row = session.execute(
-                sa.select(File).where(File.id == file_id, File.tenant_id == tenant_id)
-                .with_for_update()).scalar_one_or_none()
+                sa.select(File)
+                .where(File.id == file_id, File.tenant_id == tenant_id)
+                .with_for_update()
+            ).scalar_one_or_none()
             if row is None:
                 return False
-            used = session.execute(sa.select(sa.func.count()).select_from(Batch).where(
-                sa.or_(Batch.input_file_id == file_id, Batch.output_file_id == file_id,
-                       Batch.error_file_id == file_id))).scalar_one()
+            used = session.execute(
+                sa.select(sa.func.count())
+                .select_from(Batch)
+                .where(
+                    sa.or_(
+                        Batch.input_file_id == file_id,
+                        Batch.output_file_id == file_id,
+                        Batch.error_file_id == file_id,
+                    )
+                )
+            ).scalar_one()
             if used:
                 raise TokenFleetError(f"file {file_id} belongs to a batch and cannot be deleted")
             path = row.storage_path

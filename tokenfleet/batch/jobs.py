@@ -20,9 +20,10 @@ final ``cancelled_at`` / ``expired_at`` in ``completed_at``.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Mapping
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -35,16 +36,21 @@ from tokenfleet.service.ledger import Batch, BatchLine, BatchLineStatus, BatchSt
 
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 INSERT_CHUNK_LINES = 2000
-ACTIVE = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING,
-          BatchStatus.CANCELLING)
+ACTIVE = (
+    BatchStatus.VALIDATING,
+    BatchStatus.IN_PROGRESS,
+    BatchStatus.FINALIZING,
+    BatchStatus.CANCELLING,
+)
 TERMINAL = (BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED, BatchStatus.CANCELLED)
 
 
 class BatchRequestError(TokenFleetError):
     """A create/cancel request the API answers with 4xx (not a failed batch)."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.param = param
@@ -69,7 +75,9 @@ def _ts(value: datetime | None) -> int | None:
 
 def batch_object(b: Batch) -> dict[str, Any]:
     status = BatchStatus(b.status)
-    cancelling_at = b.cancelled_at if status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED) else None
+    cancelling_at = (
+        b.cancelled_at if status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED) else None
+    )
     return {
         "id": b.id,
         "object": "batch",
@@ -89,8 +97,11 @@ def batch_object(b: Batch) -> dict[str, Any]:
         "expired_at": _ts(b.completed_at) if status == BatchStatus.EXPIRED else None,
         "cancelling_at": _ts(cancelling_at),
         "cancelled_at": _ts(b.completed_at) if status == BatchStatus.CANCELLED else None,
-        "request_counts": {"total": int(b.total_count), "completed": int(b.completed_count),
-                           "failed": int(b.failed_count)},
+        "request_counts": {
+            "total": int(b.total_count),
+            "completed": int(b.completed_count),
+            "failed": int(b.failed_count),
+        },
         "metadata": b.batch_metadata,
     }
 
@@ -98,45 +109,83 @@ def batch_object(b: Batch) -> dict[str, Any]:
 def _check_metadata(metadata: Any) -> dict[str, str] | None:
     if metadata is None:
         return None
-    if not isinstance(metadata, dict) or len(metadata) > 16 or not all(
+    if (
+        not isinstance(metadata, dict)
+        or len(metadata) > 16
+        or not all(
             isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
-            for k, v in metadata.items()):
-        raise BatchRequestError(400, "metadata must be an object of at most 16 string pairs "
-                                "(keys up to 64, values up to 512 characters)", param="metadata")
+            for k, v in metadata.items()
+        )
+    ):
+        raise BatchRequestError(
+            400,
+            "metadata must be an object of at most 16 string pairs "
+            "(keys up to 64, values up to 512 characters)",
+            param="metadata",
+        )
     return dict(metadata)
 
 
-def create_batch(engine: Engine, files: FileStore, owner: Owner, *, input_file_id: Any,
-                 endpoint: Any, completion_window: Any, metadata: Any = None) -> Batch:
+def create_batch(
+    engine: Engine,
+    files: FileStore,
+    owner: Owner,
+    *,
+    input_file_id: Any,
+    endpoint: Any,
+    completion_window: Any,
+    metadata: Any = None,
+) -> Batch:
     """Create a batch and validate its input; returns it ``in_progress`` or ``failed``."""
     if not isinstance(input_file_id, str) or not input_file_id:
         raise BatchRequestError(400, "input_file_id is required", param="input_file_id")
     if endpoint not in SUPPORTED_ENDPOINTS:
-        raise BatchRequestError(400, f"endpoint must be one of {', '.join(SUPPORTED_ENDPOINTS)}",
-                                param="endpoint", code="invalid_endpoint")
+        raise BatchRequestError(
+            400,
+            f"endpoint must be one of {', '.join(SUPPORTED_ENDPOINTS)}",
+            param="endpoint",
+            code="invalid_endpoint",
+        )
     if completion_window not in COMPLETION_WINDOWS:
-        raise BatchRequestError(400, "completion_window must be '24h'",
-                                param="completion_window")
+        raise BatchRequestError(400, "completion_window must be '24h'", param="completion_window")
     meta = _check_metadata(metadata)
     f = files.get(owner.tenant_id, input_file_id)
     if f is None:
-        raise BatchRequestError(404, f"No such File object: {input_file_id}",
-                                param="input_file_id", code="file_not_found")
+        raise BatchRequestError(
+            404,
+            f"No such File object: {input_file_id}",
+            param="input_file_id",
+            code="file_not_found",
+        )
     if f.purpose != "batch":
-        raise BatchRequestError(400, f"file {input_file_id} has purpose '{f.purpose}'; upload "
-                                "the input with purpose 'batch'", param="input_file_id")
+        raise BatchRequestError(
+            400,
+            f"file {input_file_id} has purpose '{f.purpose}'; upload "
+            "the input with purpose 'batch'",
+            param="input_file_id",
+        )
     now = utcnow()
     bid = new_batch_id()
     with session_scope(engine) as session:
-        session.add(Batch(id=bid, tenant_id=owner.tenant_id, endpoint=endpoint,
-                          completion_window=completion_window, status=BatchStatus.VALIDATING,
-                          input_file_id=input_file_id, batch_metadata=meta, created_at=now,
-                          expires_at=now + COMPLETION_WINDOWS[completion_window]))
+        session.add(
+            Batch(
+                id=bid,
+                tenant_id=owner.tenant_id,
+                endpoint=endpoint,
+                completion_window=completion_window,
+                status=BatchStatus.VALIDATING,
+                input_file_id=input_file_id,
+                batch_metadata=meta,
+                created_at=now,
+                expires_at=now + COMPLETION_WINDOWS[completion_window],
+            )
+        )
     return validate_batch(engine, files, bid, allowed_models=owner.allowed_models)
 
 
-def validate_batch(engine: Engine, files: FileStore, batch_id: str, *,
-                   allowed_models: tuple[str, ...] = ()) -> Batch:
+def validate_batch(
+    engine: Engine, files: FileStore, batch_id: str, *, allowed_models: tuple[str, ...] = ()
+) -> Batch:
     """validating -> in_progress (all lines stored) or failed (error names the line).
 
     Idempotent and safe to repeat after a crash: lines and the status change
@@ -144,8 +193,9 @@ def validate_batch(engine: Engine, files: FileStore, batch_id: str, *,
     """
     lines_t: sa.Table = BatchLine.__table__  # type: ignore[assignment]
     with session_scope(engine) as session:
-        b = session.execute(sa.select(Batch).where(Batch.id == batch_id).with_for_update()
-                            ).scalar_one()
+        b = session.execute(
+            sa.select(Batch).where(Batch.id == batch_id).with_for_update()
+        ).scalar_one()
         if b.status != BatchStatus.VALIDATING:
             return b
         f = files.get(b.tenant_id, b.input_file_id)
@@ -162,9 +212,15 @@ def validate_batch(engine: Engine, files: FileStore, batch_id: str, *,
             with files.open(f) as fh:
                 chunk: list[dict[str, Any]] = []
                 for line in iter_input_lines(fh, b.endpoint, allowed_models=allowed_models):
-                    chunk.append({"batch_id": batch_id, "line_no": line.line_no,
-                                  "custom_id": line.custom_id, "body": line.body,
-                                  "status": BatchLineStatus.PENDING})
+                    chunk.append(
+                        {
+                            "batch_id": batch_id,
+                            "line_no": line.line_no,
+                            "custom_id": line.custom_id,
+                            "body": line.body,
+                            "status": BatchLineStatus.PENDING,
+                        }
+                    )
                     total += 1
                     if len(chunk) >= INSERT_CHUNK_LINES:
                         session.execute(sa.insert(lines_t), chunk)
@@ -183,8 +239,9 @@ def validate_batch(engine: Engine, files: FileStore, batch_id: str, *,
             return b
     # failed: the line inserts above were rolled back with the transaction
     with session_scope(engine) as session:
-        b = session.execute(sa.select(Batch).where(Batch.id == batch_id).with_for_update()
-                            ).scalar_one()
+        b = session.execute(
+            sa.select(Batch).where(Batch.id == batch_id).with_for_update()
+        ).scalar_one()
         if b.status == BatchStatus.VALIDATING:
             b.status = BatchStatus.FAILED
             b.failed_at = utcnow()
@@ -194,19 +251,22 @@ def validate_batch(engine: Engine, files: FileStore, batch_id: str, *,
 
 def get_batch(engine: Engine, tenant_id: str, batch_id: str) -> Batch | None:
     with session_scope(engine) as session:
-        return session.execute(sa.select(Batch).where(
-            Batch.id == batch_id, Batch.tenant_id == tenant_id)).scalar_one_or_none()
+        return session.execute(
+            sa.select(Batch).where(Batch.id == batch_id, Batch.tenant_id == tenant_id)
+        ).scalar_one_or_none()
 
 
 def batch_owner(engine: Engine, batch_id: str) -> str | None:
     """The tenant of a batch (admin UI only; tenant-facing code uses get_batch)."""
     with engine.connect() as conn:
-        return conn.execute(sa.select(Batch.tenant_id).where(Batch.id == batch_id)
-                            ).scalar_one_or_none()
+        return conn.execute(
+            sa.select(Batch.tenant_id).where(Batch.id == batch_id)
+        ).scalar_one_or_none()
 
 
-def list_batches(engine: Engine, tenant_id: str | None, *, limit: int = 20,
-                 after: str | None = None) -> tuple[list[Batch], bool]:
+def list_batches(
+    engine: Engine, tenant_id: str | None, *, limit: int = 20, after: str | None = None
+) -> tuple[list[Batch], bool]:
     """Newest first; ``after`` is the id of the last batch of the previous page.
 
     ``tenant_id=None`` lists every tenant's batches (admin UI only).
@@ -216,20 +276,28 @@ def list_batches(engine: Engine, tenant_id: str | None, *, limit: int = 20,
         stmt = stmt.where(Batch.tenant_id == tenant_id)
     with session_scope(engine) as session:
         if after:
-            cursor = session.execute(sa.select(Batch.created_at, Batch.id).where(
-                Batch.id == after, *( [Batch.tenant_id == tenant_id] if tenant_id else []))).first()
+            cursor = session.execute(
+                sa.select(Batch.created_at, Batch.id).where(
+                    Batch.id == after, *([Batch.tenant_id == tenant_id] if tenant_id else [])
+                )
+            ).first()
             if cursor is not None:
                 stmt = stmt.where(sa.tuple_(Batch.created_at, Batch.id) < sa.tuple_(*cursor))
-        rows = list(session.scalars(
-            stmt.order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit + 1)))
+        rows = list(
+            session.scalars(
+                stmt.order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit + 1)
+            )
+        )
     return rows[:limit], len(rows) > limit
 
 
 def cancel_batch(engine: Engine, tenant_id: str, batch_id: str) -> Batch | None:
     """in_progress/validating -> cancelling; the runner finishes the job. None if unknown."""
     with session_scope(engine) as session:
-        b = session.execute(sa.select(Batch).where(
-            Batch.id == batch_id, Batch.tenant_id == tenant_id).with_for_update()
+        b = session.execute(
+            sa.select(Batch)
+            .where(Batch.id == batch_id, Batch.tenant_id == tenant_id)
+            .with_for_update()
         ).scalar_one_or_none()
         if b is None:
             return None
@@ -237,8 +305,9 @@ def cancel_batch(engine: Engine, tenant_id: str, batch_id: str) -> Batch | None:
         if status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
             return b
         if status not in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
-            raise BatchRequestError(400, f"cannot cancel a batch that is {status.value}",
-                                    code="batch_not_cancellable")
+            raise BatchRequestError(
+                400, f"cannot cancel a batch that is {status.value}", code="batch_not_cancellable"
+            )
         b.status = BatchStatus.CANCELLING
         b.cancelled_at = utcnow()
         return b
@@ -247,6 +316,9 @@ def cancel_batch(engine: Engine, tenant_id: str, batch_id: str) -> Batch | None:
 def line_counts(engine: Engine, batch_id: str) -> Mapping[str, int]:
     """Lines per status (progress display and tests)."""
     with engine.connect() as conn:
-        rows = conn.execute(sa.select(BatchLine.status, sa.func.count())
-                            .where(BatchLine.batch_id == batch_id).group_by(BatchLine.status))
+        rows = conn.execute(
+            sa.select(BatchLine.status, sa.func.count())
+            .where(BatchLine.batch_id == batch_id)
+            .group_by(BatchLine.status)
+        )
         return {BatchLineStatus(s).value: int(n) for s, n in rows}

@@ -46,17 +46,30 @@ def slack_s(d: BatchDemand, slots: int) -> float:
     return d.seconds_to_deadline - needed
 
 
-def is_promoted(d: BatchDemand, slots: int, *, promote_margin: float,
-                promote_min_slack_s: float) -> bool:
+def is_promoted(
+    d: BatchDemand, slots: int, *, promote_margin: float, promote_min_slack_s: float
+) -> bool:
     needed = d.remaining_lines * d.line_service_s / max(1, slots)
     s = d.seconds_to_deadline - needed
     return s < promote_margin * needed or s < promote_min_slack_s
 
 
-def plan_release(demands: list[BatchDemand], *, normal_slots: int, promoted_slots: int = 0,
-                 promote_margin: float = 0.5, promote_min_slack_s: float = 600.0) -> ReleasePlan:
-    promoted = [d for d in demands if d.remaining_lines > d.inflight_lines and is_promoted(
-        d, normal_slots, promote_margin=promote_margin, promote_min_slack_s=promote_min_slack_s)]
+def plan_release(
+    demands: list[BatchDemand],
+    *,
+    normal_slots: int,
+    promoted_slots: int = 0,
+    promote_margin: float = 0.5,
+    promote_min_slack_s: float = 600.0,
+) -> ReleasePlan:
+    promoted = [
+        d
+        for d in demands
+        if d.remaining_lines > d.inflight_lines
+        and is_promoted(
+            d, normal_slots, promote_margin=promote_margin, promote_min_slack_s=promote_min_slack_s
+        )
+    ]
     promoted_ids = frozenset(d.batch_id for d in promoted)
     grants: dict[str, int] = {}
     in_flight = sum(d.inflight_lines for d in demands)
@@ -70,17 +83,20 @@ def plan_release(demands: list[BatchDemand], *, normal_slots: int, promoted_slot
             free -= n
     # the rest share what is left of the batch share evenly (water-filling)
     free = min(free, max(0, normal_slots - in_flight - sum(grants.values())))
-    others = [d for d in demands if d.batch_id not in promoted_ids
-              and d.remaining_lines > d.inflight_lines]
-    want = {d.batch_id: d.remaining_lines - d.inflight_lines for d in others}
+    others = [
+        d
+        for d in demands
+        if d.batch_id not in promoted_ids and d.remaining_lines > d.inflight_lines
+    ]
+    wanted = {d.batch_id: d.remaining_lines - d.inflight_lines for d in others}
     held = {d.batch_id: d.inflight_lines for d in others}
-    while free > 0 and want:
+    while free > 0 and wanted:
         # give one slot to the batch holding the fewest, ties by id (deterministic)
-        bid = min(want, key=lambda b: (held[b], b))
+        bid = min(wanted, key=lambda b: (held[b], b))
         grants[bid] = grants.get(bid, 0) + 1
         held[bid] += 1
-        want[bid] -= 1
+        wanted[bid] -= 1
         free -= 1
-        if want[bid] == 0:
-            del want[bid]
+        if wanted[bid] == 0:
+            del wanted[bid]
     return ReleasePlan(grants=grants, promoted=promoted_ids)

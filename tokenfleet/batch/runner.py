@@ -36,10 +36,11 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -55,8 +56,11 @@ log = logging.getLogger("tokenfleet.batch")
 L: sa.Table = BatchLine.__table__  # type: ignore[assignment]
 B: sa.Table = Batch.__table__  # type: ignore[assignment]
 PENDING, RUNNING = BatchLineStatus.PENDING, BatchLineStatus.RUNNING
-COMPLETED, FAILED, CANCELLED = (BatchLineStatus.COMPLETED, BatchLineStatus.FAILED,
-                                BatchLineStatus.CANCELLED)
+COMPLETED, FAILED, CANCELLED = (
+    BatchLineStatus.COMPLETED,
+    BatchLineStatus.FAILED,
+    BatchLineStatus.CANCELLED,
+)
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,7 @@ class RunnerConfig:
 
 
 @dataclass(slots=True)
-class _Flight:
+class _LineInFlight:
     line_id: int
     batch_id: str
     tenant_id: str
@@ -97,18 +101,34 @@ def _error(code: str, message: str) -> dict[str, Any]:
     return {"code": code, "message": message}
 
 
-def output_record(line_id: int, custom_id: str, status: BatchLineStatus,
-                  result: dict[str, Any] | None, error: dict[str, Any] | None) -> dict[str, Any]:
+def output_record(
+    line_id: int,
+    custom_id: str,
+    status: BatchLineStatus,
+    result: dict[str, Any] | None,
+    error: dict[str, Any] | None,
+) -> dict[str, Any]:
     """One line of the output or error file (OpenAI batch output format)."""
-    return {"id": f"batch_req_{line_id}", "custom_id": custom_id,
-            "response": result if status != CANCELLED else None,
-            "error": error}
+    return {
+        "id": f"batch_req_{line_id}",
+        "custom_id": custom_id,
+        "response": result if status != CANCELLED else None,
+        "error": error,
+    }
 
 
 class BatchRunner:
-    def __init__(self, engine: Engine, files: FileStore, executor: LineExecutor, *,
-                 config: RunnerConfig | None = None, gate: Any = None,
-                 capacity: Callable[[], int] | None = None, name: str = "batch-runner") -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        files: FileStore,
+        executor: LineExecutor,
+        *,
+        config: RunnerConfig | None = None,
+        gate: Any = None,
+        capacity: Callable[[], int] | None = None,
+        name: str = "batch-runner",
+    ) -> None:
         self.engine = engine
         self.files = files
         self.executor = executor
@@ -118,8 +138,8 @@ class BatchRunner:
         self.name = name
         self.token = uuid.uuid4().hex[:12]
         self._lock = threading.Lock()
-        self._flights: dict[int, _Flight] = {}
-        self._done: deque[tuple[_Flight, LineResult]] = deque()
+        self._flights: dict[int, _LineInFlight] = {}
+        self._done: deque[tuple[_LineInFlight, LineResult]] = deque()
         self._deferred: dict[str, float] = {}
         self._service_s: dict[str, float] = {}
         self._pool = ThreadPoolExecutor(self.cfg.max_inflight, thread_name_prefix=name)
@@ -129,8 +149,15 @@ class BatchRunner:
         self._thread: threading.Thread | None = None
         self._next_housekeeping = 0.0
         self._next_heartbeat = 0.0
-        self.stats = {"claimed": 0, "completed": 0, "failed": 0, "retried": 0,
-                      "quota_deferred": 0, "reaped": 0, "finalized": 0}
+        self.stats = {
+            "claimed": 0,
+            "completed": 0,
+            "failed": 0,
+            "retried": 0,
+            "quota_deferred": 0,
+            "reaped": 0,
+            "finalized": 0,
+        }
 
     # ---- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
@@ -160,10 +187,12 @@ class BatchRunner:
             try:
                 self.tick()
             except sa.exc.OperationalError as exc:  # database down: keep trying, quietly
-                log.warning("batch runner: database unavailable (%s); retrying",
-                            str(exc.orig).strip().splitlines()[0] if exc.orig else exc)
+                log.warning(
+                    "batch runner: database unavailable (%s); retrying",
+                    str(exc.orig).strip().splitlines()[0] if exc.orig else exc,
+                )
                 self._stop.wait(2.0)
-            except Exception:  # noqa: BLE001 - keep running; the database may come back
+            except Exception:
                 log.exception("batch runner tick failed")
                 self._stop.wait(1.0)
             if self._wake.wait(self.cfg.poll_s):
@@ -191,8 +220,11 @@ class BatchRunner:
             ids = list(self._flights)
         if ids:
             with self.engine.begin() as conn:
-                conn.execute(sa.update(L).where(L.c.id.in_(ids), L.c.status == RUNNING)
-                             .values(updated_at=sa.func.now()))
+                conn.execute(
+                    sa.update(L)
+                    .where(L.c.id.in_(ids), L.c.status == RUNNING)
+                    .values(updated_at=sa.func.now())
+                )
 
     def housekeeping(self) -> None:
         self.revalidate_stuck()
@@ -207,10 +239,16 @@ class BatchRunner:
             return 0
         now_m = time.monotonic()
         with self.engine.connect() as conn:
-            rows = conn.execute(sa.select(
-                B.c.id, B.c.tenant_id, B.c.total_count, B.c.completed_count, B.c.failed_count,
-                B.c.expires_at).where(B.c.status == BatchStatus.IN_PROGRESS,
-                                      B.c.expires_at > sa.func.now())).all()
+            rows = conn.execute(
+                sa.select(
+                    B.c.id,
+                    B.c.tenant_id,
+                    B.c.total_count,
+                    B.c.completed_count,
+                    B.c.failed_count,
+                    B.c.expires_at,
+                ).where(B.c.status == BatchStatus.IN_PROGRESS, B.c.expires_at > sa.func.now())
+            ).all()
         if not rows:
             return 0
         with self._lock:
@@ -226,17 +264,25 @@ class BatchRunner:
             remaining = int(r.total_count) - int(r.completed_count) - int(r.failed_count)
             if remaining <= held.get(r.id, 0):
                 continue
-            demands.append(BatchDemand(
-                batch_id=r.id, remaining_lines=remaining, inflight_lines=held.get(r.id, 0),
-                seconds_to_deadline=(r.expires_at - now).total_seconds(),
-                line_service_s=self._service_s.get(r.id, self.cfg.default_line_service_s)))
+            demands.append(
+                BatchDemand(
+                    batch_id=r.id,
+                    remaining_lines=remaining,
+                    inflight_lines=held.get(r.id, 0),
+                    seconds_to_deadline=(r.expires_at - now).total_seconds(),
+                    line_service_s=self._service_s.get(r.id, self.cfg.default_line_service_s),
+                )
+            )
         if not demands:
             return 0
         normal = max(0, min(self.cfg.max_inflight, int(self.capacity())))
-        plan = plan_release(demands, normal_slots=normal,
-                            promoted_slots=self.cfg.max_inflight - normal,
-                            promote_margin=self.cfg.promote_margin,
-                            promote_min_slack_s=self.cfg.promote_min_slack_s)
+        plan = plan_release(
+            demands,
+            normal_slots=normal,
+            promoted_slots=self.cfg.max_inflight - normal,
+            promote_margin=self.cfg.promote_margin,
+            promote_min_slack_s=self.cfg.promote_min_slack_s,
+        )
         started = 0
         for bid, n in sorted(plan.grants.items()):
             n = min(n, self.cfg.max_inflight - self.inflight())
@@ -246,13 +292,21 @@ class BatchRunner:
         return started
 
     def _claim_and_start(self, batch_id: str, tenant_id: str, n: int, promoted: bool) -> int:
-        sub = (sa.select(L.c.id).where(L.c.batch_id == batch_id, L.c.status == PENDING)
-               .order_by(L.c.id).limit(n).with_for_update(skip_locked=True))
+        sub = (
+            sa.select(L.c.id)
+            .where(L.c.batch_id == batch_id, L.c.status == PENDING)
+            .order_by(L.c.id)
+            .limit(n)
+            .with_for_update(skip_locked=True)
+        )
         attempt = _attempt_expr()
         rid = sa.cast(attempt, sa.String) + f":{self.token}:" + sa.cast(L.c.id, sa.String)
-        stmt = (sa.update(L).where(L.c.id.in_(sub.scalar_subquery()))
-                .values(status=RUNNING, request_id=rid, updated_at=sa.func.now())
-                .returning(L.c.id, L.c.body, L.c.request_id))
+        stmt = (
+            sa.update(L)
+            .where(L.c.id.in_(sub.scalar_subquery()))
+            .values(status=RUNNING, request_id=rid, updated_at=sa.func.now())
+            .returning(L.c.id, L.c.body, L.c.request_id)
+        )
         with self.engine.begin() as conn:
             claimed = conn.execute(stmt).all()
         if not claimed:
@@ -261,8 +315,9 @@ class BatchRunner:
         tenant = self.gate.directory.tenant(tenant_id) if self.gate is not None else None
         started = 0
         for i, row in enumerate(claimed):
-            flight = _Flight(row.id, batch_id, tenant_id, row.request_id,
-                             int(row.request_id.split(":", 1)[0]))
+            flight = _LineInFlight(
+                row.id, batch_id, tenant_id, row.request_id, int(row.request_id.split(":", 1)[0])
+            )
             admission = None
             if tenant is not None:
                 admission, retry_s = self._admit(tenant, row.body, row.request_id)
@@ -273,8 +328,14 @@ class BatchRunner:
                     break
             with self._lock:
                 self._flights[row.id] = flight
-            self._pool.submit(self._execute, flight, row.body, admission, promoted,
-                              tenant.slo_class if tenant is not None else None)
+            self._pool.submit(
+                self._execute,
+                flight,
+                row.body,
+                admission,
+                promoted,
+                tenant.slo_class if tenant is not None else None,
+            )
             started += 1
         return started
 
@@ -283,8 +344,14 @@ class BatchRunner:
 
         prompt, max_tokens = estimate_chat_cost(body)
         try:
-            return self.gate.admit(tenant, "batch", model=None, prompt_tokens=prompt,
-                                   max_tokens=max_tokens, ticket_id=rid), None
+            return self.gate.admit(
+                tenant,
+                "batch",
+                model=None,
+                prompt_tokens=prompt,
+                max_tokens=max_tokens,
+                ticket_id=rid,
+            ), None
         except TenancyError as err:
             if err.status == 429:
                 ra = err.headers.get("retry-after-ms")
@@ -299,29 +366,55 @@ class BatchRunner:
             for line_id, rid in lines:
                 attempt, rest = rid.split(":", 1)
                 prev = f"{int(attempt) - 1}:{rest}" if int(attempt) > 1 else None
-                conn.execute(sa.update(L).where(L.c.id == line_id, L.c.request_id == rid,
-                                                L.c.status == RUNNING)
-                             .values(status=PENDING, request_id=prev, updated_at=sa.func.now()))
+                conn.execute(
+                    sa.update(L)
+                    .where(L.c.id == line_id, L.c.request_id == rid, L.c.status == RUNNING)
+                    .values(status=PENDING, request_id=prev, updated_at=sa.func.now())
+                )
 
-    def _execute(self, flight: _Flight, body: dict[str, Any], admission: Any, promoted: bool,
-                 slo_class: str | None) -> None:
+    def _execute(
+        self,
+        flight: _LineInFlight,
+        body: dict[str, Any],
+        admission: Any,
+        promoted: bool,
+        slo_class: str | None,
+    ) -> None:
         t0 = time.monotonic()
         try:
-            result = self.executor.execute(flight.tenant_id, body, request_id=flight.request_id,
-                                           slo_class=slo_class, promoted=promoted)
-        except Exception as exc:  # noqa: BLE001 - an executor bug must not lose the line
+            result = self.executor.execute(
+                flight.tenant_id,
+                body,
+                request_id=flight.request_id,
+                slo_class=slo_class,
+                promoted=promoted,
+            )
+        except Exception as exc:
             log.exception("batch line %s: executor raised", flight.line_id)
-            result = LineResult(500, {"error": {"message": f"executor error: {exc}",
-                                                "type": "server_error", "param": None,
-                                                "code": None}},
-                                flight.request_id, transient=True)
+            result = LineResult(
+                500,
+                {
+                    "error": {
+                        "message": f"executor error: {exc}",
+                        "type": "server_error",
+                        "param": None,
+                        "code": None,
+                    }
+                },
+                flight.request_id,
+                transient=True,
+            )
         if admission is not None:
             # reconcile the reservation with what was used (nothing, if it did not run)
             prompt = result.prompt_tokens or (admission.prompt_tokens if result.ok else 0)
             try:
-                self.gate.finish(admission, completion_tokens=result.completion_tokens,
-                                 prompt_tokens=prompt, ran=not result.transient)
-            except Exception:  # noqa: BLE001 - quota reconcile must not block the result
+                self.gate.finish(
+                    admission,
+                    completion_tokens=result.completion_tokens,
+                    prompt_tokens=prompt,
+                    ran=not result.transient,
+                )
+            except Exception:
                 log.exception("batch line %s: quota release failed", flight.line_id)
         dt = time.monotonic() - t0
         if not result.transient:
@@ -337,7 +430,9 @@ class BatchRunner:
     def flush(self) -> int:
         """Write finished lines' results (conditionally: exactly once per line)."""
         with self._lock:
-            batch = [self._done.popleft() for _ in range(min(len(self._done), self.cfg.flush_lines))]
+            batch = [
+                self._done.popleft() for _ in range(min(len(self._done), self.cfg.flush_lines))
+            ]
         if not batch:
             return 0
         counts: dict[str, list[int]] = {}
@@ -345,29 +440,47 @@ class BatchRunner:
         try:
             with self.engine.begin() as conn:
                 for flight, res in batch:
-                    cond = [L.c.id == flight.line_id, L.c.status == RUNNING,
-                            L.c.request_id == flight.request_id]
-                    payload = {"status_code": res.status_code, "request_id": res.request_id,
-                               "body": res.body}
+                    cond = [
+                        L.c.id == flight.line_id,
+                        L.c.status == RUNNING,
+                        L.c.request_id == flight.request_id,
+                    ]
+                    payload = {
+                        "status_code": res.status_code,
+                        "request_id": res.request_id,
+                        "body": res.body,
+                    }
                     if res.transient and flight.attempt < self.cfg.max_attempts:
-                        conn.execute(sa.update(L).where(*cond).values(
-                            status=PENDING, updated_at=sa.func.now()))
+                        conn.execute(
+                            sa.update(L)
+                            .where(*cond)
+                            .values(status=PENDING, updated_at=sa.func.now())
+                        )
                         self.stats["retried"] += 1
                         if res.retry_after_s:
                             retry_until[flight.batch_id] = max(
                                 retry_until.get(flight.batch_id, 0.0),
-                                time.monotonic() + min(res.retry_after_s, 60.0))
+                                time.monotonic() + min(res.retry_after_s, 60.0),
+                            )
                         continue
                     status = COMPLETED if res.ok else FAILED
-                    n = conn.execute(sa.update(L).where(*cond).values(
-                        status=status, result=payload, updated_at=sa.func.now())).rowcount
+                    n = conn.execute(
+                        sa.update(L)
+                        .where(*cond)
+                        .values(status=status, result=payload, updated_at=sa.func.now())
+                    ).rowcount
                     if n:
                         c = counts.setdefault(flight.batch_id, [0, 0])
                         c[0 if res.ok else 1] += 1
                 for bid, (ok, bad) in counts.items():
-                    conn.execute(sa.update(B).where(B.c.id == bid).values(
-                        completed_count=B.c.completed_count + ok,
-                        failed_count=B.c.failed_count + bad))
+                    conn.execute(
+                        sa.update(B)
+                        .where(B.c.id == bid)
+                        .values(
+                            completed_count=B.c.completed_count + ok,
+                            failed_count=B.c.failed_count + bad,
+                        )
+                    )
         except Exception:
             with self._lock:  # keep them for the next flush
                 self._done.extendleft(reversed(batch))
@@ -382,89 +495,140 @@ class BatchRunner:
             self.stats["failed"] += bad
         return len(batch)
 
-    def drain(self, timeout_s: float = 60.0) -> None:
-        """Tests: run ticks until nothing is in flight or queued for recording."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.tick()
-            with self._lock:
-                idle = not self._flights and not self._done
-            if idle:
-                return
-            time.sleep(0.01)
-        raise TimeoutError("batch runner did not drain")
-
     # ---- housekeeping ------------------------------------------------------------------
     def revalidate_stuck(self) -> None:
         cutoff = utcnow() - timedelta(seconds=self.cfg.stuck_s)
         with self.engine.connect() as conn:
-            ids = [r for (r,) in conn.execute(sa.select(B.c.id).where(
-                B.c.status == BatchStatus.VALIDATING, B.c.created_at < cutoff))]
+            ids = [
+                r
+                for (r,) in conn.execute(
+                    sa.select(B.c.id).where(
+                        B.c.status == BatchStatus.VALIDATING, B.c.created_at < cutoff
+                    )
+                )
+            ]
         for bid in ids:
             log.info("re-validating batch %s left in 'validating'", bid)
             validate_batch(self.engine, self.files, bid)
 
     def reap(self) -> int:
         """Lines whose runner stopped renewing their lease: run again, or fail after N tries."""
-        active = sa.select(B.c.id).where(B.c.status.in_(
-            [BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING])).scalar_subquery()
+        active = (
+            sa.select(B.c.id)
+            .where(B.c.status.in_([BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING]))
+            .scalar_subquery()
+        )
         with self._lock:
             mine = list(self._flights)
-        stale = [L.c.batch_id.in_(active), L.c.status == RUNNING,
-                 L.c.updated_at < sa.func.now() - timedelta(seconds=self.cfg.lease_s)]
+        stale = [
+            L.c.batch_id.in_(active),
+            L.c.status == RUNNING,
+            L.c.updated_at < sa.func.now() - timedelta(seconds=self.cfg.lease_s),
+        ]
         if mine:
             stale.append(L.c.id.not_in(mine))
-        exhausted = sa.cast(sa.func.split_part(L.c.request_id, ":", 1), sa.Integer) \
-            >= self.cfg.max_attempts
+        exhausted = (
+            sa.cast(sa.func.split_part(L.c.request_id, ":", 1), sa.Integer) >= self.cfg.max_attempts
+        )
         with self.engine.begin() as conn:
-            failed = conn.execute(sa.update(L).where(*stale, exhausted).values(
-                status=FAILED, updated_at=sa.func.now(),
-                error=_error("too_many_attempts", f"the line was started {self.cfg.max_attempts} "
-                             "times and its worker was lost each time"))
-                .returning(L.c.batch_id)).all()
-            back = conn.execute(sa.update(L).where(*stale).values(
-                status=PENDING, updated_at=sa.func.now()).returning(L.c.id)).all()
+            failed = conn.execute(
+                sa.update(L)
+                .where(*stale, exhausted)
+                .values(
+                    status=FAILED,
+                    updated_at=sa.func.now(),
+                    error=_error(
+                        "too_many_attempts",
+                        f"the line was started {self.cfg.max_attempts} "
+                        "times and its worker was lost each time",
+                    ),
+                )
+                .returning(L.c.batch_id)
+            ).all()
+            back = conn.execute(
+                sa.update(L)
+                .where(*stale)
+                .values(status=PENDING, updated_at=sa.func.now())
+                .returning(L.c.id)
+            ).all()
             per: dict[str, int] = {}
             for (bid,) in failed:
                 per[bid] = per.get(bid, 0) + 1
             for bid, n in per.items():
-                conn.execute(sa.update(B).where(B.c.id == bid).values(
-                    failed_count=B.c.failed_count + n))
+                conn.execute(
+                    sa.update(B).where(B.c.id == bid).values(failed_count=B.c.failed_count + n)
+                )
         n = len(failed) + len(back)
         if n:
-            log.warning("reaped %d batch lines whose lease lapsed (%d failed for good)",
-                        n, len(failed))
+            log.warning(
+                "reaped %d batch lines whose lease lapsed (%d failed for good)", n, len(failed)
+            )
             self.stats["reaped"] += n
         return n
 
     def wind_down(self) -> None:
         """Cancelled and expired batches: their pending lines end with an error line."""
         with self.engine.begin() as conn:
-            conn.execute(sa.update(L).where(
-                L.c.status == PENDING,
-                L.c.batch_id.in_(sa.select(B.c.id).where(
-                    B.c.status == BatchStatus.CANCELLING).scalar_subquery())
-            ).values(status=CANCELLED, updated_at=sa.func.now(),
-                     error=_error("batch_cancelled", "the batch was cancelled before this "
-                                  "request ran")))
-            conn.execute(sa.update(L).where(
-                L.c.status == PENDING,
-                L.c.batch_id.in_(sa.select(B.c.id).where(
-                    B.c.status == BatchStatus.IN_PROGRESS,
-                    B.c.expires_at <= sa.func.now()).scalar_subquery())
-            ).values(status=CANCELLED, updated_at=sa.func.now(),
-                     error=_error("batch_expired", "the batch's completion window ended "
-                                  "before this request ran")))
+            conn.execute(
+                sa.update(L)
+                .where(
+                    L.c.status == PENDING,
+                    L.c.batch_id.in_(
+                        sa.select(B.c.id)
+                        .where(B.c.status == BatchStatus.CANCELLING)
+                        .scalar_subquery()
+                    ),
+                )
+                .values(
+                    status=CANCELLED,
+                    updated_at=sa.func.now(),
+                    error=_error(
+                        "batch_cancelled", "the batch was cancelled before this request ran"
+                    ),
+                )
+            )
+            conn.execute(
+                sa.update(L)
+                .where(
+                    L.c.status == PENDING,
+                    L.c.batch_id.in_(
+                        sa.select(B.c.id)
+                        .where(
+                            B.c.status == BatchStatus.IN_PROGRESS, B.c.expires_at <= sa.func.now()
+                        )
+                        .scalar_subquery()
+                    ),
+                )
+                .values(
+                    status=CANCELLED,
+                    updated_at=sa.func.now(),
+                    error=_error(
+                        "batch_expired",
+                        "the batch's completion window ended before this request ran",
+                    ),
+                )
+            )
 
     def finalize_ready(self) -> int:
-        unfinished = sa.exists().where(L.c.batch_id == B.c.id,
-                                       L.c.status.in_([PENDING, RUNNING]))
+        unfinished = sa.exists().where(L.c.batch_id == B.c.id, L.c.status.in_([PENDING, RUNNING]))
         stuck = utcnow() - timedelta(seconds=self.cfg.stuck_s)
         with self.engine.connect() as conn:
-            ids = [r for (r,) in conn.execute(sa.select(B.c.id).where(sa.or_(
-                sa.and_(B.c.status.in_([BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING]),
-                        ~unfinished),
-                sa.and_(B.c.status == BatchStatus.FINALIZING, B.c.finalizing_at < stuck))))]
+            ids = [
+                r
+                for (r,) in conn.execute(
+                    sa.select(B.c.id).where(
+                        sa.or_(
+                            sa.and_(
+                                B.c.status.in_([BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING]),
+                                ~unfinished,
+                            ),
+                            sa.and_(
+                                B.c.status == BatchStatus.FINALIZING, B.c.finalizing_at < stuck
+                            ),
+                        )
+                    )
+                )
+            ]
         done = 0
         for bid in ids:
             if self.finalize(bid):
@@ -476,12 +640,18 @@ class BatchRunner:
             b = conn.execute(sa.select(B).where(B.c.id == batch_id).with_for_update()).one()
             status = BatchStatus(b.status)
             if status in (BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING):
-                left = conn.execute(sa.select(sa.func.count()).where(
-                    L.c.batch_id == batch_id, L.c.status.in_([PENDING, RUNNING]))).scalar_one()
+                left = conn.execute(
+                    sa.select(sa.func.count()).where(
+                        L.c.batch_id == batch_id, L.c.status.in_([PENDING, RUNNING])
+                    )
+                ).scalar_one()
                 if left:
                     return False
-                conn.execute(sa.update(B).where(B.c.id == batch_id).values(
-                    status=BatchStatus.FINALIZING, finalizing_at=utcnow()))
+                conn.execute(
+                    sa.update(B)
+                    .where(B.c.id == batch_id)
+                    .values(status=BatchStatus.FINALIZING, finalizing_at=utcnow())
+                )
             elif status != BatchStatus.FINALIZING:
                 return False
         # outside the row lock: writing files may take a while for 50,000 lines
@@ -496,14 +666,20 @@ class BatchRunner:
         else:
             final = BatchStatus.COMPLETED
         with self.engine.begin() as conn:
-            conn.execute(sa.update(B).where(B.c.id == batch_id,
-                                            B.c.status == BatchStatus.FINALIZING).values(
-                status=final, completed_at=utcnow(),
-                output_file_id=_output_id(batch_id) if n_out else None,
-                error_file_id=_error_id(batch_id) if n_err else None))
+            conn.execute(
+                sa.update(B)
+                .where(B.c.id == batch_id, B.c.status == BatchStatus.FINALIZING)
+                .values(
+                    status=final,
+                    completed_at=utcnow(),
+                    output_file_id=_output_id(batch_id) if n_out else None,
+                    error_file_id=_error_id(batch_id) if n_err else None,
+                )
+            )
         self.stats["finalized"] += 1
-        log.info("batch %s %s: %d output lines, %d error lines", batch_id, final.value,
-                 n_out, n_err)
+        log.info(
+            "batch %s %s: %d output lines, %d error lines", batch_id, final.value, n_out, n_err
+        )
         return True
 
     def _write_outputs(self, batch_id: str, tenant_id: str) -> tuple[int, int, bool]:
@@ -513,9 +689,12 @@ class BatchRunner:
             with self.engine.connect() as conn:
                 result = conn.execution_options(stream_results=True, yield_per=1000).execute(
                     sa.select(L.c.id, L.c.custom_id, L.c.status, L.c.result, L.c.error)
-                    .where(L.c.batch_id == batch_id,
-                           (L.c.status == COMPLETED) if want_ok else (L.c.status != COMPLETED))
-                    .order_by(L.c.line_no))
+                    .where(
+                        L.c.batch_id == batch_id,
+                        (L.c.status == COMPLETED) if want_ok else (L.c.status != COMPLETED),
+                    )
+                    .order_by(L.c.line_no)
+                )
                 for row in result:
                     st = BatchLineStatus(row.status)
                     if want_ok:
@@ -527,10 +706,20 @@ class BatchRunner:
                     rec = output_record(row.id, row.custom_id, st, row.result, row.error)
                     yield (json.dumps(rec, separators=(",", ":")) + "\n").encode()
 
-        self.files.write_generated(tenant_id, _output_id(batch_id), "batch_output",
-                                   f"{batch_id}_output.jsonl", records(True))
-        self.files.write_generated(tenant_id, _error_id(batch_id), "batch_output",
-                                   f"{batch_id}_error.jsonl", records(False))
+        self.files.write_generated(
+            tenant_id,
+            _output_id(batch_id),
+            "batch_output",
+            f"{batch_id}_output.jsonl",
+            records(True),
+        )
+        self.files.write_generated(
+            tenant_id,
+            _error_id(batch_id),
+            "batch_output",
+            f"{batch_id}_error.jsonl",
+            records(False),
+        )
         return counts["out"], counts["err"], counts["expired"] > 0
 
 

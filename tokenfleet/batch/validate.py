@@ -10,8 +10,9 @@ a bad input file.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
 from tokenfleet.errors import TokenFleetError
 
@@ -25,8 +26,9 @@ MAX_CUSTOM_ID_CHARS = 200
 class BatchInputError(TokenFleetError):
     """The input file is invalid; ``line`` is 1-based (None: the file as a whole)."""
 
-    def __init__(self, code: str, message: str, *, line: int | None = None,
-                 param: str | None = None) -> None:
+    def __init__(
+        self, code: str, message: str, *, line: int | None = None, param: str | None = None
+    ) -> None:
         where = f"line {line}: " if line is not None else ""
         super().__init__(where + message)
         self.code = code
@@ -45,9 +47,13 @@ class InputLine:
     body: dict[str, Any]
 
 
-def iter_input_lines(fh: IO[bytes], endpoint: str, *,
-                     allowed_models: tuple[str, ...] = (),
-                     max_lines: int = MAX_LINES) -> Iterator[InputLine]:
+def iter_input_lines(
+    fh: IO[bytes],
+    endpoint: str,
+    *,
+    allowed_models: tuple[str, ...] = (),
+    max_lines: int = MAX_LINES,
+) -> Iterator[InputLine]:
     """Yield validated lines; raise :class:`BatchInputError` at the first bad one.
 
     Blank lines are skipped (but still counted for line numbers, so the
@@ -61,57 +67,95 @@ def iter_input_lines(fh: IO[bytes], endpoint: str, *,
         count += 1
         if count > max_lines:
             raise BatchInputError(
-                "too_many_lines", f"the file has more than {max_lines} requests; split it "
-                f"into several batches of at most {max_lines} lines", line=line_no)
+                "too_many_lines",
+                f"the file has more than {max_lines} requests; split it "
+                f"into several batches of at most {max_lines} lines",
+                line=line_no,
+            )
         try:
             obj = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise BatchInputError("invalid_json", f"not valid JSON ({exc})", line=line_no) from None
         if not isinstance(obj, dict):
-            raise BatchInputError("invalid_request", "each line must be a JSON object",
-                                  line=line_no)
+            raise BatchInputError(
+                "invalid_request", "each line must be a JSON object", line=line_no
+            )
         cid = obj.get("custom_id")
         if not isinstance(cid, str) or not cid:
-            raise BatchInputError("missing_custom_id", "'custom_id' must be a non-empty string",
-                                  line=line_no, param="custom_id")
+            raise BatchInputError(
+                "missing_custom_id",
+                "'custom_id' must be a non-empty string",
+                line=line_no,
+                param="custom_id",
+            )
         if len(cid) > MAX_CUSTOM_ID_CHARS:
-            raise BatchInputError("invalid_custom_id",
-                                  f"'custom_id' is longer than {MAX_CUSTOM_ID_CHARS} characters",
-                                  line=line_no, param="custom_id")
+            raise BatchInputError(
+                "invalid_custom_id",
+                f"'custom_id' is longer than {MAX_CUSTOM_ID_CHARS} characters",
+                line=line_no,
+                param="custom_id",
+            )
         if cid in seen:
-            raise BatchInputError("duplicate_custom_id",
-                                  f"custom_id '{cid}' appears more than once; custom_ids must "
-                                  "be unique within a batch", line=line_no, param="custom_id")
+            raise BatchInputError(
+                "duplicate_custom_id",
+                f"custom_id '{cid}' appears more than once; custom_ids must "
+                "be unique within a batch",
+                line=line_no,
+                param="custom_id",
+            )
         seen.add(cid)
         method = obj.get("method", "POST")
         if method != "POST":
-            raise BatchInputError("invalid_method", f"method must be POST, got {method!r}",
-                                  line=line_no, param="method")
+            raise BatchInputError(
+                "invalid_method",
+                f"method must be POST, got {method!r}",
+                line=line_no,
+                param="method",
+            )
         url = obj.get("url")
         if url != endpoint:
-            raise BatchInputError("mismatched_endpoint",
-                                  f"url {url!r} does not match the batch endpoint '{endpoint}'",
-                                  line=line_no, param="url")
+            raise BatchInputError(
+                "mismatched_endpoint",
+                f"url {url!r} does not match the batch endpoint '{endpoint}'",
+                line=line_no,
+                param="url",
+            )
         body = obj.get("body")
         if not isinstance(body, dict):
-            raise BatchInputError("invalid_body", "'body' must be a JSON object", line=line_no,
-                                  param="body")
+            raise BatchInputError(
+                "invalid_body", "'body' must be a JSON object", line=line_no, param="body"
+            )
         model = body.get("model")
         if not isinstance(model, str) or not model:
-            raise BatchInputError("missing_model", "body.model must be a non-empty string",
-                                  line=line_no, param="body.model")
+            raise BatchInputError(
+                "missing_model",
+                "body.model must be a non-empty string",
+                line=line_no,
+                param="body.model",
+            )
         if allowed_models and model not in allowed_models:
-            raise BatchInputError("model_not_allowed",
-                                  f"model '{model}' is not available to this tenant (allowed: "
-                                  f"{', '.join(allowed_models)})", line=line_no,
-                                  param="body.model")
+            raise BatchInputError(
+                "model_not_allowed",
+                f"model '{model}' is not available to this tenant (allowed: "
+                f"{', '.join(allowed_models)})",
+                line=line_no,
+                param="body.model",
+            )
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise BatchInputError("invalid_body", "body.messages must be a non-empty array",
-                                  line=line_no, param="body.messages")
+            raise BatchInputError(
+                "invalid_body",
+                "body.messages must be a non-empty array",
+                line=line_no,
+                param="body.messages",
+            )
         if body.get("stream"):
-            raise BatchInputError("invalid_body", "streaming is not supported in batches",
-                                  line=line_no, param="body.stream")
+            raise BatchInputError(
+                "invalid_body",
+                "streaming is not supported in batches",
+                line=line_no,
+                param="body.stream",
+            )
         yield InputLine(line_no, cid, body)
     if count == 0:
         raise BatchInputError("empty_file", "the input file has no requests")

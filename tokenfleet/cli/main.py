@@ -12,7 +12,8 @@ import argparse
 import importlib
 import pkgutil
 import sys
-from typing import NoReturn, Sequence
+from collections.abc import Sequence
+from typing import NoReturn
 
 from tokenfleet import __version__
 from tokenfleet.errors import TokenFleetError
@@ -21,7 +22,7 @@ from tokenfleet.errors import TokenFleetError
 class _Parser(argparse.ArgumentParser):
     """Bad flags print one line and exit 2, like every other user error."""
 
-    def error(self, message: str) -> "NoReturn":  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 

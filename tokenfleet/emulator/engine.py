@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from tokenfleet.emulator.kv_events import (
     AllBlocksCleared,
@@ -23,9 +23,9 @@ from tokenfleet.emulator.kv_events import (
     RawEvent,
 )
 from tokenfleet.emulator.metrics import EmulatorMetrics, EngineState
-from tokenfleet.emulator.tokenizer import BYTES_PER_TOKEN, token_ids
 from tokenfleet.engine.instance import EngineInstance, EngineRequest, StepResult
 from tokenfleet.engine.profiles import EngineProfile
+from tokenfleet.tokenizer import BYTES_PER_TOKEN, token_ids
 
 
 @dataclass(slots=True)
@@ -42,9 +42,13 @@ class EmulatedRequest(EngineRequest):
 class EmulatedEngine(EngineInstance):
     """EngineInstance that records BlockStored/BlockRemoved when ``events`` is set."""
 
-    def __init__(self, instance_id: str, profile: EngineProfile,
-                 kv_capacity_blocks: int | None = None,
-                 record_events: bool = False) -> None:
+    def __init__(
+        self,
+        instance_id: str,
+        profile: EngineProfile,
+        kv_capacity_blocks: int | None = None,
+        record_events: bool = False,
+    ) -> None:
         super().__init__(instance_id, profile, kv_capacity_blocks)
         self.events: list[RawEvent] | None = [] if record_events else None
         self.last_batch: list[EngineRequest] = []
@@ -75,8 +79,11 @@ class EmulatedEngine(EngineInstance):
         ids: tuple[int, ...] = ()
         if isinstance(req, EmulatedRequest) and req.prompt_stream:
             step = self.block * BYTES_PER_TOKEN
-            ids = tuple(token_ids(req.prompt_stream[first_block * step:
-                                                    (first_block + len(hashes)) * step]))
+            ids = tuple(
+                token_ids(
+                    req.prompt_stream[first_block * step : (first_block + len(hashes)) * step]
+                )
+            )
         self.events.append(BlockStored(tuple(hashes), parent, ids, self.block))
 
     def _on_removed(self, hashes: list[int]) -> None:
@@ -92,9 +99,19 @@ class RequestHandle:
     critical section, so a reader that sees ``done`` sees the final count.
     """
 
-    __slots__ = ("request_id", "req", "arrival_s", "generated", "first_token_at_s",
-                 "first_token_model_s", "last_token_at_s", "cached_tokens", "done", "status",
-                 "changed")
+    __slots__ = (
+        "request_id",
+        "req",
+        "arrival_s",
+        "generated",
+        "first_token_at_s",
+        "first_token_model_s",
+        "last_token_at_s",
+        "cached_tokens",
+        "done",
+        "status",
+        "changed",
+    )
 
     def __init__(self, req: EmulatedRequest, arrival_s: float) -> None:
         self.request_id = req.request_id
@@ -125,11 +142,18 @@ class EngineLoop:
     #: beyond this lag the virtual clock resyncs to wall time (e.g. after idling)
     MAX_LAG_S = 0.05
 
-    def __init__(self, engine: EmulatedEngine, metrics: EmulatorMetrics, *,
-                 time_scale: float = 1.0, latency_spike_s: float = 0.0,
-                 spike_every_s: float = 0.0, stall_after_s: float | None = None,
-                 publisher: KVEventPublisher | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        engine: EmulatedEngine,
+        metrics: EmulatorMetrics,
+        *,
+        time_scale: float = 1.0,
+        latency_spike_s: float = 0.0,
+        spike_every_s: float = 0.0,
+        stall_after_s: float | None = None,
+        publisher: KVEventPublisher | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.time_scale = time_scale
@@ -172,8 +196,10 @@ class EngineLoop:
 
     @property
     def stalled(self) -> bool:
-        return (self.stall_after_s is not None
-                and self.clock() - self.started_at_s >= self.stall_after_s)
+        return (
+            self.stall_after_s is not None
+            and self.clock() - self.started_at_s >= self.stall_after_s
+        )
 
     # -- requests -------------------------------------------------------------
     def submit(self, req: EmulatedRequest) -> RequestHandle:
@@ -217,12 +243,16 @@ class EngineLoop:
             e = self.engine
             c = e.counters
             return EngineState(
-                running=len(e.running), waiting=len(e.waiting), kv_usage=e.kv_usage,
+                running=len(e.running),
+                waiting=len(e.waiting),
+                kv_usage=e.kv_usage,
                 prefix_queries_tokens=c.prefix_queries_tokens,
-                prefix_hits_tokens=c.prefix_hits_tokens, preemptions=c.preemptions,
+                prefix_hits_tokens=c.prefix_hits_tokens,
+                preemptions=c.preemptions,
                 prompt_tokens=self.prompt_tokens_total,
                 generation_tokens=c.generation_tokens,
-                num_gpu_blocks=e.capacity_blocks, block_size=e.block,
+                num_gpu_blocks=e.capacity_blocks,
+                block_size=e.block,
             )
 
     # -- the step loop --------------------------------------------------------------
@@ -279,8 +309,13 @@ class EngineLoop:
                 self._deliver(engine.last_batch, result, self.clock(), deadline)
                 self._publish()
 
-    def _deliver(self, batch: list[EngineRequest], result: StepResult, now: float,
-                 model_now: float | None = None) -> None:
+    def _deliver(
+        self,
+        batch: list[EngineRequest],
+        result: StepResult,
+        now: float,
+        model_now: float | None = None,
+    ) -> None:
         handles = self.handles
         metrics = self.metrics
         woken: list[RequestHandle] = []

@@ -31,10 +31,11 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
-import msgpack  # type: ignore[import-untyped]
+import msgpack
 import zmq
 
 from tokenfleet.core.types import KVEvent
@@ -67,30 +68,46 @@ RawEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 def _binds(endpoint: str) -> bool:
     """vLLM's heuristic: wildcard, ipc and inproc endpoints bind."""
-    return ("*" in endpoint or "::" in endpoint
-            or endpoint.startswith(("ipc://", "inproc://")))
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 # -- codec ------------------------------------------------------------------
 def encode_event(event: RawEvent, fmt: str = "map") -> Any:
     if isinstance(event, BlockStored):
         if fmt == "array":
-            return ["BlockStored", list(event.block_hashes), event.parent_block_hash,
-                    list(event.token_ids), event.block_size, None, MEDIUM_GPU]
-        return {"type": "BlockStored", "block_hashes": list(event.block_hashes),
-                "parent_block_hash": event.parent_block_hash,
-                "token_ids": list(event.token_ids), "block_size": event.block_size,
-                "lora_id": None, "medium": MEDIUM_GPU, "lora_name": None}
+            return [
+                "BlockStored",
+                list(event.block_hashes),
+                event.parent_block_hash,
+                list(event.token_ids),
+                event.block_size,
+                None,
+                MEDIUM_GPU,
+            ]
+        return {
+            "type": "BlockStored",
+            "block_hashes": list(event.block_hashes),
+            "parent_block_hash": event.parent_block_hash,
+            "token_ids": list(event.token_ids),
+            "block_size": event.block_size,
+            "lora_id": None,
+            "medium": MEDIUM_GPU,
+            "lora_name": None,
+        }
     if isinstance(event, BlockRemoved):
         if fmt == "array":
             return ["BlockRemoved", list(event.block_hashes), MEDIUM_GPU]
-        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes),
-                "medium": MEDIUM_GPU}
+        return {
+            "type": "BlockRemoved",
+            "block_hashes": list(event.block_hashes),
+            "medium": MEDIUM_GPU,
+        }
     return ["AllBlocksCleared"] if fmt == "array" else {"type": "AllBlocksCleared"}
 
 
-def encode_batch(ts: float, events: Sequence[RawEvent], fmt: str = "map",
-                 data_parallel_rank: int = 0) -> bytes:
+def encode_batch(
+    ts: float, events: Sequence[RawEvent], fmt: str = "map", data_parallel_rank: int = 0
+) -> bytes:
     body = [ts, [encode_event(e, fmt) for e in events], data_parallel_rank]
     out = msgpack.packb(body, use_bin_type=True)
     assert isinstance(out, bytes)
@@ -112,10 +129,12 @@ def decode_event(raw: Any) -> RawEvent | None:
         fields = raw
         if tag == "BlockStored":
             parent = fields.get("parent_block_hash")
-            return BlockStored(_hashes(fields.get("block_hashes")),
-                               _hashes([parent])[0] if parent is not None else None,
-                               tuple(fields.get("token_ids") or ()),
-                               int(fields.get("block_size") or 0))
+            return BlockStored(
+                _hashes(fields.get("block_hashes")),
+                _hashes([parent])[0] if parent is not None else None,
+                tuple(fields.get("token_ids") or ()),
+                int(fields.get("block_size") or 0),
+            )
         if tag == "BlockRemoved":
             return BlockRemoved(_hashes(fields.get("block_hashes")))
         if tag == "AllBlocksCleared":
@@ -125,9 +144,12 @@ def decode_event(raw: Any) -> RawEvent | None:
         tag = raw[0]
         if tag == "BlockStored" and len(raw) >= 5:
             parent = raw[2]
-            return BlockStored(_hashes(raw[1]),
-                               _hashes([parent])[0] if parent is not None else None,
-                               tuple(raw[3] or ()), int(raw[4] or 0))
+            return BlockStored(
+                _hashes(raw[1]),
+                _hashes([parent])[0] if parent is not None else None,
+                tuple(raw[3] or ()),
+                int(raw[4] or 0),
+            )
         if tag == "BlockRemoved" and len(raw) >= 2:
             return BlockRemoved(_hashes(raw[1]))
         if tag == "AllBlocksCleared":
@@ -165,19 +187,27 @@ class KVEventPublisher:
     ``bind=None`` applies vLLM's bind-or-connect heuristic to the endpoint.
     """
 
-    def __init__(self, endpoint: str, topic: str = "", fmt: str = "map",
-                 hwm: int = 100_000, bind: bool | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        topic: str = "",
+        fmt: str = "map",
+        hwm: int = 100_000,
+        bind: bool | None = None,
+    ) -> None:
         if fmt not in EVENT_FORMATS:
-            raise ConfigError(f"KV event format '{fmt}' is unknown; use one of "
-                              f"{', '.join(EVENT_FORMATS)}")
+            raise ConfigError(
+                f"KV event format '{fmt}' is unknown; use one of {', '.join(EVENT_FORMATS)}"
+            )
         if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ConfigError(f"KV events endpoint '{endpoint}' must look like "
-                              "tcp://HOST:PORT (connect) or tcp://*:PORT (bind)")
+            raise ConfigError(
+                f"KV events endpoint '{endpoint}' must look like "
+                "tcp://HOST:PORT (connect) or tcp://*:PORT (bind)"
+            )
         self.endpoint = endpoint
         self.topic = topic.encode("utf-8")
         self.fmt = fmt
-        self._queue: queue.SimpleQueue[tuple[float, list[RawEvent]] | None] = (
-            queue.SimpleQueue())
+        self._queue: queue.SimpleQueue[tuple[float, list[RawEvent]] | None] = queue.SimpleQueue()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.set_hwm(hwm)
@@ -190,16 +220,16 @@ class KVEventPublisher:
                 self._sock.connect(endpoint)
         except zmq.ZMQError as exc:
             self._sock.close(linger=0)
-            raise ConfigError(f"cannot open KV events endpoint '{endpoint}': {exc}; "
-                              "pick a free port or a valid address") from None
+            raise ConfigError(
+                f"cannot open KV events endpoint '{endpoint}': {exc}; "
+                "pick a free port or a valid address"
+            ) from None
         last = self._sock.getsockopt(zmq.LAST_ENDPOINT)
         #: the address subscribers should use (a bound ``:*`` port resolved)
-        self.resolved_endpoint = (last.decode() if isinstance(last, bytes) and last
-                                  else endpoint)
+        self.resolved_endpoint = last.decode() if isinstance(last, bytes) and last else endpoint
         self._seq = 0
         self.published_batches = 0
-        self._thread = threading.Thread(target=self._run, name="kv-events-pub",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="kv-events-pub", daemon=True)
         self._thread.start()
 
     def publish(self, events: list[RawEvent]) -> None:
@@ -233,8 +263,14 @@ class KVEventSubscriber:
     when the topic is empty. Not thread-safe: poll it from one thread.
     """
 
-    def __init__(self, endpoint: str, *, topic: str = "", instance_id: str | None = None,
-                 bind: bool | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        topic: str = "",
+        instance_id: str | None = None,
+        bind: bool | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.instance_id = instance_id
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -249,8 +285,10 @@ class KVEventSubscriber:
                 self._sock.connect(endpoint)
         except zmq.ZMQError as exc:
             self._sock.close(linger=0)
-            raise ConfigError(f"cannot open KV events endpoint '{endpoint}': {exc}; "
-                              "pick a free port or a valid address") from None
+            raise ConfigError(
+                f"cannot open KV events endpoint '{endpoint}': {exc}; "
+                "pick a free port or a valid address"
+            ) from None
         self._last_seq: dict[bytes, int] = {}
         self.missed = 0
         self.batches = 0

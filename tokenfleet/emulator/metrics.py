@@ -11,8 +11,8 @@ client sees (model seconds times ``time_scale``).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -20,12 +20,74 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 LABELS = ["model_name", "engine"]
 
 # Buckets as in vLLM's PrometheusStatLogger.
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
-E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-               50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+TPOT_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+E2E_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -51,27 +113,41 @@ class EmulatorMetrics:
         self.engine_index = engine_index
         self.registry = CollectorRegistry()
         lv = (model_name, engine_index)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds",
-                              "Histogram of time to first token in seconds.",
-                              LABELS, buckets=TTFT_BUCKETS,
-                              registry=self.registry).labels(*lv)
-        self.tpot = Histogram("vllm:time_per_output_token_seconds",
-                              "Histogram of time per output token in seconds.",
-                              LABELS, buckets=TPOT_BUCKETS,
-                              registry=self.registry).labels(*lv)
-        self.itl = Histogram("vllm:inter_token_latency_seconds",
-                             "Histogram of inter-token latency in seconds.",
-                             LABELS, buckets=TPOT_BUCKETS,
-                             registry=self.registry).labels(*lv)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
-                             "Histogram of e2e request latency in seconds.",
-                             LABELS, buckets=E2E_BUCKETS,
-                             registry=self.registry).labels(*lv)
-        success = Counter("vllm:request_success",
-                          "Count of successfully processed requests.",
-                          LABELS + ["finished_reason"], registry=self.registry)
-        self.success = {r: success.labels(model_name, engine_index, r)
-                        for r in FINISH_REASONS}
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            LABELS,
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(*lv)
+        self.tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.",
+            LABELS,
+            buckets=TPOT_BUCKETS,
+            registry=self.registry,
+        ).labels(*lv)
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            LABELS,
+            buckets=TPOT_BUCKETS,
+            registry=self.registry,
+        ).labels(*lv)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            LABELS,
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(*lv)
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            LABELS + ["finished_reason"],
+            registry=self.registry,
+        )
+        self.success = {r: success.labels(model_name, engine_index, r) for r in FINISH_REASONS}
         self._state: Callable[[], EngineState] | None = None
         self.registry.register(_StateCollector(self))
 
@@ -122,29 +198,44 @@ class _StateCollector:
             c.add_metric(lv, value)
             return c
 
-        yield gauge("vllm:num_requests_running",
-                    "Number of requests in model execution batches.", s.running)
-        yield gauge("vllm:num_requests_waiting",
-                    "Number of requests waiting to be processed.", s.waiting)
-        yield gauge("vllm:kv_cache_usage_perc",
-                    "KV-cache usage. 1 means 100 percent usage.", s.kv_usage)
-        yield gauge("vllm:gpu_cache_usage_perc",
-                    "GPU KV-cache usage. 1 means 100 percent usage. "
-                    "DEPRECATED: Use vllm:kv_cache_usage_perc instead.", s.kv_usage)
-        yield counter("vllm:prefix_cache_queries",
-                      "Prefix cache queries, in terms of number of queried tokens.",
-                      s.prefix_queries_tokens)
-        yield counter("vllm:prefix_cache_hits",
-                      "Prefix cache hits, in terms of number of cached tokens.",
-                      s.prefix_hits_tokens)
-        yield counter("vllm:num_preemptions",
-                      "Cumulative number of preemption from the engine.", s.preemptions)
-        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
-                      s.prompt_tokens)
-        yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                      s.generation_tokens)
-        info = GaugeMetricFamily("vllm:cache_config_info",
-                                 "Information of the LLMEngine CacheConfig",
-                                 labels=["block_size", "num_gpu_blocks", "engine"])
+        yield gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", s.running
+        )
+        yield gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.waiting
+        )
+        yield gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_usage
+        )
+        yield gauge(
+            "vllm:gpu_cache_usage_perc",
+            "GPU KV-cache usage. 1 means 100 percent usage. "
+            "DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
+            s.kv_usage,
+        )
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            s.prefix_queries_tokens,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            s.prefix_hits_tokens,
+        )
+        yield counter(
+            "vllm:num_preemptions",
+            "Cumulative number of preemption from the engine.",
+            s.preemptions,
+        )
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
+        yield counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens
+        )
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=["block_size", "num_gpu_blocks", "engine"],
+        )
         info.add_metric([str(s.block_size), str(s.num_gpu_blocks), self._m.engine_index], 1)
         yield info

@@ -19,9 +19,10 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 from tokenfleet.emulator.engine import (
     EmulatedEngine,
@@ -41,9 +42,9 @@ from tokenfleet.emulator.openai_api import (
     usage,
     usage_chunk,
 )
-from tokenfleet.emulator.tokenizer import block_hashes, filler_word
 from tokenfleet.engine.profiles import EngineProfile, get_profile
 from tokenfleet.errors import CapacityError, ConfigError
+from tokenfleet.tokenizer import block_hashes, filler_word
 
 #: exit status when ``crash_after_s`` fires
 CRASH_EXIT_CODE = 1
@@ -83,7 +84,8 @@ class EmulatorConfig:
         prof = get_profile(self.profile) if isinstance(self.profile, str) else self.profile
         if self.max_model_len_tokens is not None:
             prof = prof.with_overrides(
-                model=replace(prof.model, max_model_len_tokens=self.max_model_len_tokens))
+                model=replace(prof.model, max_model_len_tokens=self.max_model_len_tokens)
+            )
         return prof
 
     def validate(self) -> None:
@@ -92,8 +94,9 @@ class EmulatorConfig:
         if not 0.0 <= self.fail_5xx_rate <= 1.0:
             raise ConfigError(f"fail_5xx_rate must be within 0..1, got {self.fail_5xx_rate}")
         if (self.latency_spike_ms > 0) != (self.spike_every_s > 0):
-            raise ConfigError("latency spikes need both --latency-spike-ms and "
-                              "--spike-every-s (> 0)")
+            raise ConfigError(
+                "latency spikes need both --latency-spike-ms and --spike-every-s (> 0)"
+            )
         if self.latency_spike_ms < 0 or self.spike_every_s < 0:
             raise ConfigError("--latency-spike-ms and --spike-every-s must be >= 0")
         for name in ("stall_after_s", "crash_after_s"):
@@ -131,8 +134,12 @@ class EmulatorServer:
     the CLI or a subprocess, never inside a test runner.
     """
 
-    def __init__(self, profile: str | EngineProfile | EmulatorConfig = "llama3-8b-h200",
-                 port: int = 0, **options: Any) -> None:
+    def __init__(
+        self,
+        profile: str | EngineProfile | EmulatorConfig = "llama3-8b-h200",
+        port: int = 0,
+        **options: Any,
+    ) -> None:
         if isinstance(profile, EmulatorConfig):
             cfg = replace(profile, **options) if options else profile
             if port:
@@ -147,19 +154,35 @@ class EmulatorServer:
         self.model_name = model
         self.max_model_len_tokens = self.profile.model.max_model_len_tokens
         self.metrics = EmulatorMetrics(self.served_model_names[0])
-        self.publisher = (KVEventPublisher(cfg.kv_events_endpoint, cfg.kv_events_topic,
-                                           cfg.kv_events_format,
-                                           bind=not cfg.kv_events_connect)
-                          if cfg.kv_events_endpoint else None)
+        self.publisher = (
+            KVEventPublisher(
+                cfg.kv_events_endpoint,
+                cfg.kv_events_topic,
+                cfg.kv_events_format,
+                bind=not cfg.kv_events_connect,
+            )
+            if cfg.kv_events_endpoint
+            else None
+        )
         #: where subscribers connect (bound ``tcp://127.0.0.1:*`` resolved to its port)
-        self.kv_events_endpoint = (self.publisher.resolved_endpoint
-                                   if self.publisher is not None else None)
-        self.engine = EmulatedEngine(cfg.instance_id, self.profile, cfg.kv_capacity_blocks,
-                                     record_events=self.publisher is not None)
-        self.loop = EngineLoop(self.engine, self.metrics, time_scale=cfg.time_scale,
-                               latency_spike_s=cfg.latency_spike_ms / 1000.0,
-                               spike_every_s=cfg.spike_every_s,
-                               stall_after_s=cfg.stall_after_s, publisher=self.publisher)
+        self.kv_events_endpoint = (
+            self.publisher.resolved_endpoint if self.publisher is not None else None
+        )
+        self.engine = EmulatedEngine(
+            cfg.instance_id,
+            self.profile,
+            cfg.kv_capacity_blocks,
+            record_events=self.publisher is not None,
+        )
+        self.loop = EngineLoop(
+            self.engine,
+            self.metrics,
+            time_scale=cfg.time_scale,
+            latency_spike_s=cfg.latency_spike_ms / 1000.0,
+            spike_every_s=cfg.spike_every_s,
+            stall_after_s=cfg.stall_after_s,
+            publisher=self.publisher,
+        )
         self._rng = random.Random(cfg.seed)
         self._fail_rng = random.Random(cfg.seed ^ 0x5EED)
         self._rng_lock = threading.Lock()
@@ -196,20 +219,24 @@ class EmulatorServer:
         try:
             self._httpd = _HTTPServer((self.config.host, self.config.port), self)
         except OSError as exc:
-            raise ConfigError(f"cannot listen on {self.config.host}:{self.config.port}: "
-                              f"{exc}; pick another --port") from None
+            raise ConfigError(
+                f"cannot listen on {self.config.host}:{self.config.port}: "
+                f"{exc}; pick another --port"
+            ) from None
         self.loop.start()
         if self.config.crash_after_s is not None:
-            threading.Thread(target=self._crash_later, name="crash-timer",
-                             daemon=True).start()
+            threading.Thread(target=self._crash_later, name="crash-timer", daemon=True).start()
 
     def start(self) -> str:
         """Serve on a background thread; return the base URL (no ``/v1``)."""
         self._bind()
         assert self._httpd is not None
-        self._serve_thread = threading.Thread(target=self._httpd.serve_forever,
-                                              kwargs={"poll_interval": 0.1},
-                                              name="emulator-http", daemon=True)
+        self._serve_thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.1},
+            name="emulator-http",
+            daemon=True,
+        )
         self._serve_thread.start()
         return self.url
 
@@ -249,15 +276,26 @@ class EmulatorServer:
             return
         off = self._wall_offset
         loop = self.loop
-        line = json.dumps({
-            "id": handle.request_id, "received": received_s, "submitted": handle.arrival_s + off,
-            "first_model": (handle.first_token_model_s + off
-                            if handle.first_token_model_s is not None else None),
-            "first": handle.first_token_at_s + off if handle.first_token_at_s else None,
-            "done": time.time(), "status": handle.status,
-            "input_tokens": handle.req.input_tokens, "cached_tokens": handle.cached_tokens,
-            "generated": handle.generated, "loop_resyncs": loop.resyncs,
-            "loop_lost_s": round(loop.lost_s, 6)})
+        line = json.dumps(
+            {
+                "id": handle.request_id,
+                "received": received_s,
+                "submitted": handle.arrival_s + off,
+                "first_model": (
+                    handle.first_token_model_s + off
+                    if handle.first_token_model_s is not None
+                    else None
+                ),
+                "first": handle.first_token_at_s + off if handle.first_token_at_s else None,
+                "done": time.time(),
+                "status": handle.status,
+                "input_tokens": handle.req.input_tokens,
+                "cached_tokens": handle.cached_tokens,
+                "generated": handle.generated,
+                "loop_resyncs": loop.resyncs,
+                "loop_lost_s": round(loop.lost_s, 6),
+            }
+        )
         with self._request_log_lock:
             if self._request_log is not None:
                 self._request_log.write(line + "\n")
@@ -272,8 +310,9 @@ class EmulatorServer:
     def _crash_later(self) -> None:
         assert self.config.crash_after_s is not None
         time.sleep(self.config.crash_after_s)
-        sys.stderr.write(f"tokenfleet engine-sim: injected crash after "
-                         f"{self.config.crash_after_s}s\n")
+        sys.stderr.write(
+            f"tokenfleet engine-sim: injected crash after {self.config.crash_after_s}s\n"
+        )
         sys.stderr.flush()
         os._exit(CRASH_EXIT_CODE)
 
@@ -293,20 +332,27 @@ class EmulatorServer:
 
     def parse(self, body: Any, headers: dict[str, str], chat: bool) -> ParsedRequest:
         with self._rng_lock:
-            parsed = parse_request(body, headers, chat=chat,
-                                   max_model_len_tokens=self.max_model_len_tokens,
-                                   rng=self._rng)
+            parsed = parse_request(
+                body,
+                headers,
+                chat=chat,
+                max_model_len_tokens=self.max_model_len_tokens,
+                rng=self._rng,
+            )
         if parsed.model is not None and parsed.model not in self.served_model_names:
             raise ApiError(404, f"The model `{parsed.model}` does not exist.", "model")
         return parsed
 
     def submit(self, parsed: ParsedRequest, request_id: str) -> RequestHandle:
         req = EmulatedRequest(
-            request_id=request_id, input_tokens=parsed.input_tokens,
+            request_id=request_id,
+            input_tokens=parsed.input_tokens,
             output_tokens=parsed.output_tokens,
             block_hashes=block_hashes(parsed.prompt_stream, self.profile.block_size_tokens),
             prompt_stream=parsed.prompt_stream if self.publisher is not None else b"",
-            max_tokens=parsed.max_tokens, filler_seed=parsed.filler_seed)
+            max_tokens=parsed.max_tokens,
+            filler_seed=parsed.filler_seed,
+        )
         try:
             return self.loop.submit(req)
         except CapacityError as exc:
@@ -319,11 +365,22 @@ class EmulatorServer:
 
     def models_body(self) -> dict[str, Any]:
         created = int(time.time())
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "vllm",
-             "root": self.model_name, "parent": None,
-             "max_model_len": self.max_model_len_tokens, "permission": []}
-            for name in self.served_model_names]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "vllm",
+                    "root": self.model_name,
+                    "parent": None,
+                    "max_model_len": self.max_model_len_tokens,
+                    "permission": [],
+                }
+                for name in self.served_model_names
+            ],
+        }
 
 
 class _ClientGone(Exception):
@@ -339,7 +396,7 @@ class _Handler(BaseHTTPRequestHandler):
         super().setup()
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: Any) -> None:
         if self.server.app.config.access_log:
             super().log_message(format, *args)
 
@@ -351,8 +408,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _path(self) -> str:
         return self.path.split("?", 1)[0].rstrip("/") or "/"
 
-    def _send(self, status: int, body: bytes, content_type: str,
-              headers: dict[str, str] | None = None) -> None:
+    def _send(
+        self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -371,8 +429,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _read_json(self) -> Any:
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             self.close_connection = True
-            raise ApiError(411, "chunked request bodies are not supported; send "
-                           "Content-Length")
+            raise ApiError(411, "chunked request bodies are not supported; send Content-Length")
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
@@ -415,7 +472,7 @@ class _Handler(BaseHTTPRequestHandler):
                 next_check = now + _POLL_S
 
     # -- routes ----------------------------------------------------------------------
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         path = self._path()
         app = self.app
         if path == "/health":
@@ -432,10 +489,10 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._send_error(ApiError(404, f"no route GET {path}"))
 
-    def do_HEAD(self) -> None:  # noqa: N802
+    def do_HEAD(self) -> None:
         self.do_GET()
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         path = self._path()
         try:
             if path == "/v1/chat/completions":
@@ -475,8 +532,9 @@ class _Handler(BaseHTTPRequestHandler):
             if isinstance(rids, str):
                 rids = [rids]
             if not isinstance(rids, list) or not all(isinstance(r, str) for r in rids):
-                raise ApiError(400, "give 'rid' (a request id or a list) or "
-                               "'abort_all': true", "rid")
+                raise ApiError(
+                    400, "give 'rid' (a request id or a list) or 'abort_all': true", "rid"
+                )
             n = sum(1 for r in rids if loop.abort(r))
         self._send_json(200, {"aborted": n})
 
@@ -511,9 +569,15 @@ class _Handler(BaseHTTPRequestHandler):
         seed = handle.req.filler_seed
         text = "".join(filler_word(seed, i) for i in range(n))
         reason = finish_reason(handle.req) if handle.status == "completed" else "abort"
-        body = completion_body(parsed.chat, rid, int(time.time()), self.app.served_model(parsed),
-                               text, reason, usage(parsed.input_tokens, n,
-                                                   handle.cached_tokens))
+        body = completion_body(
+            parsed.chat,
+            rid,
+            int(time.time()),
+            self.app.served_model(parsed),
+            text,
+            reason,
+            usage(parsed.input_tokens, n, handle.cached_tokens),
+        )
         self._send_json(200, body, {"X-Request-Id": handle.request_id})
 
     def _write_chunk(self, data: bytes) -> None:
@@ -544,8 +608,11 @@ class _Handler(BaseHTTPRequestHandler):
                 reason = finish_reason(handle.req) if status == "completed" else "abort"
             for i in range(sent, n):
                 last = done and i == n - 1
-                events.append(chunk_body(chat, rid, created, model, filler_word(seed, i),
-                                         reason if last else None))
+                events.append(
+                    chunk_body(
+                        chat, rid, created, model, filler_word(seed, i), reason if last else None
+                    )
+                )
             if done and n == sent:
                 events.append(chunk_body(chat, rid, created, model, "", reason))
             sent = n
@@ -553,8 +620,11 @@ class _Handler(BaseHTTPRequestHandler):
             if done:
                 if parsed.include_usage:
                     use = usage(parsed.input_tokens, n, handle.cached_tokens)
-                    payload += (b"data: " + json.dumps(usage_chunk(chat, rid, created, model,
-                                                                   use)).encode() + b"\n\n")
+                    payload += (
+                        b"data: "
+                        + json.dumps(usage_chunk(chat, rid, created, model, use)).encode()
+                        + b"\n\n"
+                    )
                 payload += b"data: [DONE]\n\n"
                 self._write_chunk(payload)
                 self.wfile.write(b"0\r\n\r\n")

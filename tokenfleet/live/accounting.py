@@ -18,17 +18,21 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
-from typing import Callable, Iterable, Mapping
 
 from tokenfleet.core.types import DispatchAccounting
+
 
 class AccountingView:
     """Thread-safe; ``read`` is the Redis read (``LiveState.accounting``)."""
 
-    def __init__(self, read: Callable[[list[str]], dict[str, DispatchAccounting]],
-                 period_s: float = 0.02,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        read: Callable[[list[str]], dict[str, DispatchAccounting]],
+        period_s: float = 0.02,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._read = read
         self.period_s = period_s
         self._clock = clock
@@ -69,8 +73,7 @@ class AccountingView:
         now = self._clock()
         with self._lock:
             self._used_at = now
-            fresh = (now - self._read_at <= 2 * self.period_s
-                     and self._ids.issuperset(ids))
+            fresh = now - self._read_at <= 2 * self.period_s and self._ids.issuperset(ids)
         if not fresh:
             self.refresh(ids)
         with self._lock:

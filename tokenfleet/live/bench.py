@@ -19,10 +19,11 @@ import http.client
 import json
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from tokenfleet.core.tiers import SLOConfig, classify
 from tokenfleet.core.types import BLOCK_SIZE_TOKENS
@@ -42,7 +43,7 @@ def block_text(block_hash: int) -> str:
     digest = hashlib.blake2b(str(block_hash).encode(), digest_size=48).digest()
     words = []
     for i in range(0, 48, 4):
-        chunk = digest[i:i + 4]
+        chunk = digest[i : i + 4]
         words.append("".join(_ALPHABET[b % 26] for b in chunk))
     text = " ".join(words) + " "
     return text[:BYTES_PER_BLOCK].ljust(BYTES_PER_BLOCK, ".")
@@ -57,7 +58,7 @@ def prompt_text(req: TraceRequest) -> str:
         parts.append(block_text(hash((req.info.request_id, j))))
     tail_tokens = req.info.input_tokens - n_full * BLOCK_SIZE_TOKENS
     if tail_tokens:
-        parts.append(block_text(hash((req.info.request_id, "tail")))[:4 * tail_tokens])
+        parts.append(block_text(hash((req.info.request_id, "tail")))[: 4 * tail_tokens])
     return "".join(parts)
 
 
@@ -91,13 +92,20 @@ class _Client(KeepAliveClient):
 
 def _one(client: _Client, out: Outcome, model: str, clock: Callable[[], float]) -> None:
     req = out.request
-    body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
-            "max_tokens": req.info.max_tokens,
-            "messages": [{"role": "user", "content": prompt_text(req)}],
-            "vllm_xargs": {"output_tokens": max(1, req.output_tokens)}}
+    body = {
+        "model": model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": req.info.max_tokens,
+        "messages": [{"role": "user", "content": prompt_text(req)}],
+        "vllm_xargs": {"output_tokens": max(1, req.output_tokens)},
+    }
     payload = json.dumps(body).encode()
-    headers = {"Authorization": f"Bearer {client.api_key}", "Content-Type": "application/json",
-               "X-TokenFleet-Tier": out.tier}
+    headers = {
+        "Authorization": f"Bearer {client.api_key}",
+        "Content-Type": "application/json",
+        "X-TokenFleet-Tier": out.tier,
+    }
     try:
         out.sent_s = clock()
         out.sent_wall = time.time()
@@ -132,8 +140,9 @@ def _one(client: _Client, out: Outcome, model: str, clock: Callable[[], float]) 
                 if chunk.get("usage"):
                     u = chunk["usage"]
                     out.output_tokens = int(u.get("completion_tokens", 0))
-                    out.cached_tokens = int((u.get("prompt_tokens_details") or {})
-                                            .get("cached_tokens", 0) or 0)
+                    out.cached_tokens = int(
+                        (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
+                    )
                 for ch in chunk.get("choices") or ():
                     if (ch.get("delta") or {}).get("content") and out.first_token_s is None:
                         out.first_token_s = clock()
@@ -146,9 +155,17 @@ def _one(client: _Client, out: Outcome, model: str, clock: Callable[[], float]) 
         out.finish_s = clock()
 
 
-def replay(url: str, api_key: str, requests: Sequence[TraceRequest], *, model: str,
-           slo: SLOConfig | None = None, max_inflight: int = 512, timeout_s: float = 600.0,
-           progress: Callable[[int, int], None] | None = None) -> tuple[list[Outcome], float]:
+def replay(
+    url: str,
+    api_key: str,
+    requests: Sequence[TraceRequest],
+    *,
+    model: str,
+    slo: SLOConfig | None = None,
+    max_inflight: int = 512,
+    timeout_s: float = 600.0,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[list[Outcome], float]:
     """Send every request at its arrival time (relative to now); returns the
     outcomes and the wall-clock span of the run."""
     slo = slo or SLOConfig()
@@ -184,18 +201,28 @@ def to_records(outs: Sequence[Outcome]) -> list[RequestRecord]:
     recs = []
     for o in outs:
         info = o.request.info
-        recs.append(RequestRecord(
-            request_id=info.request_id, tenant=info.tenant, tier=o.tier,
-            arrival_s=o.sent_s, input_tokens=info.input_tokens, max_tokens=info.max_tokens,
-            dispatched_s=o.sent_s if o.http_status == 200 else None,
-            first_token_s=o.first_token_s, finish_s=o.finish_s,
-            cached_tokens=o.cached_tokens, output_tokens=o.output_tokens,
-            status=o.status if o.status != "pending" else "failed"))
+        recs.append(
+            RequestRecord(
+                request_id=info.request_id,
+                tenant=info.tenant,
+                tier=o.tier,
+                arrival_s=o.sent_s,
+                input_tokens=info.input_tokens,
+                max_tokens=info.max_tokens,
+                dispatched_s=o.sent_s if o.http_status == 200 else None,
+                first_token_s=o.first_token_s,
+                finish_s=o.finish_s,
+                cached_tokens=o.cached_tokens,
+                output_tokens=o.output_tokens,
+                status=o.status if o.status != "pending" else "failed",
+            )
+        )
     return recs
 
 
-def summary(outs: Sequence[Outcome], wall_s: float, slo: SLOConfig | None = None,
-            label: str = "live") -> dict[str, Any]:
+def summary(
+    outs: Sequence[Outcome], wall_s: float, slo: SLOConfig | None = None, label: str = "live"
+) -> dict[str, Any]:
     from tokenfleet.sim.metrics import summarize
 
     recs = to_records(outs)
@@ -209,8 +236,7 @@ def summary(outs: Sequence[Outcome], wall_s: float, slo: SLOConfig | None = None
     return out
 
 
-def path_delays(outs: Sequence[Outcome], engine_logs: Path
-                ) -> list[tuple[int, float, float]]:
+def path_delays(outs: Sequence[Outcome], engine_logs: Path) -> list[tuple[int, float, float]]:
     """Per request (prompt tokens, ``dispatch``, ``relay``): seconds from the
     client's send to its engine taking the request, and from the engine step
     that made the first token to the client reading it. The outcomes are
@@ -227,9 +253,13 @@ def path_delays(outs: Sequence[Outcome], engine_logs: Path
         e = engine.get(o.api_request_id)
         if e is None or o.first_token_s is None or not e.get("first_model"):
             continue
-        out.append((int(e.get("input_tokens") or o.request.info.input_tokens),
-                    e["submitted"] - o.sent_wall,
-                    o.sent_wall + (o.first_token_s - o.sent_s) - e["first_model"]))
+        out.append(
+            (
+                int(e.get("input_tokens") or o.request.info.input_tokens),
+                e["submitted"] - o.sent_wall,
+                o.sent_wall + (o.first_token_s - o.sent_s) - e["first_model"],
+            )
+        )
     return out
 
 

@@ -1,105 +1,202 @@
 """Settings of the live request path (routing, scraping, timeouts, control loop).
 
-They sit next to :class:`tokenfleet.service.config.ServiceConfig` (stores,
-ports, ledger) and are read from ``TOKENFLEET_*`` environment variables with
-the same rules, so a worker, the API and beat started by ``tokenfleet up``
-agree on them through their environment.
+One configuration system: these knobs are loaded by
+:func:`tokenfleet.service.config.load_config` with the service's own keys,
+in the same layers (defaults < file < ``TOKENFLEET_*`` environment <
+overrides), and listed in the same generated reference table
+(docs/deployment.md). ``ServiceConfig.live`` holds them;
+:meth:`LiveConfig.load` is the shortcut for code that needs only these. A
+worker, the API and beat started by ``tokenfleet up`` agree on them through
+their environment (:meth:`LiveConfig.as_env`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-from dataclasses import dataclass
-from typing import Any, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from tokenfleet.errors import ConfigError
 
 ENV_PREFIX = "TOKENFLEET_"
 
 
+def _doc(text: str) -> dict[str, Any]:
+    return {"doc": text, "secret": False}
+
+
 @dataclass(frozen=True)
 class LiveConfig:
     """Every knob of the live path; env var = ``TOKENFLEET_`` + upper-case name."""
 
-    #: router name in tokenfleet.core.routing.ROUTERS
-    router: str = "tokenpilot"
-    router_seed: int = 0
-    #: datacenter selector in tokenfleet.core.fleet.FLEET, run before the router
-    #: ("fleetmind"; "none" keeps every request at its home DC)
-    fleet_policy: str = "fleetmind"
-    #: topology YAML (the simulator's format): regions, RTTs, load ceilings,
-    #: tenants' homes and residency. Empty: each DC is its own region, RTTs zero
-    topology: str = ""
-    #: the datacenter this API replica runs in (requests enter here); "" = none
-    entry_dc: str = ""
-    #: key prefix in Redis, so several fleets can share one server
-    redis_prefix: str = "tf"
-    #: how often a worker scrapes its engine's /metrics and /health
-    scrape_interval_s: float = 0.5
-    #: a snapshot older than this is treated as a dead instance (worker gone)
-    stale_after_s: float = 3.0
-    #: a request is sent to an instance's own queue only if the router expects
-    #: at least this many cached prompt tokens there; else to the shared pool
-    affinity_min_cached_tokens: int = 256
-    #: ... and at least this fraction of the prompt
-    affinity_min_cached_fraction: float = 0.25
-    #: a worker takes work from its DC's shared pool queues only while the prompts
-    #: waiting for prefill on its engine (uncached tokens) stay under this, so late
-    #: binding means "the first engine whose prefill queue is (nearly) empty"
-    pool_prefill_budget_tokens: int = 2048
-    #: an affinity-queued request whose instance has been dead this long is re-sent
-    affinity_dead_after_s: float = 2.0
-    #: worker lease on a running request; renewed every lease_ttl_s / 3
-    lease_ttl_s: float = 3.0
-    #: no token from the engine for this long: the request is aborted and retried
-    engine_stall_timeout_s: float = 10.0
-    #: connect timeout to an engine
-    engine_connect_timeout_s: float = 2.0
-    #: engine failures in a row that mark an instance unhealthy, and for how long
-    engine_fail_threshold: int = 2
-    engine_unhealthy_s: float = 5.0
-    #: attempts per request (first try included) before it fails
-    max_attempts: int = 3
-    #: how long the API waits for a request to finish before answering 504
-    request_timeout_s: float = 600.0
-    #: control loop (SLOMax) and long cycle (FleetMind) periods
-    control_period_s: float = 1.0
-    fleet_period_s: float = 60.0
-    #: relay streams live this long after the last write (client reconnects, debugging)
-    stream_ttl_s: float = 120.0
-    #: seconds the ledger row of a request may wait in Redis idempotency state
-    request_state_ttl_s: float = 7200.0
-    #: "key=tenant,key2=tenant2": API keys accepted without the database (seed keys)
-    seed_api_keys: str = ""
-    #: Celery broker visibility timeout (Redis/SQS): above the longest queued+running time
-    visibility_timeout_s: float = 7200.0
-    #: an API server thread waits this long on the keep-alive connection it just
-    #: served for the next request (0: hand it straight back to cheroot's selector)
-    api_linger_s: float = 1.0
+    router: str = field(
+        default="tokenpilot", metadata=_doc("Router name in tokenfleet.core.routing.ROUTERS.")
+    )
+    router_seed: int = field(
+        default=0, metadata=_doc("Seed of the router's random choices (ties, sampling).")
+    )
+    fleet_policy: str = field(
+        default="fleetmind",
+        metadata=_doc(
+            "Datacenter selector in tokenfleet.core.fleet.FLEET, run before the router "
+            '("fleetmind"; "none" keeps every request at its home DC).'
+        ),
+    )
+    topology: str = field(
+        default="",
+        metadata=_doc(
+            "Topology YAML (the simulator's format): regions, RTTs, load ceilings, tenants' homes "
+            "and residency. Empty: each DC is its own region, RTTs zero."
+        ),
+    )
+    entry_dc: str = field(
+        default="",
+        metadata=_doc('The datacenter this API replica runs in (requests enter here); "" = none.'),
+    )
+    redis_prefix: str = field(
+        default="tf", metadata=_doc("Key prefix in Redis, so several fleets can share one server.")
+    )
+    scrape_interval_s: float = field(
+        default=0.5, metadata=_doc("How often a worker scrapes its engine's /metrics and /health.")
+    )
+    stale_after_s: float = field(
+        default=3.0,
+        metadata=_doc("A snapshot older than this is treated as a dead instance (worker gone)."),
+    )
+    affinity_min_cached_tokens: int = field(
+        default=256,
+        metadata=_doc(
+            "A request is sent to an instance's own queue only if the router expects at least this"
+            " many cached prompt tokens there; else to the shared pool."
+        ),
+    )
+    affinity_min_cached_fraction: float = field(
+        default=0.25,
+        metadata=_doc("... and only if those are at least this fraction of the prompt."),
+    )
+    pool_prefill_budget_tokens: int = field(
+        default=2048,
+        metadata=_doc(
+            "A worker takes work from its DC's shared pool queues only while the prompts waiting "
+            "for prefill on its engine (uncached tokens) stay under this, so late binding means "
+            '"the first engine whose prefill queue is (nearly) empty".'
+        ),
+    )
+    affinity_dead_after_s: float = field(
+        default=2.0,
+        metadata=_doc(
+            "An affinity-queued request whose instance has been dead this long is re-sent."
+        ),
+    )
+    lease_ttl_s: float = field(
+        default=3.0,
+        metadata=_doc("Worker lease on a running request; renewed every lease_ttl_s / 3."),
+    )
+    engine_stall_timeout_s: float = field(
+        default=10.0,
+        metadata=_doc(
+            "No token from the engine for this long: the request is aborted and retried."
+        ),
+    )
+    engine_connect_timeout_s: float = field(
+        default=2.0, metadata=_doc("Connect timeout to an engine.")
+    )
+    engine_fail_threshold: int = field(
+        default=2,
+        metadata=_doc(
+            "Engine failures in a row that mark an instance unhealthy (for `engine_unhealthy_s`)."
+        ),
+    )
+    engine_unhealthy_s: float = field(
+        default=5.0,
+        metadata=_doc(
+            "How long an instance stays marked unhealthy after `engine_fail_threshold` failures in"
+            " a row."
+        ),
+    )
+    max_attempts: int = field(
+        default=3, metadata=_doc("Attempts per request (first try included) before it fails.")
+    )
+    request_timeout_s: float = field(
+        default=600.0,
+        metadata=_doc("How long the API waits for a request to finish before answering 504."),
+    )
+    control_period_s: float = field(
+        default=1.0,
+        metadata=_doc(
+            "Period of beat's control loop (SLOMax tier shares and admission knobs), seconds."
+        ),
+    )
+    fleet_period_s: float = field(
+        default=60.0,
+        metadata=_doc(
+            "Period of beat's long cycle (FleetMind spill shares and replica targets), seconds."
+        ),
+    )
+    stream_ttl_s: float = field(
+        default=120.0,
+        metadata=_doc(
+            "Relay streams live this long after the last write (client reconnects, debugging)."
+        ),
+    )
+    request_state_ttl_s: float = field(
+        default=7200.0,
+        metadata=_doc("Seconds the ledger row of a request may wait in Redis idempotency state."),
+    )
+    seed_api_keys: str = field(
+        default="",
+        metadata=_doc(
+            '"key=tenant,key2=tenant2": API keys accepted without the database (seed keys).'
+        ),
+    )
+    visibility_timeout_s: float = field(
+        default=7200.0,
+        metadata=_doc(
+            "Celery broker visibility timeout (Redis/SQS): above the longest queued+running time."
+        ),
+    )
+    api_linger_s: float = field(
+        default=1.0,
+        metadata=_doc(
+            "An API server thread waits this long on the keep-alive connection it just served for "
+            "the next request (0: hand it straight back to cheroot's selector)."
+        ),
+    )
+    #: admission policy in tokenfleet.core.admission.ADMISSION ("none" admits everything)
+    admission: str = field(
+        default="slomax",
+        metadata=_doc(
+            'Admission policy in `tokenfleet.core.admission.ADMISSION`, run at arrival ("none" '
+            "admits everything; `tokenfleet api --admission` overrides it)."
+        ),
+    )
 
     @classmethod
-    def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> LiveConfig:
-        environ = os.environ if env is None else env
-        values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            var = ENV_PREFIX + f.name.upper()
-            if var in environ:
-                values[f.name] = _coerce(f, environ[var], var)
-        for k, v in overrides.items():
-            if v is None:
-                continue
-            if k not in {f.name for f in dataclasses.fields(cls)}:
-                raise ConfigError(f"unknown live setting '{k}'")
-            values[k] = v
-        cfg = cls(**values)
-        cfg.validate()
-        return cfg
+    def load(
+        cls,
+        env: Mapping[str, str] | None = None,
+        *,
+        path: str | Path | None = None,
+        **overrides: Any,
+    ) -> LiveConfig:
+        """Defaults < config file (``path`` or ``$TOKENFLEET_CONFIG``) < ``env``
+        (default: ``os.environ``) < ``overrides`` (``None`` values ignored)."""
+        from tokenfleet.service.config import load_config
+
+        return load_config(path, env=env, overrides=overrides).live
 
     def validate(self) -> None:
-        for name in ("scrape_interval_s", "stale_after_s", "lease_ttl_s",
-                     "engine_stall_timeout_s", "control_period_s", "fleet_period_s",
-                     "request_timeout_s"):
+        for name in (
+            "scrape_interval_s",
+            "stale_after_s",
+            "lease_ttl_s",
+            "engine_stall_timeout_s",
+            "control_period_s",
+            "fleet_period_s",
+            "request_timeout_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"'{name}' must be > 0 seconds, got {getattr(self, name)}")
         if self.max_attempts < 1:
@@ -122,19 +219,7 @@ class LiveConfig:
 
     def as_env(self) -> dict[str, str]:
         """Environment that reproduces this config in a child process."""
-        return {ENV_PREFIX + f.name.upper(): str(getattr(self, f.name))
-                for f in dataclasses.fields(self)}
-
-
-def _coerce(f: dataclasses.Field[Any], raw: str, var: str) -> Any:
-    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "str")
-    try:
-        if kind == "int":
-            return int(raw)
-        if kind == "float":
-            return float(raw)
-        return raw
-    except ValueError:
-        raise ConfigError(f"environment {var} must be a {kind}, got {raw!r}") from None
-
-
+        return {
+            ENV_PREFIX + f.name.upper(): str(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+        }

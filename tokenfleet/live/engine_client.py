@@ -18,16 +18,23 @@ import http.client
 import json
 import socket
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 
 class EngineError(Exception):
     """The engine failed the request; ``retryable`` if another instance may succeed."""
 
-    def __init__(self, message: str, status: int = 502, retryable: bool = True,
-                 started: bool = False, kind: str = "error") -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 502,
+        retryable: bool = True,
+        started: bool = False,
+        kind: str = "error",
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.retryable = retryable
@@ -49,9 +56,16 @@ _local = threading.local()
 class EngineCall:
     """One streaming chat completion against one engine."""
 
-    def __init__(self, base_url: str, body: dict[str, Any], request_id: str, *,
-                 connect_timeout_s: float = 2.0, stall_timeout_s: float = 10.0,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        body: dict[str, Any],
+        request_id: str,
+        *,
+        connect_timeout_s: float = 2.0,
+        stall_timeout_s: float = 10.0,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         u = urlsplit(base_url)
         self.host = u.hostname or "127.0.0.1"
         self.port = u.port or 80
@@ -73,8 +87,7 @@ class EngineCall:
         _local.pool = pool
         conn = pool.pop((self.host, self.port), None)
         if conn is None:
-            conn = http.client.HTTPConnection(self.host, self.port,
-                                              timeout=self.connect_timeout_s)
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=self.connect_timeout_s)
         return conn
 
     def _give_back(self) -> None:
@@ -89,45 +102,58 @@ class EngineCall:
     # -- the call ------------------------------------------------------------------
     def _send(self) -> http.client.HTTPResponse:
         payload = json.dumps(self.body).encode()
-        hdrs = {"Content-Type": "application/json", "Accept": "text/event-stream",
-                "X-Request-Id": self.request_id, **self.headers}
+        hdrs = {
+            "Content-Type": "application/json",
+            "Accept": "text/event-stream",
+            "X-Request-Id": self.request_id,
+            **self.headers,
+        }
         for attempt in range(2):  # a pooled keep-alive connection may have gone stale
             conn = self._take_conn()
             fresh = conn.sock is None
             with self._lock:
                 self._conn = conn
                 if self._aborted:
-                    raise EngineError(f"aborted: {self._aborted}", 499, False,
-                                      kind="aborted")
+                    raise EngineError(f"aborted: {self._aborted}", 499, False, kind="aborted")
             try:
                 conn.request("POST", "/v1/chat/completions", body=payload, headers=hdrs)
                 if conn.sock is not None:
                     conn.sock.settimeout(self.stall_timeout_s)
                     conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 return conn.getresponse()
-            except (ConnectionError, http.client.RemoteDisconnected,
-                    http.client.BadStatusLine) as exc:
+            except (
+                ConnectionError,
+                http.client.RemoteDisconnected,
+                http.client.BadStatusLine,
+            ) as exc:
                 conn.close()
                 self._conn = None
                 if self._aborted:
-                    raise EngineError(f"aborted: {self._aborted}", 499, False,
-                                      kind="aborted") from None
+                    raise EngineError(
+                        f"aborted: {self._aborted}", 499, False, kind="aborted"
+                    ) from None
                 if fresh or attempt:
-                    raise EngineError(f"engine {self.base_url} unreachable: {exc!r}", 503,
-                                      kind="connect") from None
+                    raise EngineError(
+                        f"engine {self.base_url} unreachable: {exc!r}", 503, kind="connect"
+                    ) from None
             except TimeoutError:
                 conn.close()
                 self._conn = None
-                raise EngineError(f"engine {self.base_url} did not answer within "
-                                  f"{self.stall_timeout_s:.1f}s", 504, kind="stall") from None
+                raise EngineError(
+                    f"engine {self.base_url} did not answer within {self.stall_timeout_s:.1f}s",
+                    504,
+                    kind="stall",
+                ) from None
             except OSError as exc:
                 conn.close()
                 self._conn = None
                 if self._aborted:
-                    raise EngineError(f"aborted: {self._aborted}", 499, False,
-                                      kind="aborted") from None
-                raise EngineError(f"engine {self.base_url} unreachable: {exc!r}", 503,
-                                  kind="connect") from None
+                    raise EngineError(
+                        f"aborted: {self._aborted}", 499, False, kind="aborted"
+                    ) from None
+                raise EngineError(
+                    f"engine {self.base_url} unreachable: {exc!r}", 503, kind="connect"
+                ) from None
         raise AssertionError("unreachable")
 
     def stream(self) -> Iterator[StreamPiece]:
@@ -142,26 +168,37 @@ class EngineCall:
                 msg = _error_message(raw) or f"HTTP {resp.status}"
                 # 4xx: the request itself is bad (another engine says the same).
                 retryable = resp.status >= 500 or resp.status == 429
-                raise EngineError(f"engine answered {resp.status}: {msg}", resp.status,
-                                  retryable, kind="error" if retryable else "client")
+                raise EngineError(
+                    f"engine answered {resp.status}: {msg}",
+                    resp.status,
+                    retryable,
+                    kind="error" if retryable else "client",
+                )
             buf = b""
             while True:
                 try:
                     data = resp.read1(65536)
                 except TimeoutError:
-                    raise EngineError(f"engine {self.base_url} produced nothing for "
-                                      f"{self.stall_timeout_s:.1f}s", 504, True, started,
-                                      kind="stall") from None
+                    raise EngineError(
+                        f"engine {self.base_url} produced nothing for {self.stall_timeout_s:.1f}s",
+                        504,
+                        True,
+                        started,
+                        kind="stall",
+                    ) from None
                 except (OSError, http.client.HTTPException, ValueError) as exc:
                     if self._aborted:
-                        raise EngineError(f"aborted: {self._aborted}", 499, False, started,
-                                          kind="aborted") from None
-                    raise EngineError(f"engine stream broke: {exc!r}", 502, True, started,
-                                      kind="error") from None
+                        raise EngineError(
+                            f"aborted: {self._aborted}", 499, False, started, kind="aborted"
+                        ) from None
+                    raise EngineError(
+                        f"engine stream broke: {exc!r}", 502, True, started, kind="error"
+                    ) from None
                 if not data:
                     if self._aborted:
-                        raise EngineError(f"aborted: {self._aborted}", 499, False, started,
-                                          kind="aborted")
+                        raise EngineError(
+                            f"aborted: {self._aborted}", 499, False, started, kind="aborted"
+                        )
                     self._reusable = not resp.will_close
                     if buf.strip():
                         piece = _parse_events(buf)
@@ -172,7 +209,7 @@ class EngineCall:
                 cut = buf.rfind(b"\n\n")
                 if cut < 0:
                     continue
-                block, buf = buf[:cut + 2], buf[cut + 2:]
+                block, buf = buf[: cut + 2], buf[cut + 2 :]
                 piece = _parse_events(block)
                 if piece is None:
                     continue
@@ -202,10 +239,15 @@ def send_abort(base_url: str, request_id: str, timeout_s: float = 1.0) -> None:
     """Best-effort ``POST /abort_request`` (SGLang/emulator); errors ignored."""
     u = urlsplit(base_url)
     try:
-        conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80,
-                                          timeout=timeout_s)
-        conn.request("POST", "/abort_request", body=json.dumps({"rid": request_id}),
-                     headers={"Content-Type": "application/json"})
+        conn = http.client.HTTPConnection(
+            u.hostname or "127.0.0.1", u.port or 80, timeout=timeout_s
+        )
+        conn.request(
+            "POST",
+            "/abort_request",
+            body=json.dumps({"rid": request_id}),
+            headers={"Content-Type": "application/json"},
+        )
         conn.getresponse().read()
         conn.close()
     except (OSError, http.client.HTTPException):
@@ -244,8 +286,7 @@ def _parse_events(block: bytes) -> StreamPiece | None:
         if "error" in ev:
             err = ev["error"]
             msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
-            raise EngineError(f"engine stream error: {msg}", 502, True,
-                              started=bool(piece.tokens))
+            raise EngineError(f"engine stream error: {msg}", 502, True, started=bool(piece.tokens))
         seen = True
         if ev.get("usage"):
             piece.usage = ev["usage"]

@@ -15,8 +15,12 @@ import threading
 from urllib.parse import urlsplit
 
 #: what a stale keep-alive connection looks like when written to
-_STALE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError,
-          http.client.RemoteDisconnected)
+_STALE = (
+    BrokenPipeError,
+    ConnectionResetError,
+    ConnectionAbortedError,
+    http.client.RemoteDisconnected,
+)
 
 
 class KeepAliveClient:
@@ -43,8 +47,13 @@ class KeepAliveClient:
             c.close()
         self._local.conn = None
 
-    def request(self, method: str, path: str, body: bytes | None = None,
-                headers: dict[str, str] | None = None) -> http.client.HTTPResponse:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> http.client.HTTPResponse:
         """Send and return the response with its status read; the caller reads
         the body, and calls :meth:`drop` if it gives up on it midway."""
         for attempt in (0, 1):

@@ -11,8 +11,6 @@ used when the router expects a valuable prefix-cache hit there.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
 from tokenfleet.core.types import TIERS
 
 #: tier order = priority order: a worker consumes its queues in this order
@@ -35,8 +33,9 @@ def affinity_queue(dc: str, instance_id: str, tier: str) -> str:
     return f"{_check(dc, 'datacenter')}.{_check(instance_id, 'instance')}.{_check(tier, 'tier')}"
 
 
-def worker_queues(dc: str, instance_id: str | None, tiers: tuple[str, ...] = TIER_PRIORITY
-                  ) -> list[str]:
+def worker_queues(
+    dc: str, instance_id: str | None, tiers: tuple[str, ...] = TIER_PRIORITY
+) -> list[str]:
     """Queues a worker consumes, highest priority first.
 
     For each tier the affinity queue comes before the pool queue, so work
@@ -58,14 +57,3 @@ def tier_of_queue(queue: str) -> str:
 def is_pool_queue(queue: str) -> bool:
     """``<dc>.<tier>`` (shared by a DC's workers), not ``<dc>.<instance>.<tier>``."""
     return queue.count(".") == 1 and tier_of_queue(queue) in TIER_PRIORITY
-
-
-PREFILL_HEADER = "tf_prefill_tokens"
-
-
-def prefill_header(job: Mapping[str, Any]) -> dict[str, int]:
-    """Uncached prompt tokens the request will prefill (the router's estimate),
-    in a message header so a worker can weigh it on receipt without decoding
-    the body."""
-    return {PREFILL_HEADER: max(0, int(job["input_tokens"]) - int(job.get("expected_cached")
-                                                                   or 0))}

@@ -4,7 +4,7 @@ Kombu's Redis channel builds a new ``redis.Redis`` object for every publish
 and every acknowledgement bookkeeping step (``Channel.conn_or_acquire``); the
 connections come from the channel's pool either way, but redis-py 8 builds a
 table of about 170 response callbacks in each client's constructor. Profiled
-on the live path (``python -m tokenfleet.live.overhead``), that was about a
+on the live path (``python benchmarks/live_overhead.py``), that was about a
 fifth of the API's ``send_task`` and sat on the worker's receive path too
 (``QoS.append`` runs before a message is handed to the pool).
 
@@ -42,8 +42,9 @@ come back as a duplicate after the visibility timeout).
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
@@ -126,10 +127,12 @@ class Channel(kombu_redis.Channel):
     QoS = QoS
     _shared: tuple[Any, Any] | None = None  # (pool, client built on it)
 
-    def basic_consume(self, queue: str, no_ack: bool, callback: Any, consumer_tag: str,
-                      **kwargs: Any) -> Any:
+    def basic_consume(
+        self, queue: str, no_ack: bool, callback: Any, consumer_tag: str, **kwargs: Any
+    ) -> Any:
         ret = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
         if not no_ack:
+
             def _callback(raw_message: Any) -> Any:
                 return self.qos.hand_off(self.Message(raw_message, channel=self), callback)
 
@@ -149,8 +152,12 @@ class Channel(kombu_redis.Channel):
 
     def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
         pipe = getattr(_into, "pipe", None)
-        if (pipe is None or kwargs.get("_publish_batch") is not None or self.global_keyprefix
-                or (self._expires and queue in self._expires)):
+        if (
+            pipe is None
+            or kwargs.get("_publish_batch") is not None
+            or self.global_keyprefix
+            or (self._expires and queue in self._expires)
+        ):
             super()._put(queue, message, **kwargs)
             return
         key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
@@ -179,23 +186,43 @@ class PipelinePublisher:
                     self._conn = self.app.connection_for_write()
                 # formatting only: publishes go into the caller's pipeline
                 channel = self._conn.default_channel
-            producer = self._local.producer = self.app.amqp.Producer(channel,
-                                                                    auto_declare=False)
+            producer = self._local.producer = self.app.amqp.Producer(channel, auto_declare=False)
         return producer
 
-    def publish(self, pipeline: Any, name: str, args: list[Any], task_id: str, queue: str,
-                headers: dict[str, Any] | None = None) -> None:
+    def publish(
+        self,
+        pipeline: Any,
+        name: str,
+        args: list[Any],
+        task_id: str,
+        queue: str,
+        headers: dict[str, Any] | None = None,
+    ) -> None:
         amqp = self.app.amqp
-        message = amqp.create_task_message(task_id, name, args, {}, argsrepr="",
-                                           kwargsrepr="", ignore_result=None,
-                                           reply_to=self.app.thread_oid)
+        message = amqp.create_task_message(
+            task_id,
+            name,
+            args,
+            {},
+            argsrepr="",
+            kwargsrepr="",
+            ignore_result=None,
+            reply_to=self.app.thread_oid,
+        )
         producer = self._producer()
 
         def send(declare: list[Any] | None) -> None:
             with publishes_into(pipeline):
-                amqp.send_task_message(producer, name, message, queue=queue,
-                                       routing_key=queue, declare=declare, retry=False,
-                                       headers=headers)
+                amqp.send_task_message(
+                    producer,
+                    name,
+                    message,
+                    queue=queue,
+                    routing_key=queue,
+                    declare=declare,
+                    retry=False,
+                    headers=headers,
+                )
 
         if queue in self._declared:
             send([])
@@ -224,7 +251,14 @@ def same_database(url_a: str, url_b: str) -> bool:
             kw = parse_url(url)
         except ValueError:
             return (url,)
-        return (url.split(":", 1)[0], kw.get("host", "localhost"), kw.get("port", 6379),
-                kw.get("path"), kw.get("db", 0), kw.get("username"), kw.get("password"))
+        return (
+            url.split(":", 1)[0],
+            kw.get("host", "localhost"),
+            kw.get("port", 6379),
+            kw.get("path"),
+            kw.get("db", 0),
+            kw.get("username"),
+            kw.get("password"),
+        )
 
     return key(url_a) == key(url_b)

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import redis
 
@@ -41,26 +42,36 @@ class RelayEvent:
 def _decode(fields: dict[bytes, bytes]) -> RelayEvent:
     kind = fields[b"k"].decode()
     if kind == "d":
-        return RelayEvent("d", text=fields.get(b"t", b"").decode("utf-8", "replace"),
-                          tokens=int(fields.get(b"n", b"0")),
-                          instance=fields.get(b"i", b"").decode())
+        return RelayEvent(
+            "d",
+            text=fields.get(b"t", b"").decode("utf-8", "replace"),
+            tokens=int(fields.get(b"n", b"0")),
+            instance=fields.get(b"i", b"").decode(),
+        )
     if kind == "end":
         u = fields.get(b"u")
-        return RelayEvent("end", finish_reason=fields.get(b"f", b"stop").decode(),
-                          usage=json.loads(u) if u else None,
-                          instance=fields.get(b"i", b"").decode())
+        return RelayEvent(
+            "end",
+            finish_reason=fields.get(b"f", b"stop").decode(),
+            usage=json.loads(u) if u else None,
+            instance=fields.get(b"i", b"").decode(),
+        )
     if kind == "err":
-        return RelayEvent("err", message=fields.get(b"m", b"").decode("utf-8", "replace"),
-                          code=int(fields.get(b"c", b"500")),
-                          error_type=fields.get(b"y", b"server_error").decode())
+        return RelayEvent(
+            "err",
+            message=fields.get(b"m", b"").decode("utf-8", "replace"),
+            code=int(fields.get(b"c", b"500")),
+            error_type=fields.get(b"y", b"server_error").decode(),
+        )
     return RelayEvent(kind, attempt=int(fields.get(b"a", b"0")))
 
 
 class RelayWriter:
     """Writes one request's stream (worker side)."""
 
-    def __init__(self, state: LiveState, request_id: str, ttl_s: float,
-                 instance_id: str = "") -> None:
+    def __init__(
+        self, state: LiveState, request_id: str, ttl_s: float, instance_id: str = ""
+    ) -> None:
         self.r = state.r
         self.key = state.stream_key(request_id)
         self.ttl_s = int(ttl_s)
@@ -81,8 +92,12 @@ class RelayWriter:
         return {"k": "d", "t": text, "n": tokens, "i": self.instance_id}
 
     def end_fields(self, finish_reason: str, usage: dict[str, Any] | None) -> dict[str, Any]:
-        return {"k": "end", "f": finish_reason or "stop",
-                "u": json.dumps(usage) if usage else "", "i": self.instance_id}
+        return {
+            "k": "end",
+            "f": finish_reason or "stop",
+            "u": json.dumps(usage) if usage else "",
+            "i": self.instance_id,
+        }
 
     def delta(self, text: str, tokens: int) -> None:
         self._add(self.delta_fields(text, tokens))
@@ -95,8 +110,9 @@ class RelayWriter:
         self._add(self.end_fields(finish_reason, usage), final=True)
 
     @staticmethod
-    def error_fields(message: str, code: int = 500,
-                     error_type: str = "server_error") -> dict[str, Any]:
+    def error_fields(
+        message: str, code: int = 500, error_type: str = "server_error"
+    ) -> dict[str, Any]:
         return {"k": "err", "m": message, "c": code, "y": error_type}
 
     def error(self, message: str, code: int = 500, error_type: str = "server_error") -> None:
@@ -123,8 +139,7 @@ class RelayReader:
         which is also how it notices a client that went away)."""
         while True:
             try:
-                resp = self.r.xread({self.key: self.last_id}, count=512,
-                                    block=self.block_ms)
+                resp = self.r.xread({self.key: self.last_id}, count=512, block=self.block_ms)
             except (redis.ConnectionError, redis.TimeoutError):
                 time.sleep(0.2)
                 ev = on_idle()

@@ -23,8 +23,9 @@ as callables so tests and ``up`` share it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger("tokenfleet.replicas")
 
@@ -41,10 +42,17 @@ class Replica:
 class LocalReplicas:
     """Reconciles the local fleet with the plan's replica targets."""
 
-    def __init__(self, sup: Any, state: Any, *, base: dict[str, int],
-                 start_engine: Callable[[str, str], tuple[str, str]],
-                 start_worker: Callable[[str, str, str], str],
-                 healthy: Callable[[str], bool], max_per_dc: int = 3) -> None:
+    def __init__(
+        self,
+        sup: Any,
+        state: Any,
+        *,
+        base: dict[str, int],
+        start_engine: Callable[[str, str], tuple[str, str]],
+        start_worker: Callable[[str, str, str], str],
+        healthy: Callable[[str], bool],
+        max_per_dc: int = 3,
+    ) -> None:
         """``start_engine(dc, name) -> (child, url)``; ``start_worker(dc, name,
         url) -> child``; ``healthy(url)`` probes an engine."""
         self.sup = sup
@@ -75,8 +83,7 @@ class LocalReplicas:
         return out
 
     def count(self, dc: str) -> int:
-        return self.base.get(dc, 0) + sum(1 for r in self.added.get(dc, ())
-                                          if r.state != "retired")
+        return self.base.get(dc, 0) + sum(1 for r in self.added.get(dc, ()) if r.state != "retired")
 
     def reconcile(self) -> list[str]:
         """One pass; returns what changed, as lines for the console."""

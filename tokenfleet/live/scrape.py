@@ -38,7 +38,7 @@ def parse_metrics(text: str, now_s: float) -> ScrapedMetrics:
         brace = line.find("{")
         if brace >= 0:
             name = line[:brace]
-            rest = line[line.rfind("}") + 1:]
+            rest = line[line.rfind("}") + 1 :]
         else:
             name, _, rest = line.partition(" ")
         if name in _SUMMED:
@@ -87,6 +87,8 @@ class Scraper:
         self.timeout_s = timeout_s
         self._conn: http.client.HTTPConnection | None = None
         self.last = ScrapedMetrics()
+        #: the previous scrape succeeded (then a timeout alone does not mark it unhealthy)
+        self._ok_before = False
 
     def _get(self, path: str) -> tuple[int, bytes]:
         for attempt in range(2):
@@ -104,8 +106,10 @@ class Scraper:
         raise AssertionError("unreachable")
 
     def scrape(self) -> ScrapeResult:
-        """Health, then metrics. A failed or non-200 answer marks it unhealthy,
-        keeping the last good numbers (stale data beats no data for routing)."""
+        """Health, then metrics. A non-200 answer or a failed connection marks it
+        unhealthy, keeping the last good numbers (stale data beats no data for
+        routing). A scrape that only timed out does so the second time in a row:
+        one slow answer is as likely the scraping host's own CPU as the engine."""
         now = time.time()
         try:
             status, _ = self._get("/health")
@@ -115,16 +119,29 @@ class Scraper:
             if status != 200:
                 return self._unhealthy(now, f"/metrics answered {status}")
             self.last = parse_metrics(body.decode("utf-8", "replace"), now)
+            self._ok_before = True
             return ScrapeResult(self.last)
+        except TimeoutError as exc:
+            if self._ok_before:
+                self._ok_before = False
+                # the last good numbers, with their own (older) scrape time
+                return ScrapeResult(self.last, f"scrape timed out after a good one: {exc!r}")
+            return self._unhealthy(now, f"scrape timed out again: {exc!r}")
         except (OSError, http.client.HTTPException) as exc:
             return self._unhealthy(now, f"scrape failed: {exc!r}")
 
     def _unhealthy(self, now: float, why: str) -> ScrapeResult:
+        self._ok_before = False
         m = self.last
-        bad = ScrapedMetrics(scraped_at_s=now, num_running=m.num_running,
-                             num_waiting=m.num_waiting, kv_usage=m.kv_usage,
-                             prefix_queries_total=m.prefix_queries_total,
-                             prefix_hits_total=m.prefix_hits_total, healthy=False)
+        bad = ScrapedMetrics(
+            scraped_at_s=now,
+            num_running=m.num_running,
+            num_waiting=m.num_waiting,
+            kv_usage=m.kv_usage,
+            prefix_queries_total=m.prefix_queries_total,
+            prefix_hits_total=m.prefix_hits_total,
+            healthy=False,
+        )
         return ScrapeResult(bad, why)
 
     def close(self) -> None:

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import msgpack
 import redis
@@ -33,7 +34,7 @@ from tokenfleet.core.types import (
 from tokenfleet.engine.profiles import EngineProfile, get_profile
 
 #: DispatchAccounting fields kept in Redis, in dataclass order
-ACCOUNTING_FIELDS = tuple(DispatchAccounting.__slots__)  # type: ignore[attr-defined]
+ACCOUNTING_FIELDS = tuple(DispatchAccounting.__slots__)
 
 # -- Lua: request state transitions -------------------------------------------------
 _CLAIM = """
@@ -119,8 +120,11 @@ class InstanceInfo:
         return self.age_s(now_s) <= stale_after_s
 
     def is_healthy(self, now_s: float, stale_after_s: float) -> bool:
-        return (self.is_live(now_s, stale_after_s) and self.metrics.healthy
-                and now_s >= self.unhealthy_until_s)
+        return (
+            self.is_live(now_s, stale_after_s)
+            and self.metrics.healthy
+            and now_s >= self.unhealthy_until_s
+        )
 
 
 def _f(raw: Mapping[bytes, bytes], key: str, default: float = 0.0) -> float:
@@ -152,8 +156,12 @@ class LiveState:
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "tf", **kwargs: Any) -> LiveState:
-        opts: dict[str, Any] = {"socket_connect_timeout": 1.0, "socket_timeout": 5.0,
-                                "health_check_interval": 10, "max_connections": 2000}
+        opts: dict[str, Any] = {
+            "socket_connect_timeout": 1.0,
+            "socket_timeout": 5.0,
+            "health_check_interval": 10,
+            "max_connections": 2000,
+        }
         opts.update(kwargs)
         pool = redis.BlockingConnectionPool.from_url(url, timeout=5.0, **opts)
         return cls(redis.Redis(connection_pool=pool), prefix)
@@ -170,47 +178,69 @@ class LiveState:
         key = self.k("inst", info.instance_id)
         with self.r.pipeline() as pipe:
             pipe.sadd(self.k("instances"), info.instance_id)
-            pipe.hset(key, mapping={
-                "dc": info.dc, "model": info.model, "model_version": info.model_version,
-                "url": info.url, "profile": info.profile,
-                "max_model_len": info.max_model_len_tokens,
-                "kv_capacity_tokens": info.kv_capacity_tokens, "slots": info.slots,
-                "heartbeat_at": time.time()})
+            pipe.hset(
+                key,
+                mapping={
+                    "dc": info.dc,
+                    "model": info.model,
+                    "model_version": info.model_version,
+                    "url": info.url,
+                    "profile": info.profile,
+                    "max_model_len": info.max_model_len_tokens,
+                    "kv_capacity_tokens": info.kv_capacity_tokens,
+                    "slots": info.slots,
+                    "heartbeat_at": time.time(),
+                },
+            )
             pipe.execute()
 
-    def publish_snapshot(self, instance_id: str, m: ScrapedMetrics,
-                         running_by_tier: Mapping[str, int] | None = None,
-                         info: InstanceInfo | None = None) -> None:
+    def publish_snapshot(
+        self,
+        instance_id: str,
+        m: ScrapedMetrics,
+        running_by_tier: Mapping[str, int] | None = None,
+        info: InstanceInfo | None = None,
+    ) -> None:
         """Write the last scrape. With ``info`` the static facts are rewritten
         too, so a Redis that lost its data (restart without persistence, flush)
         learns the instance again within one scrape interval."""
         mapping: dict[str, Any] = {
-            "scraped_at": m.scraped_at_s, "num_running": m.num_running,
-            "num_waiting": m.num_waiting, "kv_usage": m.kv_usage,
+            "scraped_at": m.scraped_at_s,
+            "num_running": m.num_running,
+            "num_waiting": m.num_waiting,
+            "kv_usage": m.kv_usage,
             "prefix_queries_total": m.prefix_queries_total,
-            "prefix_hits_total": m.prefix_hits_total, "healthy": int(m.healthy),
-            "heartbeat_at": time.time()}
+            "prefix_hits_total": m.prefix_hits_total,
+            "healthy": int(m.healthy),
+            "heartbeat_at": time.time(),
+        }
         if running_by_tier is not None:
             mapping["running_by_tier"] = json.dumps(dict(running_by_tier))
         if info is None:
             self.r.hset(self.k("inst", instance_id), mapping=mapping)
             return
-        mapping.update({"dc": info.dc, "model": info.model, "model_version": info.model_version,
-                        "url": info.url, "profile": info.profile,
-                        "max_model_len": info.max_model_len_tokens,
-                        "kv_capacity_tokens": info.kv_capacity_tokens, "slots": info.slots})
+        mapping.update(
+            {
+                "dc": info.dc,
+                "model": info.model,
+                "model_version": info.model_version,
+                "url": info.url,
+                "profile": info.profile,
+                "max_model_len": info.max_model_len_tokens,
+                "kv_capacity_tokens": info.kv_capacity_tokens,
+                "slots": info.slots,
+            }
+        )
         with self.r.pipeline(transaction=False) as pipe:
             pipe.sadd(self.k("instances"), instance_id)
             pipe.hset(self.k("inst", instance_id), mapping=mapping)
             pipe.execute()
 
     def mark_unhealthy(self, instance_id: str, for_s: float, reason: str) -> None:
-        self.r.hset(self.k("inst", instance_id), mapping={
-            "unhealthy_until": time.time() + for_s, "unhealthy_reason": reason[:200]})
-
-    def clear_unhealthy(self, instance_id: str) -> None:
-        self.r.hset(self.k("inst", instance_id), mapping={"unhealthy_until": 0,
-                                                          "unhealthy_reason": ""})
+        self.r.hset(
+            self.k("inst", instance_id),
+            mapping={"unhealthy_until": time.time() + for_s, "unhealthy_reason": reason[:200]},
+        )
 
     def deregister_instance(self, instance_id: str) -> None:
         with self.r.pipeline() as pipe:
@@ -227,26 +257,37 @@ class LiveState:
                 pipe.hgetall(self.k("inst", i))
             raws = pipe.execute()
         out = []
-        for iid, raw in zip(ids, raws):
+        for iid, raw in zip(ids, raws, strict=True):
             if not raw:
                 continue
             m = ScrapedMetrics(
                 scraped_at_s=_f(raw, "scraped_at", float("-inf")),
-                num_running=_i(raw, "num_running"), num_waiting=_i(raw, "num_waiting"),
+                num_running=_i(raw, "num_running"),
+                num_waiting=_i(raw, "num_waiting"),
                 kv_usage=_f(raw, "kv_usage"),
                 prefix_queries_total=_i(raw, "prefix_queries_total"),
                 prefix_hits_total=_i(raw, "prefix_hits_total"),
-                healthy=_i(raw, "healthy", 1) == 1)
+                healthy=_i(raw, "healthy", 1) == 1,
+            )
             rbt = _s(raw, "running_by_tier")
-            out.append(InstanceInfo(
-                instance_id=iid, dc=_s(raw, "dc", "local"), model=_s(raw, "model"),
-                model_version=_s(raw, "model_version"), url=_s(raw, "url"),
-                profile=_s(raw, "profile"), max_model_len_tokens=_i(raw, "max_model_len"),
-                kv_capacity_tokens=_i(raw, "kv_capacity_tokens"), slots=_i(raw, "slots", 1),
-                metrics=m, heartbeat_at_s=_f(raw, "heartbeat_at", float("-inf")),
-                unhealthy_until_s=_f(raw, "unhealthy_until"),
-                unhealthy_reason=_s(raw, "unhealthy_reason"),
-                running_by_tier=json.loads(rbt) if rbt else {}))
+            out.append(
+                InstanceInfo(
+                    instance_id=iid,
+                    dc=_s(raw, "dc", "local"),
+                    model=_s(raw, "model"),
+                    model_version=_s(raw, "model_version"),
+                    url=_s(raw, "url"),
+                    profile=_s(raw, "profile"),
+                    max_model_len_tokens=_i(raw, "max_model_len"),
+                    kv_capacity_tokens=_i(raw, "kv_capacity_tokens"),
+                    slots=_i(raw, "slots", 1),
+                    metrics=m,
+                    heartbeat_at_s=_f(raw, "heartbeat_at", float("-inf")),
+                    unhealthy_until_s=_f(raw, "unhealthy_until"),
+                    unhealthy_reason=_s(raw, "unhealthy_reason"),
+                    running_by_tier=json.loads(rbt) if rbt else {},
+                )
+            )
         return out
 
     def profile(self, name: str) -> EngineProfile:
@@ -255,10 +296,13 @@ class LiveState:
             prof = self._profiles[name] = get_profile(name)
         return prof
 
-    def instance_views(self, now_s: float, stale_after_s: float,
-                       infos: Sequence[InstanceInfo] | None = None,
-                       accounting: Callable[[list[str]], Mapping[str, DispatchAccounting]]
-                       | None = None) -> list[InstanceView]:
+    def instance_views(
+        self,
+        now_s: float,
+        stale_after_s: float,
+        infos: Sequence[InstanceInfo] | None = None,
+        accounting: Callable[[list[str]], Mapping[str, DispatchAccounting]] | None = None,
+    ) -> list[InstanceView]:
         """Router views: static facts + last scrape + shared dispatch accounting
         (read now, or from ``accounting``: the API's :class:`AccountingView`).
 
@@ -272,13 +316,21 @@ class LiveState:
         for idx, info in enumerate(infos):
             m = info.metrics
             m.healthy = info.is_healthy(now_s, stale_after_s)
-            views.append(InstanceView(
-                instance_id=info.instance_id, profile=self.profile(info.profile),
-                dc=info.dc, model=info.model, model_version=info.model_version,
-                ready=info.is_live(now_s, stale_after_s),
-                kv_capacity_tokens=info.kv_capacity_tokens,
-                max_model_len_tokens=info.max_model_len_tokens, metrics=m,
-                accounting=accts.get(info.instance_id, DispatchAccounting()), index=idx))
+            views.append(
+                InstanceView(
+                    instance_id=info.instance_id,
+                    profile=self.profile(info.profile),
+                    dc=info.dc,
+                    model=info.model,
+                    model_version=info.model_version,
+                    ready=info.is_live(now_s, stale_after_s),
+                    kv_capacity_tokens=info.kv_capacity_tokens,
+                    max_model_len_tokens=info.max_model_len_tokens,
+                    metrics=m,
+                    accounting=accts.get(info.instance_id, DispatchAccounting()),
+                    index=idx,
+                )
+            )
         return views
 
     # -- dispatch accounting ------------------------------------------------------------
@@ -289,7 +341,7 @@ class LiveState:
                 pipe.hgetall(self.k("acct", i))
             raws = pipe.execute()
         out = {}
-        for iid, raw in zip(ids, raws):
+        for iid, raw in zip(ids, raws, strict=True):
             acct = DispatchAccounting()
             for name in ACCOUNTING_FIELDS:
                 setattr(acct, name, max(0, _i(raw, name)))
@@ -315,20 +367,20 @@ class LiveState:
         """Several small writes in one round trip (``with state.batch() as b: ...``)."""
         return Batch(self)
 
-    def account_dispatch(self, instance_id: str, req: RequestInfo, cached: int) -> None:
-        self._acct_delta(instance_id, self._delta("on_dispatch", req, cached))
-
     def account_first_token(self, instance_id: str, req: RequestInfo, cached: int) -> None:
         self._acct_delta(instance_id, self._delta("on_first_token", req, cached))
 
-    def account_finish(self, instance_id: str, req: RequestInfo, got_first_token: bool,
-                       cached: int) -> None:
-        self._acct_delta(instance_id, self._delta("on_finish", req, cached,
-                                                  got_first_token=got_first_token))
+    def account_finish(
+        self, instance_id: str, req: RequestInfo, got_first_token: bool, cached: int
+    ) -> None:
+        self._acct_delta(
+            instance_id, self._delta("on_finish", req, cached, got_first_token=got_first_token)
+        )
 
     # -- tier shares and admission thresholds (written by beat) -----------------------------
-    def set_shares(self, shares: Mapping[str, float],
-                   thresholds: Mapping[str, float | None] | None = None) -> None:
+    def set_shares(
+        self, shares: Mapping[str, float], thresholds: Mapping[str, float | None] | None = None
+    ) -> None:
         with self.r.pipeline() as pipe:
             pipe.hset(self.k("shares"), mapping={t: float(s) for t, s in shares.items()})
             if thresholds:
@@ -341,8 +393,34 @@ class LiveState:
         return {k.decode(): float(v) for k, v in self.r.hgetall(self.k("shares")).items()}
 
     def thresholds(self) -> dict[str, float | None]:
-        return {k.decode(): (float(v) if v else None)
-                for k, v in self.r.hgetall(self.k("thresholds")).items()}
+        return {
+            k.decode(): (float(v) if v else None)
+            for k, v in self.r.hgetall(self.k("thresholds")).items()
+        }
+
+    def spill_shares(self) -> dict[str, float]:
+        """FleetMind's spill shares per datacenter, as beat's long cycle wrote them."""
+        shares: dict[str, float] = {}
+        for k, v in self.r.hgetall(self.k("fleet")).items():
+            key = k.decode()
+            if key.startswith("spill_share:"):
+                try:
+                    shares[key.partition(":")[2]] = float(v)
+                except ValueError:
+                    continue
+        return shares
+
+    # -- prompt_cache_key pins ------------------------------------------------------------
+    def pin(self, tenant: str, key: str) -> str | None:
+        """The instance a tenant's ``prompt_cache_key`` is pinned to, if any."""
+        raw = self.r.get(self.k("pck", tenant, key))
+        return raw.decode() if raw is not None else None
+
+    def set_pin(self, tenant: str, key: str, instance_id: str, ttl_s: int) -> None:
+        self.r.set(self.k("pck", tenant, key), instance_id, ex=ttl_s)
+
+    def renew_pin(self, tenant: str, key: str, ttl_s: int) -> None:
+        self.r.expire(self.k("pck", tenant, key), ttl_s)
 
     # -- counters (read by the control loop) -------------------------------------------------
     def count(self, **deltas: int) -> None:
@@ -362,6 +440,10 @@ class LiveState:
         return {k.decode(): max(0, int(v)) for k, v in self.r.hgetall(self.k("queued")).items()}
 
     # -- request state ----------------------------------------------------------------
+    def set_request_status(self, rid: str, status: str) -> None:
+        """Put a request back in ``status`` (the API undoing a re-send the broker refused)."""
+        self.r.hset(self.k("req", rid), "status", status)
+
     def _req_keys(self, rid: str) -> list[str]:
         return [self.k("req", rid), self.k("lease", rid), self.k("cancel", rid)]
 
@@ -370,8 +452,14 @@ class LiveState:
         key = self.k("req", rid)
         if not self.r.hsetnx(key, "created", time.time()):
             return False
-        mapping = {"status": "queued", "attempt": 1, "first_token": 0, "queue": queue,
-                   "queued_at": time.time(), **extra}
+        mapping = {
+            "status": "queued",
+            "attempt": 1,
+            "first_token": 0,
+            "queue": queue,
+            "queued_at": time.time(),
+            **extra,
+        }
         with self.r.pipeline() as pipe:
             pipe.hset(key, mapping=mapping)
             pipe.expire(key, int(ttl_s))
@@ -385,9 +473,18 @@ class LiveState:
     def lease_alive(self, rid: str) -> bool:
         return bool(self.r.exists(self.k("lease", rid)))
 
-    def claim(self, rid: str, attempt: int, owner: str, lease_ttl_s: float,
-              instance_id: str, received_at: float | None = None, *, queue: str = "",
-              dispatch: tuple[RequestInfo, int] | None = None) -> str:
+    def claim(
+        self,
+        rid: str,
+        attempt: int,
+        owner: str,
+        lease_ttl_s: float,
+        instance_id: str,
+        received_at: float | None = None,
+        *,
+        queue: str = "",
+        dispatch: tuple[RequestInfo, int] | None = None,
+    ) -> str:
         """'run' | 'done' | 'busy' | 'stale' | 'started' | 'cancelled' | 'missing'.
 
         On 'run' the same atomic step takes the request off ``queue``'s depth
@@ -395,14 +492,22 @@ class LiveState:
         the instance's dispatch accounting: one round trip to start a request.
         """
         now = time.time()
-        args: list[Any] = [attempt, owner, int(lease_ttl_s * 1000), now, instance_id,
-                           received_at or now, queue]
+        args: list[Any] = [
+            attempt,
+            owner,
+            int(lease_ttl_s * 1000),
+            now,
+            instance_id,
+            received_at or now,
+            queue,
+        ]
         if dispatch is not None:
             for name, d in self._delta("on_dispatch", dispatch[0], dispatch[1]).items():
                 if d:
                     args += [name, d]
-        out = self._claim(keys=self._req_keys(rid) + [self.k("acct", instance_id),
-                                                       self.k("queued")], args=args)
+        out = self._claim(
+            keys=self._req_keys(rid) + [self.k("acct", instance_id), self.k("queued")], args=args
+        )
         return out.decode() if isinstance(out, bytes) else str(out)
 
     def renew_leases(self, rids: Iterable[str], lease_ttl_s: float) -> None:
@@ -415,24 +520,33 @@ class LiveState:
     def mark_first_token(self, rid: str) -> None:
         self.r.hset(self.k("req", rid), "first_token", 1)
 
-    def redispatch(self, rid: str, attempt: int, max_attempts: int, queue: str,
-                   owner: str = "") -> int:
+    def redispatch(
+        self, rid: str, attempt: int, max_attempts: int, queue: str, owner: str = ""
+    ) -> int:
         """Move attempt ``attempt`` to a new one on ``queue``; the new attempt
         number, or < 0: -1 finished, -2 streaming already, -3 someone else
         moved it, -4 still leased, -5 out of attempts."""
-        return int(self._redispatch(keys=self._req_keys(rid)[:2],
-                                    args=[attempt, max_attempts, queue, owner, time.time()]))
+        return int(
+            self._redispatch(
+                keys=self._req_keys(rid)[:2],
+                args=[attempt, max_attempts, queue, owner, time.time()],
+            )
+        )
 
-    def finish(self, rid: str, status: str, owner: str = "",
-               end_event: Mapping[str, Any] | None = None,
-               stream_ttl_s: float = 120.0) -> tuple[bool, str]:
+    def finish(
+        self,
+        rid: str,
+        status: str,
+        owner: str = "",
+        end_event: Mapping[str, Any] | None = None,
+        stream_ttl_s: float = 120.0,
+    ) -> tuple[bool, str]:
         """Settle the final status once; (won, final status). ``end_event``: stream
         entry fields the winner appends to the request's relay stream atomically."""
         args: list[Any] = [status, owner, int(stream_ttl_s)]
         for k, v in (end_event or {}).items():
             args += [k, v]
-        won, final = self._finish(keys=self._req_keys(rid)[:2] + [self.stream_key(rid)],
-                                  args=args)
+        won, final = self._finish(keys=self._req_keys(rid)[:2] + [self.stream_key(rid)], args=args)
         return bool(won), final.decode() if isinstance(final, bytes) else str(final)
 
     def cancel(self, rid: str, ttl_s: float = 600.0) -> None:
@@ -445,7 +559,7 @@ class LiveState:
             for rid in rids:
                 pipe.exists(self.k("cancel", rid))
             flags = pipe.execute()
-        return {rid for rid, f in zip(rids, flags) if f}
+        return {rid for rid, f in zip(rids, flags, strict=True) if f}
 
     # -- shared prefix index feed ----------------------------------------------------------
     def publish_kv_events(self, events: Sequence[KVEvent], maxlen: int = 200_000) -> None:
@@ -453,24 +567,37 @@ class LiveState:
             return
         with self.r.pipeline(transaction=False) as pipe:
             for ev in events:
-                fields = {"i": ev.instance_id, "k": ev.kind,
-                          "h": msgpack.packb(list(ev.block_hashes))}
+                fields = {
+                    "i": ev.instance_id,
+                    "k": ev.kind,
+                    "h": msgpack.packb(list(ev.block_hashes)),
+                }
                 if not ev.exact:
                     fields["x"] = 0  # inferred, not reported by the engine
-                pipe.xadd(self.k("kv"), fields,  # type: ignore[arg-type]
-                          maxlen=maxlen, approximate=True)
+                pipe.xadd(
+                    self.k("kv"),
+                    fields,
+                    maxlen=maxlen,
+                    approximate=True,
+                )
             pipe.execute()
 
-    def read_kv_events(self, last_id: str, block_ms: int | None = None,
-                       count: int = 1000) -> tuple[str, list[KVEvent]]:
+    def read_kv_events(
+        self, last_id: str, block_ms: int | None = None, count: int = 1000
+    ) -> tuple[str, list[KVEvent]]:
         resp = self.r.xread({self.k("kv"): last_id}, count=count, block=block_ms)
         out: list[KVEvent] = []
         for _key, entries in resp or ():
             for eid, fields in entries:
                 last_id = eid.decode()
-                out.append(KVEvent(fields[b"i"].decode(), fields[b"k"].decode(),
-                                   tuple(msgpack.unpackb(fields[b"h"])),
-                                   exact=fields.get(b"x", b"1") != b"0"))
+                out.append(
+                    KVEvent(
+                        fields[b"i"].decode(),
+                        fields[b"k"].decode(),
+                        tuple(msgpack.unpackb(fields[b"h"])),
+                        exact=fields.get(b"x", b"1") != b"0",
+                    )
+                )
         return last_id, out
 
 
@@ -491,8 +618,9 @@ class Batch:
         finally:
             self.pipe.reset()
 
-    def account(self, instance_id: str, fn: str, req: RequestInfo, cached: int,
-                **kw: Any) -> dict[str, int]:
+    def account(
+        self, instance_id: str, fn: str, req: RequestInfo, cached: int, **kw: Any
+    ) -> dict[str, int]:
         """A DispatchAccounting transition (``on_dispatch``, ``on_first_token``,
         ``on_finish``) of one instance; returns the field deltas written."""
         key = self.state.k("acct", instance_id)
@@ -511,9 +639,18 @@ class Batch:
     def create_request(self, rid: str, queue: str, ttl_s: float, **extra: Any) -> None:
         key = self.state.k("req", rid)
         now = time.time()
-        self.pipe.hset(key, mapping={"created": now, "status": "queued", "attempt": 1,
-                                     "first_token": 0, "queue": queue, "queued_at": now,
-                                     **extra})
+        self.pipe.hset(
+            key,
+            mapping={
+                "created": now,
+                "status": "queued",
+                "attempt": 1,
+                "first_token": 0,
+                "queue": queue,
+                "queued_at": now,
+                **extra,
+            },
+        )
         self.pipe.expire(key, int(ttl_s))
 
     def first_token(self, rid: str) -> None:
@@ -526,6 +663,9 @@ class Batch:
 
     def kv_events(self, events: Sequence[KVEvent], maxlen: int = 200_000) -> None:
         for ev in events:
-            self.pipe.xadd(self.state.k("kv"), {"i": ev.instance_id, "k": ev.kind,
-                                               "h": msgpack.packb(list(ev.block_hashes))},
-                           maxlen=maxlen, approximate=True)
+            self.pipe.xadd(
+                self.state.k("kv"),
+                {"i": ev.instance_id, "k": ev.kind, "h": msgpack.packb(list(ev.block_hashes))},
+                maxlen=maxlen,
+                approximate=True,
+            )

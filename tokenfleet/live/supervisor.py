@@ -17,9 +17,9 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
 log = logging.getLogger("tokenfleet.up")
 
@@ -66,11 +66,23 @@ class Supervisor:
         self.children: dict[str, Child] = {}
         self.stopping = False
 
-    def start(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
-              *, restart: bool = True, stop_timeout_s: float = 10.0) -> Child:
-        child = Child(name=name, argv=list(argv), env=dict(env or os.environ),
-                      log_path=self.log_dir / f"{name}.log", restart=restart,
-                      stop_timeout_s=stop_timeout_s)
+    def start(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        *,
+        restart: bool = True,
+        stop_timeout_s: float = 10.0,
+    ) -> Child:
+        child = Child(
+            name=name,
+            argv=list(argv),
+            env=dict(env or os.environ),
+            log_path=self.log_dir / f"{name}.log",
+            restart=restart,
+            stop_timeout_s=stop_timeout_s,
+        )
         self.children[name] = child
         self._spawn(child)
         return child
@@ -78,15 +90,20 @@ class Supervisor:
     def _spawn(self, child: Child) -> None:
         with open(child.log_path, "ab") as out:
             child.proc = subprocess.Popen(
-                child.argv, env=child.env, stdin=subprocess.DEVNULL, stdout=out,
-                stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=_pdeathsig(signal.SIGKILL))
+                child.argv,
+                env=child.env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_pdeathsig(signal.SIGKILL),
+            )
         child.started_at = time.monotonic()
         log.debug("started %s pid=%s", child.name, child.pid)
 
     def poll(self) -> list[str]:
         """Restart children that died; returns the names restarted."""
-        restarted = []
+        restarted: list[str] = []
         if self.stopping:
             return restarted
         now = time.monotonic()
@@ -99,8 +116,13 @@ class Supervisor:
                 if now - child.started_at > 30:
                     backoff = 0.5
                 child.next_restart_at = now + backoff
-                log.warning("%s exited with %s; restarting in %.1fs (see %s)", child.name,
-                            child.proc.returncode, backoff, child.log_path)
+                log.warning(
+                    "%s exited with %s; restarting in %.1fs (see %s)",
+                    child.name,
+                    child.proc.returncode,
+                    backoff,
+                    child.log_path,
+                )
             if now >= child.next_restart_at:
                 child.restarts += 1
                 child.next_restart_at = 0.0
@@ -150,6 +172,3 @@ class Supervisor:
         child = self.children[name]
         assert child.proc is not None
         os.kill(child.proc.pid, sig)
-
-    def pids(self) -> list[int]:
-        return [c.pid for c in self.children.values() if c.pid is not None]

@@ -1,14 +1,19 @@
-"""Service configuration, layered like Flask's: defaults < file < environment < overrides.
+"""The configuration, layered like Flask's: defaults < file < environment < overrides.
 
-One flat dataclass holds every key so the API, workers, beat and CLI agree on
-names. Each field carries its environment variable and a one-line doc in its
-metadata; :func:`config_reference_markdown` renders the table that
+Every knob of TokenFleet's service processes is here, in one flat namespace so
+the API, workers, beat and CLI agree on names: the stores, ports and ledger
+(:class:`ServiceConfig`) and the live request path (routing, admission,
+timeouts, control loop: :class:`tokenfleet.live.config.LiveConfig`, loaded
+in the same layers into ``ServiceConfig.live``). Each field carries a
+one-line doc in its metadata; its environment variable is ``TOKENFLEET_`` +
+its upper-case name. :func:`config_reference_markdown` renders the table that
 docs/deployment.md embeds, and a test keeps the two identical.
 
 The file is TOML or YAML (chosen by suffix) with the same flat keys, e.g.::
 
     redis_url = "redis://127.0.0.1:6379/0"
     ledger_batch_size = 1000
+    router = "tokenpilot"
 
 Unknown keys are errors, not silently ignored, because a typo in a deployment
 file otherwise shows up as "the setting did nothing".
@@ -23,13 +28,15 @@ import re
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
 from tokenfleet.errors import ConfigError
+from tokenfleet.live.config import LiveConfig
 
 ENV_PREFIX = "TOKENFLEET_"
 CONFIG_ENV = "TOKENFLEET_CONFIG"
@@ -71,15 +78,7 @@ class ServiceConfig:
     )
     broker_url: str | None = field(
         default=None,
-        metadata=_key(
-            "Celery broker. Unset: `redis_url` with database 0.", secret=True
-        ),
-    )
-    result_backend_url: str | None = field(
-        default=None,
-        metadata=_key(
-            "Celery result backend. Unset: `redis_url` with database 1.", secret=True
-        ),
+        metadata=_key("Celery broker. Unset: `redis_url` with database 0.", secret=True),
     )
     api_key: str | None = field(
         default=None,
@@ -132,6 +131,8 @@ class ServiceConfig:
         metadata=_key("Cap of the exponential backoff between retries of a failed ledger flush."),
     )
 
+    #: the live path's knobs, from the same layers (flat keys in files and env)
+    live: LiveConfig = field(default_factory=LiveConfig, compare=False)
     # sources are bookkeeping, not settings: excluded from files/env
     sources: Mapping[str, Source] = field(default_factory=dict, compare=False, repr=False)
 
@@ -146,17 +147,11 @@ class ServiceConfig:
         base = redis_url or self.redis_url
         return with_redis_db(base, 0) if base else None
 
-    def effective_result_backend_url(self, redis_url: str | None = None) -> str | None:
-        if self.result_backend_url:
-            return self.result_backend_url
-        base = redis_url or self.redis_url
-        return with_redis_db(base, 1) if base else None
-
     def redacted(self) -> dict[str, str]:
-        """Values for display: secrets masked, passwords in URLs hidden."""
+        """Values for display (live knobs included): secrets masked, URL passwords hidden."""
         out: dict[str, str] = {}
-        for f in setting_fields():
-            value = getattr(self, f.name)
+        for f in setting_fields() + live_fields():
+            value = getattr(self.live if f in _LIVE_FIELDS else self, f.name)
             text = "" if value is None else str(value)
             if value is not None and f.metadata.get("secret"):
                 text = redact_url(text) if "://" in text else "****"
@@ -165,21 +160,30 @@ class ServiceConfig:
 
 
 def setting_fields() -> list[dataclasses.Field[Any]]:
-    return [f for f in dataclasses.fields(ServiceConfig) if f.name != "sources"]
+    """The service's own keys (stores, ports, ledger)."""
+    return [f for f in dataclasses.fields(ServiceConfig) if f.name not in ("sources", "live")]
+
+
+_LIVE_FIELDS = dataclasses.fields(LiveConfig)
+
+
+def live_fields() -> list[dataclasses.Field[Any]]:
+    """The live path's keys (:class:`LiveConfig`)."""
+    return list(_LIVE_FIELDS)
 
 
 def env_var(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
-_TYPE_HINTS: dict[str, Any] | None = None
+_TYPE_HINTS: dict[str, Any] = {}
 
 
 def _field_type(name: str) -> tuple[type, bool]:
     """(base type, optional?) of a config field, from its annotation."""
-    global _TYPE_HINTS
-    if _TYPE_HINTS is None:
-        _TYPE_HINTS = typing.get_type_hints(ServiceConfig)
+    if not _TYPE_HINTS:
+        _TYPE_HINTS.update(typing.get_type_hints(LiveConfig))
+        _TYPE_HINTS.update(typing.get_type_hints(ServiceConfig))
     hint = _TYPE_HINTS[name]
     optional = False
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
@@ -220,9 +224,7 @@ def _coerce(name: str, raw: object, origin: str) -> object:
                 raise ValueError(raw)
             return str(raw)
     except ValueError:
-        raise ConfigError(
-            f"{origin}: '{name}' must be a {base.__name__}, got {raw!r}"
-        ) from None
+        raise ConfigError(f"{origin}: '{name}' must be a {base.__name__}, got {raw!r}") from None
     raise AssertionError(f"unsupported config type {base!r}")  # pragma: no cover
 
 
@@ -263,9 +265,11 @@ def load_config(
     were not given can be passed straight through.
     """
     environ = os.environ if env is None else env
-    names = {f.name for f in setting_fields()}
+    own = {f.name for f in setting_fields()}
+    live_names = {f.name for f in live_fields()}
+    names = own | live_names
     values: dict[str, object] = {}
-    sources: dict[str, Source] = {f.name: "default" for f in setting_fields()}
+    sources: dict[str, Source] = {name: "default" for name in sorted(names)}
 
     file_path = path if path is not None else environ.get(CONFIG_ENV) or None
     if file_path is not None:
@@ -292,7 +296,13 @@ def load_config(
         values[key] = _coerce(key, raw, "override")
         sources[key] = "override"
 
-    cfg = ServiceConfig(**values, sources=sources)  # type: ignore[arg-type]
+    live = LiveConfig(**{k: v for k, v in values.items() if k in live_names})  # type: ignore[arg-type]
+    live.validate()
+    cfg = ServiceConfig(
+        **{k: v for k, v in values.items() if k in own},  # type: ignore[arg-type]
+        live=live,
+        sources=sources,
+    )
     _validate(cfg)
     return cfg
 
@@ -308,7 +318,7 @@ def _validate(cfg: ServiceConfig) -> None:
         raise ConfigError("'ledger_flush_interval_s' must be > 0 seconds")
     if cfg.ledger_max_buffer_rows < cfg.ledger_batch_size:
         raise ConfigError("'ledger_max_buffer_rows' must be >= 'ledger_batch_size'")
-    for name in ("redis_url", "broker_url", "result_backend_url"):
+    for name in ("redis_url", "broker_url"):
         url = getattr(cfg, name)
         if url and not re.match(r"^(redis|rediss|unix|amqp|amqps|memory)://", url):
             raise ConfigError(
@@ -360,17 +370,30 @@ def config_from_args(args: argparse.Namespace, **extra: object) -> ServiceConfig
 
 
 def config_reference_markdown() -> str:
-    """The key table of docs/deployment.md, generated so the doc cannot drift."""
-    lines = [
-        "| key | environment variable | type | default | meaning |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for f in setting_fields():
-        base, optional = _field_type(f.name)
-        type_name = ("path" if base is Path else base.__name__) + (" or unset" if optional else "")
-        default = f.default
-        default_text = "unset" if default is None else f"`{default}`"
-        lines.append(
-            f"| `{f.name}` | `{env_var(f.name)}` | {type_name} | {default_text} | {f.metadata['doc']} |"
-        )
-    return "\n".join(lines) + "\n"
+    """The key tables of docs/deployment.md, generated so the doc cannot drift."""
+    out = []
+    for title, fields in (
+        ("Stores, ports and the ledger", setting_fields()),
+        ("The live request path", live_fields()),
+    ):
+        lines = [
+            f"**{title}**",
+            "",
+            "| key | environment variable | type | default | meaning |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for f in fields:
+            base, optional = _field_type(f.name)
+            type_name = ("path" if base is Path else base.__name__) + (
+                " or unset" if optional else ""
+            )
+            default = f.default
+            default_text = "unset" if default is None else f"`{default}`"
+            if default == "":
+                default_text = "empty"
+            lines.append(
+                f"| `{f.name}` | `{env_var(f.name)}` | {type_name} | {default_text} "
+                f"| {f.metadata['doc']} |"
+            )
+        out.append("\n".join(lines) + "\n")
+    return "\n".join(out)

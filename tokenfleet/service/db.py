@@ -1,15 +1,17 @@
 """Engines, sessions and Alembic migrations, callable from code and the CLI.
 
-Alembic is driven programmatically with absolute paths (alembic.ini and
-migrations/ are found relative to this package), so ``tokenfleet db upgrade``
-works from any working directory.
+Alembic is driven programmatically with absolute paths, so ``tokenfleet db
+upgrade`` works from any working directory, from a source checkout and from
+an installed wheel alike: the ``migrations`` package ships in the wheel
+(:func:`migrations_dir`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -18,16 +20,32 @@ from sqlalchemy.orm import Session, sessionmaker
 from tokenfleet.errors import ConfigError, TokenFleetError
 from tokenfleet.service.config import redact_url
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-ALEMBIC_INI = REPO_ROOT / "alembic.ini"
-MIGRATIONS_DIR = REPO_ROOT / "migrations"
+#: the checkout's alembic.ini (logging for the `alembic` command); optional
+ALEMBIC_INI = Path(__file__).resolve().parents[2] / "alembic.ini"
+
+
+def migrations_dir() -> Path:
+    """The Alembic script directory: the ``migrations`` package next to ``tokenfleet``
+    (a checkout or an editable install), else the installed one (a wheel)."""
+    beside = Path(__file__).resolve().parents[2] / "migrations"
+    if (beside / "env.py").is_file():
+        return beside
+    spec = importlib.util.find_spec("migrations")
+    if spec is not None and spec.origin is not None:
+        installed = Path(spec.origin).parent
+        if (installed / "env.py").is_file():
+            return installed
+    raise ConfigError(
+        "the TokenFleet migrations are missing: neither a source checkout nor the installed "
+        "'migrations' package has env.py; reinstall TokenFleet (pip install tokenfleet)"
+    )
 
 
 def normalize_url(url: str) -> str:
     """Use the psycopg 3 driver for plain ``postgresql://`` URLs (psycopg2 is not installed)."""
     for prefix in ("postgresql://", "postgres://"):
         if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix):]
+            return "postgresql+psycopg://" + url[len(prefix) :]
     return url
 
 
@@ -52,23 +70,17 @@ def session_factory(engine: Engine) -> sessionmaker[Session]:
 @contextlib.contextmanager
 def session_scope(engine: Engine) -> Iterator[Session]:
     """One transaction: commit on success, roll back on error."""
-    with session_factory(engine)() as session:
-        with session.begin():
-            yield session
+    with session_factory(engine)() as session, session.begin():
+        yield session
 
 
 # ---- migrations -------------------------------------------------------------
-def alembic_config(database_url: str) -> "object":
+def alembic_config(database_url: str) -> object:
     """An ``alembic.config.Config`` bound to ``database_url`` with absolute script paths."""
     from alembic.config import Config
 
-    if not MIGRATIONS_DIR.is_dir():
-        raise ConfigError(
-            f"migrations folder not found at {MIGRATIONS_DIR}; TokenFleet must be installed "
-            "from a source checkout (pip install -e .) for `tokenfleet db` commands"
-        )
     cfg = Config(str(ALEMBIC_INI)) if ALEMBIC_INI.is_file() else Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("script_location", str(migrations_dir()))
     # '%' is alembic's interpolation character; URLs may contain it (escaped passwords)
     cfg.set_main_option("sqlalchemy.url", normalize_url(database_url).replace("%", "%%"))
     cfg.attributes["configure_logger"] = False

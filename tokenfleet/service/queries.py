@@ -14,9 +14,10 @@ Definitions (window = requests whose ``arrival_ts`` is in ``[since, until)``):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Any, Literal, Sequence
+from datetime import UTC, datetime
+from typing import Any, Literal
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -71,7 +72,7 @@ def _mappings(bind: Engine | Connection | Session, stmt: Any) -> Sequence[Any]:
 
 
 def _utc(value: datetime) -> datetime:
-    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
 
 
 def goodput(
@@ -89,7 +90,8 @@ def goodput(
 
     def count(*statuses: RequestStatus) -> Any:
         return sa.func.coalesce(
-            sa.func.sum(sa.case((RequestRow.status.in_([s.value for s in statuses]), 1), else_=0)), 0
+            sa.func.sum(sa.case((RequestRow.status.in_([s.value for s in statuses]), 1), else_=0)),
+            0,
         )
 
     done_tokens = sa.func.coalesce(
@@ -163,13 +165,21 @@ class PoolWorkRow:
     rejected_prompt_tokens: int
 
 
-def pool_work(bind: Engine | Connection | Session, *, since: datetime,
-              until: datetime) -> list[PoolWorkRow]:
+def pool_work(
+    bind: Engine | Connection | Session, *, since: datetime, until: datetime
+) -> list[PoolWorkRow]:
     """Per-pool served and refused work for arrivals in ``[since, until)``."""
     since, until = _utc(since), _utc(until)
-    served_statuses = [s.value for s in (RequestStatus.COMPLETED, RequestStatus.SLO_MISSED,
-                                         RequestStatus.FAILED, RequestStatus.TIMED_OUT,
-                                         RequestStatus.CANCELLED)]
+    served_statuses = [
+        s.value
+        for s in (
+            RequestStatus.COMPLETED,
+            RequestStatus.SLO_MISSED,
+            RequestStatus.FAILED,
+            RequestStatus.TIMED_OUT,
+            RequestStatus.CANCELLED,
+        )
+    ]
     is_served = RequestRow.status.in_(served_statuses)
     is_rejected = RequestRow.status == RequestStatus.REJECTED.value
 
@@ -177,22 +187,37 @@ def pool_work(bind: Engine | Connection | Session, *, since: datetime,
         return sa.func.coalesce(sa.func.sum(sa.case((cond, value), else_=0)), 0)
 
     version = sa.func.coalesce(RequestRow.model_version, "")
-    stmt = sa.select(
-        RequestRow.dc, RequestRow.model, version.label("version"),
-        total(is_served, 1).label("served"),
-        total(RequestRow.status == RequestStatus.COMPLETED.value, 1).label("slo_met"),
-        total(is_served, RequestRow.prompt_tokens - RequestRow.cached_tokens).label("uncached"),
-        total(is_served, RequestRow.completion_tokens).label("completion"),
-        total(is_rejected, 1).label("rejected"),
-        total(is_rejected, RequestRow.prompt_tokens).label("rejected_prompt"),
-    ).where(RequestRow.arrival_ts >= since, RequestRow.arrival_ts < until).group_by(
-        RequestRow.dc, RequestRow.model, version).order_by(RequestRow.dc, RequestRow.model)
+    stmt = (
+        sa.select(
+            RequestRow.dc,
+            RequestRow.model,
+            version.label("version"),
+            total(is_served, 1).label("served"),
+            total(RequestRow.status == RequestStatus.COMPLETED.value, 1).label("slo_met"),
+            total(is_served, RequestRow.prompt_tokens - RequestRow.cached_tokens).label("uncached"),
+            total(is_served, RequestRow.completion_tokens).label("completion"),
+            total(is_rejected, 1).label("rejected"),
+            total(is_rejected, RequestRow.prompt_tokens).label("rejected_prompt"),
+        )
+        .where(RequestRow.arrival_ts >= since, RequestRow.arrival_ts < until)
+        .group_by(RequestRow.dc, RequestRow.model, version)
+        .order_by(RequestRow.dc, RequestRow.model)
+    )
     result = _mappings(bind, stmt)
-    return [PoolWorkRow(dc=r["dc"], model=r["model"], version=r["version"],
-                        served=int(r["served"]), slo_met=int(r["slo_met"]),
-                        uncached_prompt_tokens=max(0, int(r["uncached"])),
-                        completion_tokens=int(r["completion"]), rejected=int(r["rejected"]),
-                        rejected_prompt_tokens=int(r["rejected_prompt"])) for r in result]
+    return [
+        PoolWorkRow(
+            dc=r["dc"],
+            model=r["model"],
+            version=r["version"],
+            served=int(r["served"]),
+            slo_met=int(r["slo_met"]),
+            uncached_prompt_tokens=max(0, int(r["uncached"])),
+            completion_tokens=int(r["completion"]),
+            rejected=int(r["rejected"]),
+            rejected_prompt_tokens=int(r["rejected_prompt"]),
+        )
+        for r in result
+    ]
 
 
 # ---- admin-side helpers (one Session, caller commits) --------------------------
@@ -247,7 +272,9 @@ def revoke_api_key(session: Session, plaintext_or_prefix: str) -> int:
     return int(result.rowcount or 0)  # type: ignore[attr-defined]
 
 
-def append_audit(session: Session, actor: str, action: str, payload: dict[str, Any] | None = None) -> None:
+def append_audit(
+    session: Session, actor: str, action: str, payload: dict[str, Any] | None = None
+) -> None:
     session.add(AuditLog(actor=actor, action=action, payload=payload or {}))
 
 
@@ -272,6 +299,10 @@ def append_tier_share(
 
 
 def append_fleet_event(
-    session: Session, kind: FleetEventKind | str, payload: dict[str, Any], *, ts: datetime | None = None
+    session: Session,
+    kind: FleetEventKind | str,
+    payload: dict[str, Any],
+    *,
+    ts: datetime | None = None,
 ) -> None:
     session.add(FleetEvent(kind=FleetEventKind(kind), payload=payload, ts=ts or utcnow()))

@@ -44,10 +44,11 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -94,10 +95,10 @@ def _to_datetime(value: datetime | float | int | str | None) -> datetime | None:
     if value is None:
         return None
     if isinstance(value, datetime):
-        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+        return value if value.tzinfo else value.replace(tzinfo=UTC)
     if isinstance(value, str):
         return _to_datetime(datetime.fromisoformat(value))
-    return datetime.fromtimestamp(float(value), tz=timezone.utc)
+    return datetime.fromtimestamp(float(value), tz=UTC)
 
 
 def normalize_row(row: RequestRecord | Mapping[str, Any]) -> dict[str, Any]:
@@ -108,7 +109,9 @@ def normalize_row(row: RequestRecord | Mapping[str, Any]) -> dict[str, Any]:
         data = dict(row)
     unknown = set(data) - set(RECORD_FIELDS)
     if unknown:
-        raise ValueError(f"unknown ledger fields {sorted(unknown)}; valid: {', '.join(RECORD_FIELDS)}")
+        raise ValueError(
+            f"unknown ledger fields {sorted(unknown)}; valid: {', '.join(RECORD_FIELDS)}"
+        )
     for required in ("request_id", "tenant_id", "tier", "model", "status", "arrival_ts"):
         if data.get(required) in (None, ""):
             raise ValueError(f"ledger row needs '{required}'")
@@ -130,7 +133,12 @@ def merge_rows(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]
     for key, value in new.items():
         if key == "attempts":
             merged[key] = max(old.get(key) or 1, value or 1)
-        elif keep_status and key in ("status", "prompt_tokens", "cached_tokens", "completion_tokens"):
+        elif keep_status and key in (
+            "status",
+            "prompt_tokens",
+            "cached_tokens",
+            "completion_tokens",
+        ):
             continue
         elif value is not None:
             merged[key] = value
@@ -164,12 +172,14 @@ class WriterStats:
     healthy: bool = True
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def snapshot(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "_lock"}
 
-
-_TRANSIENT = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError,
-              sa.exc.ProgrammingError, sa.exc.DisconnectionError)
+_TRANSIENT = (
+    sa.exc.OperationalError,
+    sa.exc.InterfaceError,
+    sa.exc.TimeoutError,
+    sa.exc.ProgrammingError,
+    sa.exc.DisconnectionError,
+)
 _ROW_ERRORS = (sa.exc.IntegrityError, sa.exc.DataError)
 
 
@@ -178,7 +188,7 @@ class _SpillReplay:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.fh = open(path, "r", encoding="utf-8")
+        self.fh = open(path, encoding="utf-8")  # noqa: SIM115 - read in chunks, closed by close()
 
     def chunk(self, size: int) -> list[dict[str, Any]]:
         rows = []
@@ -243,7 +253,7 @@ class LedgerWriter:
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: Any, database_url: str) -> "LedgerWriter":
+    def from_config(cls, config: Any, database_url: str) -> LedgerWriter:
         """A writer with the ledger_* settings of a ServiceConfig."""
         return cls(
             database_url,
@@ -312,8 +322,11 @@ class LedgerWriter:
             self._buf.clear()
             self._inflight = []
             if leftovers:
-                log.warning("ledger writer closing with %d unwritten rows; spilled to %s",
-                            len(leftovers), self.spill_dir)
+                log.warning(
+                    "ledger writer closing with %d unwritten rows; spilled to %s",
+                    len(leftovers),
+                    self.spill_dir,
+                )
                 self._spill_locked(leftovers)
             self._rotate_spill_locked()
             if self._replay is not None:
@@ -322,7 +335,7 @@ class LedgerWriter:
             self.engine.dispose()
         return drained and not leftovers
 
-    def __enter__(self) -> "LedgerWriter":
+    def __enter__(self) -> LedgerWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -331,8 +344,11 @@ class LedgerWriter:
     # ---- spill files ------------------------------------------------------------
     def _spill_locked(self, rows: list[dict[str, Any]]) -> None:
         if self._spill_fh is None:
-            self._spill_path = self.spill_dir / f"ledger-{os.getpid()}-{next(self._spill_seq)}-{time.time_ns()}.jsonl.part"
-            self._spill_fh = open(self._spill_path, "a", encoding="utf-8")
+            self._spill_path = (
+                self.spill_dir
+                / f"ledger-{os.getpid()}-{next(self._spill_seq)}-{time.time_ns()}.jsonl.part"
+            )
+            self._spill_fh = open(self._spill_path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across batches
         for row in rows:
             self._spill_fh.write(json.dumps(row, default=_json_default) + "\n")
         self._spill_fh.flush()
@@ -360,7 +376,11 @@ class LedgerWriter:
                 out.append(path)
                 continue
             try:
-                pid = int(name.split("-")[1]) if name.endswith(".part") else int(name.rsplit(".claimed-", 1)[1])
+                pid = (
+                    int(name.split("-")[1])
+                    if name.endswith(".part")
+                    else int(name.rsplit(".claimed-", 1)[1])
+                )
             except (IndexError, ValueError):
                 continue
             if pid != os.getpid() and not pid_alive(pid):
@@ -404,7 +424,10 @@ class LedgerWriter:
                     len(self._buf) >= self.batch_size
                     or self._flush_requested
                     or self._stopping
-                    or (self._oldest_at is not None and now - self._oldest_at >= self.flush_interval_s)
+                    or (
+                        self._oldest_at is not None
+                        and now - self._oldest_at >= self.flush_interval_s
+                    )
                 )
                 if due:
                     n = min(self.batch_size, len(self._buf))
@@ -460,17 +483,21 @@ class LedgerWriter:
                     else:
                         self._buf.extendleft(reversed(batch))
                         self._oldest_at = self._oldest_at or time.monotonic()
-                    log.warning("ledger flush failed (%s); retrying in %.2fs",
-                                self.stats.last_error.splitlines()[0] if self.stats.last_error else exc,
-                                backoff)
+                    log.warning(
+                        "ledger flush failed (%s); retrying in %.2fs",
+                        self.stats.last_error.splitlines()[0] if self.stats.last_error else exc,
+                        backoff,
+                    )
                     if not self._stopping:
                         self._cond.wait(backoff)
                     else:
                         return  # close() spills what is left
                 continue
             except Exception:  # noqa: BLE001 - never let the thread die with rows in hand
-                log.error("unexpected ledger writer error; rows kept for retry: %s",
-                          str(sys.exc_info()[1])[:500])
+                log.error(
+                    "unexpected ledger writer error; rows kept for retry: %s",
+                    str(sys.exc_info()[1])[:500],
+                )
                 with self._cond:
                     self._inflight = []
                     if from_spill:
@@ -511,8 +538,12 @@ class LedgerWriter:
             fh.write(json.dumps(entry, default=_json_default) + "\n")
         with self.stats._lock:
             self.stats.rejected += 1
-        log.error("ledger row %s rejected by the database: %s (kept in %s)",
-                  row.get("request_id"), entry["error"], path)
+        log.error(
+            "ledger row %s rejected by the database: %s (kept in %s)",
+            row.get("request_id"),
+            entry["error"],
+            path,
+        )
 
     def _upsert(self, batch: list[dict[str, Any]]) -> None:
         merged: dict[str, dict[str, Any]] = {}
@@ -529,7 +560,7 @@ class LedgerWriter:
             conn.execute(upsert_statement(conn.dialect.name), values)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def upsert_statement(dialect: str) -> Any:
     """``INSERT .. ON CONFLICT (request_id) DO UPDATE`` implementing :func:`merge_rows`.
 
@@ -563,12 +594,3 @@ def upsert_statement(dialect: str) -> Any:
             update[name] = sa.func.coalesce(ex[name], cur[name])
     update["updated_at"] = ex.updated_at
     return stmt.on_conflict_do_update(index_elements=[cur.request_id], set_=update)
-
-
-def iter_spill_rows(spill_dir: str | Path) -> Iterator[dict[str, Any]]:
-    """Every row currently sitting in spill files (diagnostics, ``tokenfleet db spill``)."""
-    for path in sorted(Path(spill_dir).glob("ledger-*")):
-        with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                if line.strip():
-                    yield _row_from_json(line)

@@ -7,9 +7,10 @@ so the request path sees it within a second.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -55,7 +56,7 @@ def _check_slo_class(slo_class: str) -> None:
 
 
 def _require(session: Any, tenant_id: str) -> Tenant:
-    tenant = session.get(Tenant, tenant_id)
+    tenant: Tenant | None = session.get(Tenant, tenant_id)
     if tenant is None:
         raise ConfigError(f"tenant '{tenant_id}' does not exist; see `tokenfleet tenants list`")
     return tenant
@@ -76,14 +77,30 @@ def create_tenant(
     _check_slo_class(slo_class)
     with session_scope(engine) as session:
         if session.get(Tenant, tenant_id) is not None:
-            raise ConfigError(f"tenant '{tenant_id}' already exists; use `tokenfleet tenants set-quota`")
-        session.add(Tenant(id=tenant_id, name=name or tenant_id, slo_class=slo_class,
-                           allowed_models=list(allowed_models),
-                           allowed_regions=list(allowed_regions)))
+            raise ConfigError(
+                f"tenant '{tenant_id}' already exists; use `tokenfleet tenants set-quota`"
+            )
+        session.add(
+            Tenant(
+                id=tenant_id,
+                name=name or tenant_id,
+                slo_class=slo_class,
+                allowed_models=list(allowed_models),
+                allowed_regions=list(allowed_regions),
+            )
+        )
         session.flush()
-        append_audit(session, actor, "tenant.create", {
-            "tenant_id": tenant_id, "slo_class": slo_class,
-            "allowed_models": list(allowed_models), "allowed_regions": list(allowed_regions)})
+        append_audit(
+            session,
+            actor,
+            "tenant.create",
+            {
+                "tenant_id": tenant_id,
+                "slo_class": slo_class,
+                "allowed_models": list(allowed_models),
+                "allowed_regions": list(allowed_regions),
+            },
+        )
         ctx = load_tenant(session, tenant_id)
     if cache is not None:
         cache.forget_tenant(tenant_id)  # a negative entry may be cached
@@ -165,9 +182,17 @@ def set_quota(
             tenant.requests_per_minute = limits.requests_per_minute
             tenant.tokens_per_minute = limits.tokens_per_minute
             tenant.max_concurrent_requests = limits.max_concurrent_requests
-        append_audit(session, actor, "tenant.set_quota",
-                     {"tenant_id": tenant_id, "budget": budget, "changes": dict(changes),
-                      "limits": limits.as_dict()})
+        append_audit(
+            session,
+            actor,
+            "tenant.set_quota",
+            {
+                "tenant_id": tenant_id,
+                "budget": budget,
+                "changes": dict(changes),
+                "limits": limits.as_dict(),
+            },
+        )
     if cache is not None:
         cache.forget_tenant(tenant_id)
     return limits
@@ -176,9 +201,13 @@ def set_quota(
 def list_tenants(engine: Engine) -> list[tuple[TenantContext, int]]:
     """Every tenant with its number of active keys, by id."""
     with session_scope(engine) as session:
-        counts = dict(session.execute(
-            sa.select(ApiKey.tenant_id, sa.func.count())
-            .where(ApiKey.revoked_at.is_(None)).group_by(ApiKey.tenant_id)).all())
+        counts = dict(
+            session.execute(
+                sa.select(ApiKey.tenant_id, sa.func.count())
+                .where(ApiKey.revoked_at.is_(None))
+                .group_by(ApiKey.tenant_id)
+            ).all()
+        )
         out = []
         for tid in session.scalars(sa.select(Tenant.id).order_by(Tenant.id)):
             ctx = load_tenant(session, tid)
@@ -192,8 +221,14 @@ def get_tenant(engine: Engine, tenant_id: str) -> TenantContext | None:
         return load_tenant(session, tenant_id)
 
 
-def create_key(engine: Engine, tenant_id: str, *, actor: str, name: str | None = None,
-               cache: CacheInvalidator | None = None) -> tuple[str, KeyInfo]:
+def create_key(
+    engine: Engine,
+    tenant_id: str,
+    *,
+    actor: str,
+    name: str | None = None,
+    cache: CacheInvalidator | None = None,
+) -> tuple[str, KeyInfo]:
     """A new key: the plaintext is returned once and only its SHA-256 is stored."""
     plaintext, digest, prefix = generate_api_key()
     with session_scope(engine) as session:
@@ -201,8 +236,12 @@ def create_key(engine: Engine, tenant_id: str, *, actor: str, name: str | None =
         key = ApiKey(tenant_id=tenant_id, key_sha256=digest, prefix=prefix, name=name)
         session.add(key)
         session.flush()
-        append_audit(session, actor, "key.create",
-                     {"tenant_id": tenant_id, "key_id": key.id, "prefix": prefix, "name": name})
+        append_audit(
+            session,
+            actor,
+            "key.create",
+            {"tenant_id": tenant_id, "key_id": key.id, "prefix": prefix, "name": name},
+        )
         info = KeyInfo(key.id, tenant_id, prefix, name, key.created_at, None)
     if cache is not None:
         cache.forget_keys([digest])  # the key may have been probed (negative entry) before
@@ -214,12 +253,20 @@ def list_keys(engine: Engine, tenant_id: str | None = None) -> list[KeyInfo]:
         stmt = sa.select(ApiKey).order_by(ApiKey.tenant_id, ApiKey.id)
         if tenant_id is not None:
             stmt = stmt.where(ApiKey.tenant_id == tenant_id)
-        return [KeyInfo(k.id, k.tenant_id, k.prefix, k.name, k.created_at, k.revoked_at)
-                for k in session.scalars(stmt)]
+        return [
+            KeyInfo(k.id, k.tenant_id, k.prefix, k.name, k.created_at, k.revoked_at)
+            for k in session.scalars(stmt)
+        ]
 
 
-def revoke_key(engine: Engine, key: str, *, actor: str, tenant_id: str | None = None,
-               cache: CacheInvalidator | None = None) -> int:
+def revoke_key(
+    engine: Engine,
+    key: str,
+    *,
+    actor: str,
+    tenant_id: str | None = None,
+    cache: CacheInvalidator | None = None,
+) -> int:
     """Revoke by numeric id, display prefix or full key; returns how many were revoked.
 
     A prefix matching keys of several tenants is refused: revoking someone
@@ -241,9 +288,16 @@ def revoke_key(engine: Engine, key: str, *, actor: str, tenant_id: str | None = 
         for r in rows:
             r.revoked_at = now
         if rows:
-            append_audit(session, actor, "key.revoke",
-                         {"tenant_id": rows[0].tenant_id, "key_ids": [r.id for r in rows],
-                          "prefixes": [r.prefix for r in rows]})
+            append_audit(
+                session,
+                actor,
+                "key.revoke",
+                {
+                    "tenant_id": rows[0].tenant_id,
+                    "key_ids": [r.id for r in rows],
+                    "prefixes": [r.prefix for r in rows],
+                },
+            )
         digests = [r.key_sha256 for r in rows]
     if cache is not None:
         cache.forget_keys(digests)
@@ -255,5 +309,7 @@ def audit_log(engine: Engine, limit: int = 100) -> list[dict[str, Any]]:
 
     with session_scope(engine) as session:
         rows = session.scalars(sa.select(AuditLog).order_by(AuditLog.id.desc()).limit(limit))
-        return [{"id": r.id, "ts": r.ts, "actor": r.actor, "action": r.action,
-                 "payload": r.payload} for r in rows]
+        return [
+            {"id": r.id, "ts": r.ts, "actor": r.actor, "action": r.action, "payload": r.payload}
+            for r in rows
+        ]

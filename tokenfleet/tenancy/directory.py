@@ -46,20 +46,30 @@ class TenantContext:
         return not self.allowed_models or model in self.allowed_models
 
     def to_json(self) -> str:
-        return json.dumps({
-            "id": self.id, "name": self.name, "slo_class": self.slo_class,
-            "allowed_models": list(self.allowed_models),
-            "allowed_regions": list(self.allowed_regions),
-            "quotas": self.quotas.as_dict(), "disabled": self.disabled,
-        })
+        return json.dumps(
+            {
+                "id": self.id,
+                "name": self.name,
+                "slo_class": self.slo_class,
+                "allowed_models": list(self.allowed_models),
+                "allowed_regions": list(self.allowed_regions),
+                "quotas": self.quotas.as_dict(),
+                "disabled": self.disabled,
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str | bytes) -> TenantContext:
         d = json.loads(text)
-        return cls(id=d["id"], name=d["name"], slo_class=d["slo_class"],
-                   allowed_models=tuple(d["allowed_models"]),
-                   allowed_regions=tuple(d["allowed_regions"]),
-                   quotas=TenantQuotas.from_mapping(d["quotas"]), disabled=bool(d["disabled"]))
+        return cls(
+            id=d["id"],
+            name=d["name"],
+            slo_class=d["slo_class"],
+            allowed_models=tuple(d["allowed_models"]),
+            allowed_regions=tuple(d["allowed_regions"]),
+            quotas=TenantQuotas.from_mapping(d["quotas"]),
+            disabled=bool(d["disabled"]),
+        )
 
 
 def load_tenant(session: Any, tenant_id: str) -> TenantContext | None:
@@ -71,32 +81,52 @@ def load_tenant(session: Any, tenant_id: str) -> TenantContext | None:
     tenant = session.get(Tenant, tenant_id)
     if tenant is None:
         return None
-    rows = {r.budget: r for r in session.scalars(
-        sa.select(TenantQuota).where(TenantQuota.tenant_id == tenant_id))}
+    rows = {
+        r.budget: r
+        for r in session.scalars(sa.select(TenantQuota).where(TenantQuota.tenant_id == tenant_id))
+    }
     budgets: dict[str, QuotaLimits] = {}
     for b in BUDGETS:
         row = rows.get(b)
         if row is not None:
-            budgets[b] = QuotaLimits(row.requests_per_minute, row.tokens_per_minute,
-                                     row.max_concurrent_requests, row.daily_token_budget)
+            budgets[b] = QuotaLimits(
+                row.requests_per_minute,
+                row.tokens_per_minute,
+                row.max_concurrent_requests,
+                row.daily_token_budget,
+            )
         elif b == "interactive":
-            budgets[b] = QuotaLimits(tenant.requests_per_minute, tenant.tokens_per_minute,
-                                     tenant.max_concurrent_requests, None)
+            budgets[b] = QuotaLimits(
+                tenant.requests_per_minute,
+                tenant.tokens_per_minute,
+                tenant.max_concurrent_requests,
+                None,
+            )
         else:
             budgets[b] = QuotaLimits()
     return TenantContext(
-        id=tenant.id, name=tenant.name, slo_class=tenant.slo_class,
+        id=tenant.id,
+        name=tenant.name,
+        slo_class=tenant.slo_class,
         allowed_models=tuple(tenant.allowed_models or ()),
         allowed_regions=tuple(tenant.allowed_regions or ()),
-        quotas=TenantQuotas(**budgets), disabled=bool(tenant.disabled),
+        quotas=TenantQuotas(**budgets),
+        disabled=bool(tenant.disabled),
     )
 
 
 class TenantDirectory:
     """Cached API-key authentication and tenant lookup; thread-safe."""
 
-    def __init__(self, engine: Engine, redis_client: Any, *, prefix: str = "tf",
-                 local_ttl_s: float = 0.5, redis_ttl_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        redis_client: Any,
+        *,
+        prefix: str = "tf",
+        local_ttl_s: float = 0.5,
+        redis_ttl_s: float = 60.0,
+    ) -> None:
         if local_ttl_s > 1.0:
             raise ValueError("local_ttl_s above 1 s would break the revocation guarantee")
         self.engine = engine
@@ -141,11 +171,13 @@ class TenantDirectory:
             with self.engine.connect() as conn:
                 tid = conn.execute(
                     sa.select(ApiKey.tenant_id).where(
-                        ApiKey.key_sha256 == digest, ApiKey.revoked_at.is_(None))
+                        ApiKey.key_sha256 == digest, ApiKey.revoked_at.is_(None)
+                    )
                 ).scalar_one_or_none()
             # unknown keys are cached briefly too: a guessing client cannot hammer PostgreSQL
-            self.redis.set(self._key_entry(digest), tid or _MISSING,
-                           px=self.redis_ttl_ms if tid else 5000)
+            self.redis.set(
+                self._key_entry(digest), tid or _MISSING, px=self.redis_ttl_ms if tid else 5000
+            )
         with self._lock:
             self._keys[digest] = (now + self.local_ttl_s, tid)
         return tid
@@ -163,8 +195,11 @@ class TenantDirectory:
         else:
             with session_scope(self.engine) as session:
                 ctx = load_tenant(session, tenant_id)
-            self.redis.set(self._tenant_entry(tenant_id), ctx.to_json() if ctx else _MISSING,
-                           px=self.redis_ttl_ms if ctx else 5000)
+            self.redis.set(
+                self._tenant_entry(tenant_id),
+                ctx.to_json() if ctx else _MISSING,
+                px=self.redis_ttl_ms if ctx else 5000,
+            )
         with self._lock:
             self._tenants[tenant_id] = (now + self.local_ttl_s, ctx)
         return ctx

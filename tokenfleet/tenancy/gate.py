@@ -1,10 +1,11 @@
 """The tenancy checks of the request path, in the order a request meets them.
 
-``authenticate`` (key -> tenant) -> ``admit`` (model allowed? quota?) ->
-the request runs -> ``finish`` (reconcile the token reservation, free the
-concurrency slot, record usage). The chat endpoint and the batch runner both
-go through this object; failures come back as :class:`TenancyError` carrying
-the HTTP status, OpenAI ``type``/``code`` and headers of the error response.
+The API authenticates the key (``web.auth``, the one authenticator) ->
+``admit`` (model allowed? quota?) -> the request runs -> ``finish`` (reconcile
+the token reservation, free the concurrency slot, record usage). The chat
+endpoint and the batch runner both go through this object; failures come back
+as :class:`TenancyError` carrying the HTTP status, OpenAI ``type``/``code`` and
+headers of the error response.
 """
 
 from __future__ import annotations
@@ -21,8 +22,16 @@ from tokenfleet.tenancy.usage import UsageRecorder
 class TenancyError(TokenFleetError):
     """An API-facing refusal: status, OpenAI error fields and extra headers."""
 
-    def __init__(self, status: int, message: str, *, type_: str, code: str | None = None,
-                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -32,24 +41,35 @@ class TenancyError(TokenFleetError):
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type,
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def quota_error(decision: QuotaDecision) -> TenancyError:
     if decision.retry_after_s is None:  # can never pass: retrying is pointless
-        return TenancyError(400 if decision.code == "request_exceeds_quota" else 429,
-                            decision.message(), type_="invalid_request_error"
-                            if decision.code == "request_exceeds_quota" else "rate_limit_error",
-                            code=decision.code, param=decision.limit_name)
-    return TenancyError(429, decision.message(), type_="rate_limit_error", code=decision.code,
-                        param=decision.limit_name, headers=decision.retry_after_header())
-
-
-def unauthorized() -> TenancyError:
-    return TenancyError(401, "invalid or revoked API key; pass 'Authorization: Bearer <key>' "
-                        "with a key from `tokenfleet tenants keys create`",
-                        type_="invalid_request_error", code="invalid_api_key")
+        return TenancyError(
+            400 if decision.code == "request_exceeds_quota" else 429,
+            decision.message(),
+            type_="invalid_request_error"
+            if decision.code == "request_exceeds_quota"
+            else "rate_limit_error",
+            code=decision.code,
+            param=decision.limit_name,
+        )
+    return TenancyError(
+        429,
+        decision.message(),
+        type_="rate_limit_error",
+        code=decision.code,
+        param=decision.limit_name,
+        headers=decision.retry_after_header(),
+    )
 
 
 @dataclass(slots=True)
@@ -61,34 +81,40 @@ class Admission:
 
 
 class TenancyGate:
-    def __init__(self, directory: TenantDirectory, quotas: QuotaEnforcer,
-                 usage: UsageRecorder | None = None) -> None:
+    def __init__(
+        self, directory: TenantDirectory, quotas: QuotaEnforcer, usage: UsageRecorder | None = None
+    ) -> None:
         self.directory = directory
         self.quotas = quotas
         self.usage = usage
 
-    def authenticate(self, authorization: str | None) -> TenantContext:
-        """From an ``Authorization: Bearer`` header value; raises 401."""
-        token = ""
-        if authorization:
-            scheme, _, rest = authorization.strip().partition(" ")
-            if scheme.lower() == "bearer":
-                token = rest.strip()
-        ctx = self.directory.authenticate(token) if token else None
-        if ctx is None:
-            raise unauthorized()
-        return ctx
-
-    def admit(self, tenant: TenantContext, budget: str, *, model: str | None,
-              prompt_tokens: int, max_tokens: int, ticket_id: str | None = None) -> Admission:
+    def admit(
+        self,
+        tenant: TenantContext,
+        budget: str,
+        *,
+        model: str | None,
+        prompt_tokens: int,
+        max_tokens: int,
+        ticket_id: str | None = None,
+    ) -> Admission:
         if model is not None and not tenant.allows_model(model):
             raise TenancyError(
-                404, f"model '{model}' is not available to tenant '{tenant.id}'; allowed: "
-                f"{', '.join(tenant.allowed_models)}", type_="invalid_request_error",
-                code="model_not_found", param="model")
-        decision = self.quotas.admit(tenant.id, budget, tenant.quotas.for_budget(budget),
-                                     prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                                     ticket_id=ticket_id)
+                404,
+                f"model '{model}' is not available to tenant '{tenant.id}'; allowed: "
+                f"{', '.join(tenant.allowed_models)}",
+                type_="invalid_request_error",
+                code="model_not_found",
+                param="model",
+            )
+        decision = self.quotas.admit(
+            tenant.id,
+            budget,
+            tenant.quotas.for_budget(budget),
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            ticket_id=ticket_id,
+        )
         if not decision.allowed:
             if self.usage is not None:
                 self.usage.record(tenant.id, budget, rejected=1)
@@ -96,8 +122,14 @@ class TenancyGate:
         assert decision.ticket is not None
         return Admission(tenant, decision.ticket, prompt_tokens)
 
-    def finish(self, admission: Admission, *, completion_tokens: int,
-               prompt_tokens: int | None = None, ran: bool = True) -> None:
+    def finish(
+        self,
+        admission: Admission,
+        *,
+        completion_tokens: int,
+        prompt_tokens: int | None = None,
+        ran: bool = True,
+    ) -> None:
         """Reconcile with real usage; idempotent, so call it in a ``finally``.
 
         ``ran=False``: the request was never served (error before the engine,
@@ -111,8 +143,13 @@ class TenancyGate:
         limits = admission.tenant.quotas.for_budget(admission.ticket.budget)
         self.quotas.release(admission.ticket, limits, actual_tokens=prompt + completion_tokens)
         if self.usage is not None and ran:
-            self.usage.record(admission.tenant.id, admission.ticket.budget, requests=1,
-                              prompt_tokens=prompt, completion_tokens=completion_tokens)
+            self.usage.record(
+                admission.tenant.id,
+                admission.ticket.budget,
+                requests=1,
+                prompt_tokens=prompt,
+                completion_tokens=completion_tokens,
+            )
 
 
 #: output reservation when a request sets no max_tokens (the gateway's own default)
@@ -123,11 +160,11 @@ def estimate_chat_cost(body: dict[str, Any]) -> tuple[int, int]:
     """(prompt tokens, reserved output tokens) of a chat request, before it runs.
 
     The prompt is counted like the gateway does (rendered chat, 4 bytes per
-    token, ``tokenfleet.emulator.tokenizer``); the output reservation is
+    token, ``tokenfleet.tokenizer``); the output reservation is
     ``max_completion_tokens``/``max_tokens`` or :data:`DEFAULT_MAX_TOKENS`.
     Both are reconciled with real usage when the request finishes.
     """
-    from tokenfleet.emulator.tokenizer import BYTES_PER_TOKEN, encode_text, render_chat
+    from tokenfleet.tokenizer import BYTES_PER_TOKEN, encode_text, render_chat
 
     try:
         prompt = len(encode_text(render_chat(body.get("messages") or []))) // BYTES_PER_TOKEN

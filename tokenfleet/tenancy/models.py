@@ -21,9 +21,7 @@ from tokenfleet.service.ledger import Base, _now_column
 
 class TenantQuota(Base):
     __tablename__ = "tenant_quotas"
-    __table_args__ = (
-        sa.CheckConstraint("budget IN ('interactive', 'batch')", name="budget"),
-    )
+    __table_args__ = (sa.CheckConstraint("budget IN ('interactive', 'batch')", name="budget"),)
 
     tenant_id: Mapped[str] = mapped_column(
         sa.ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
@@ -48,7 +46,6 @@ class TenantUsage(Base):
     prompt_tokens: Mapped[int] = mapped_column(sa.BigInteger, default=0)
     completion_tokens: Mapped[int] = mapped_column(sa.BigInteger, default=0)
     updated_at: Mapped[datetime] = _now_column()
-
 
 
 class AdminUser(Base):

@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 #: the two budgets of every tenant
 BUDGETS: tuple[str, ...] = ("interactive", "batch")
@@ -78,7 +79,9 @@ class QuotaLimits:
         for f in fields(self):
             v = getattr(self, f.name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                raise ValueError(f"quota '{f.name}' must be a non-negative integer or unset, got {v!r}")
+                raise ValueError(
+                    f"quota '{f.name}' must be a non-negative integer or unset, got {v!r}"
+                )
 
     def as_dict(self) -> dict[str, int | None]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -101,10 +104,6 @@ class TenantQuotas:
         if budget not in BUDGETS:
             raise ValueError(f"unknown budget '{budget}'; use one of {', '.join(BUDGETS)}")
         return self.interactive if budget == "interactive" else self.batch
-
-    def with_budget(self, budget: str, limits: QuotaLimits) -> TenantQuotas:
-        self.for_budget(budget)
-        return replace(self, **{budget: limits})
 
     def as_dict(self) -> dict[str, dict[str, int | None]]:
         return {b: self.for_budget(b).as_dict() for b in BUDGETS}
@@ -145,8 +144,10 @@ class QuotaDecision:
             return "admitted"
         name = self.limit_name
         if self.code == CODE_TOO_LARGE:
-            return (f"this request needs more tokens than the quota can ever grant "
-                    f"(limit {self.limit}); lower max_tokens or ask an admin to raise the quota")
+            return (
+                f"this request needs more tokens than the quota can ever grant "
+                f"(limit {self.limit}); lower max_tokens or ask an admin to raise the quota"
+            )
         wait = "" if self.retry_after_s is None else f"; retry after {self.retry_after_s:.1f}s"
         return f"quota exceeded: {name} = {self.limit}{wait}"
 
@@ -375,7 +376,12 @@ class QuotaEnforcer:
             return 0
         _, tpm, running, daily = self._keys(ticket.tenant_id, ticket.budget)
         res = self._release(
-            keys=[tpm, running, daily, self._ticket_key(ticket.tenant_id, ticket.budget, ticket.ticket_id)],
+            keys=[
+                tpm,
+                running,
+                daily,
+                self._ticket_key(ticket.tenant_id, ticket.budget, ticket.ticket_id),
+            ],
             args=[max(0, int(actual_tokens)), _arg(limits.tokens_per_minute), ticket.ticket_id],
         )
         return None if res is None else int(res)

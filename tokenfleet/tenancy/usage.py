@@ -8,6 +8,12 @@ them as one additive ``INSERT .. ON CONFLICT DO UPDATE SET x = x + excluded.x``
 with one row per (tenant, budget, UTC day): a thousand requests in a flush
 interval cost one row write per tenant, not a thousand.
 
+A claimed hash is named with its claim time. A flusher takes over another's
+claimed hash only once it is older than :data:`ABANDONED_AFTER_S` (its owner
+died after the RENAME), and renames it again first, so one flusher wins: a
+hash that another flusher is still writing is never written twice. Flushes in
+one process run one at a time.
+
 A flush that dies between the database commit and deleting its Redis hash
 would replay those increments on the next flush; the window is one DEL, and
 the usage table is an operational view, not the billing ledger (that is the
@@ -18,8 +24,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
-from datetime import date, datetime, timezone
+from datetime import UTC, date, datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -32,27 +39,43 @@ from tokenfleet.tenancy.quota import BUDGETS
 log = logging.getLogger("tokenfleet.usage")
 
 METRICS = ("requests", "rejected", "prompt_tokens", "completion_tokens")
+#: a claimed hash this old belongs to a flusher that died: another one takes it over
+ABANDONED_AFTER_S = 60.0
 
 
 class UsageRecorder:
-    def __init__(self, redis_client: Any, engine: Engine | None = None, *, prefix: str = "tf") -> None:
+    def __init__(
+        self, redis_client: Any, engine: Engine | None = None, *, prefix: str = "tf"
+    ) -> None:
         self.redis = redis_client
         self.engine = engine
         self.pending_key = f"{prefix}:usage:pending"
         self.flushing_prefix = f"{prefix}:usage:flushing:"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._flush_lock = threading.Lock()
 
-    def record(self, tenant_id: str, budget: str, *, requests: int = 0, rejected: int = 0,
-               prompt_tokens: int = 0, completion_tokens: int = 0,
-               day: date | None = None) -> None:
+    def record(
+        self,
+        tenant_id: str,
+        budget: str,
+        *,
+        requests: int = 0,
+        rejected: int = 0,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        day: date | None = None,
+    ) -> None:
         if budget not in BUDGETS:
             raise ValueError(f"unknown budget '{budget}'")
-        d = (day or datetime.now(timezone.utc).date()).isoformat()
+        d = (day or datetime.now(UTC).date()).isoformat()
         pipe = self.redis.pipeline(transaction=False)
-        for name, value in (("requests", requests), ("rejected", rejected),
-                            ("prompt_tokens", prompt_tokens),
-                            ("completion_tokens", completion_tokens)):
+        for name, value in (
+            ("requests", requests),
+            ("rejected", rejected),
+            ("prompt_tokens", prompt_tokens),
+            ("completion_tokens", completion_tokens),
+        ):
             if value:
                 pipe.hincrby(self.pending_key, f"{tenant_id}|{budget}|{d}|{name}", int(value))
         pipe.execute()
@@ -61,18 +84,39 @@ class UsageRecorder:
         """Move buffered increments to PostgreSQL; returns the rows upserted."""
         if self.engine is None:
             raise RuntimeError("UsageRecorder needs an engine to flush")
-        rows = 0
-        # leftovers of a flusher that died after RENAME come first
-        for key in list(self.redis.scan_iter(match=self.flushing_prefix + "*", count=100)):
-            rows += self._flush_key(key)
-        claimed = self.flushing_prefix + uuid.uuid4().hex
+        with self._flush_lock:
+            rows = 0
+            # leftovers of a flusher that died after RENAME come first
+            now = time.time()
+            for key in list(self.redis.scan_iter(match=self.flushing_prefix + "*", count=100)):
+                if now - self._claimed_at(key) < ABANDONED_AFTER_S:
+                    continue  # another flusher is writing it now
+                mine = self._claim(key)
+                if mine is not None:
+                    rows += self._flush_key(mine)
+            mine = self._claim(self.pending_key)
+            return rows if mine is None else rows + self._flush_key(mine)
+
+    def _claim(self, key: Any) -> str | None:
+        """RENAME ``key`` to a claimed name of this flush (None: nothing there, or
+        another flusher renamed it first)."""
+        claimed = f"{self.flushing_prefix}{time.time():.3f}:{uuid.uuid4().hex}"
         try:
-            self.redis.rename(self.pending_key, claimed)
-        except Exception as exc:  # noqa: BLE001 - "no such key": nothing recorded
+            self.redis.rename(key, claimed)
+        except Exception as exc:
             if "no such key" in str(exc).lower():
-                return rows
+                return None
             raise
-        return rows + self._flush_key(claimed)
+        return claimed
+
+    def _claimed_at(self, key: Any) -> float:
+        """Claim time in a claimed hash's name (0 for names without one: abandoned)."""
+        name = key.decode() if isinstance(key, bytes) else str(key)
+        stamp = name[len(self.flushing_prefix) :].partition(":")[0]
+        try:
+            return float(stamp)
+        except ValueError:
+            return 0.0
 
     def _flush_key(self, key: Any) -> int:
         raw = self.redis.hgetall(key)
@@ -82,8 +126,10 @@ class UsageRecorder:
             agg.setdefault((tenant_id, budget, d), dict.fromkeys(METRICS, 0))[metric] += int(value)
         if agg:
             now = utcnow()
-            values = [{"tenant_id": t, "budget": b, "day": date.fromisoformat(d),
-                       **m, "updated_at": now} for (t, b, d), m in sorted(agg.items())]
+            values = [
+                {"tenant_id": t, "budget": b, "day": date.fromisoformat(d), **m, "updated_at": now}
+                for (t, b, d), m in sorted(agg.items())
+            ]
             with self.engine.begin() as conn:  # type: ignore[union-attr]
                 conn.execute(_upsert(conn.dialect.name), values)
         self.redis.delete(key)
@@ -140,7 +186,10 @@ def usage_for(engine: Engine, tenant_id: str, *, since: date | None = None) -> l
     stmt = stmt.order_by(TenantUsage.day.desc(), TenantUsage.budget)
     with engine.connect() as conn:
         return [
-            {"day": r.day.isoformat(), "budget": r.budget,
-             **{m: int(getattr(r, m)) for m in METRICS}}
+            {
+                "day": r.day.isoformat(),
+                "budget": r.budget,
+                **{m: int(getattr(r, m)) for m in METRICS},
+            }
             for r in conn.execute(stmt)
         ]

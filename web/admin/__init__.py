@@ -49,7 +49,9 @@ def init_app(app: Flask, **overrides: Any) -> None:
         return
     cfg = {**app.config, **overrides}
     if not app.secret_key:
-        app.secret_key = cfg.get("SECRET_KEY") or load_secret_key(cfg.get("DATA_DIR") or ".tokenfleet")
+        app.secret_key = cfg.get("SECRET_KEY") or load_secret_key(
+            cfg.get("DATA_DIR") or ".tokenfleet"
+        )
     app.session_interface = CookieFirstSessionInterface()
     app.config.setdefault("SESSION_COOKIE_SAMESITE", "Lax")
     app.config.setdefault("SESSION_COOKIE_HTTPONLY", True)

@@ -18,8 +18,9 @@ import hashlib
 import hmac
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from flask import abort, current_app, redirect, request, session, url_for
@@ -38,7 +39,11 @@ MIN_PASSWORD_CHARS = 8
 
 def set_admin_password(engine: Engine, username: str, password: str, *, actor: str) -> None:
     """Create the admin user or change its password (audited)."""
-    if not username or len(username) > 100 or not username.replace("-", "").replace("_", "").isalnum():
+    if (
+        not username
+        or len(username) > 100
+        or not username.replace("-", "").replace("_", "").isalnum()
+    ):
         raise ConfigError("admin user name must be 1-100 letters, digits, '-' or '_'")
     if len(password) < MIN_PASSWORD_CHARS:
         raise ConfigError(f"admin password must have at least {MIN_PASSWORD_CHARS} characters")
@@ -103,8 +108,9 @@ def current_admin() -> str | None:
         return None
     engine = current_app.extensions["tokenfleet.tenancy"].engine
     with engine.connect() as conn:
-        digest = conn.execute(sa.select(AdminUser.password_hash)
-                              .where(AdminUser.username == user)).scalar_one_or_none()
+        digest = conn.execute(
+            sa.select(AdminUser.password_hash).where(AdminUser.username == user)
+        ).scalar_one_or_none()
     if digest is None or fingerprint(digest) != session.get("admin_fp"):
         session.clear()
         return None

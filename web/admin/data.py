@@ -14,7 +14,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -22,23 +22,30 @@ from sqlalchemy.engine import Engine
 
 from tokenfleet.service.ledger import FleetEvent, RequestRow, RequestStatus, TierShare
 
-_EXCLUDED = [RequestStatus.CANCELLED.value, RequestStatus.DUPLICATE.value,
-             RequestStatus.IN_FLIGHT.value]
+_EXCLUDED = [
+    RequestStatus.CANCELLED.value,
+    RequestStatus.DUPLICATE.value,
+    RequestStatus.IN_FLIGHT.value,
+]
 
 
-def tier_series(engine: Engine, *, window_s: float = 1800.0, bucket_s: int = 60,
-                now: datetime | None = None) -> dict[str, dict[str, list[tuple[float, float | None]]]]:
+def tier_series(
+    engine: Engine, *, window_s: float = 1800.0, bucket_s: int = 60, now: datetime | None = None
+) -> dict[str, dict[str, list[tuple[float, float | None]]]]:
     """{"goodput": {tier: [(t, rps)]}, "attainment": {tier: [(t, 0..1 or None)]}}."""
-    until = now or datetime.now(timezone.utc)
+    until = now or datetime.now(UTC)
     since = until - timedelta(seconds=window_s)
     bucket = sa.func.floor(sa.extract("epoch", RequestRow.arrival_ts) / bucket_s)
-    completed = sa.func.sum(sa.case((RequestRow.status == RequestStatus.COMPLETED.value, 1),
-                                    else_=0))
+    completed = sa.func.sum(
+        sa.case((RequestRow.status == RequestStatus.COMPLETED.value, 1), else_=0)
+    )
     eligible = sa.func.sum(sa.case((RequestRow.status.in_(_EXCLUDED), 0), else_=1))
-    stmt = (sa.select(RequestRow.tier, bucket.label("b"), completed.label("c"),
-                      eligible.label("e"))
-            .where(RequestRow.arrival_ts >= since, RequestRow.arrival_ts < until)
-            .group_by(RequestRow.tier, bucket).order_by(bucket))
+    stmt = (
+        sa.select(RequestRow.tier, bucket.label("b"), completed.label("c"), eligible.label("e"))
+        .where(RequestRow.arrival_ts >= since, RequestRow.arrival_ts < until)
+        .group_by(RequestRow.tier, bucket)
+        .order_by(bucket)
+    )
     good: dict[str, list[tuple[float, float | None]]] = {}
     att: dict[str, list[tuple[float, float | None]]] = {}
     with engine.connect() as conn:
@@ -59,13 +66,23 @@ def share_history(engine: Engine, *, limit: int = 15, scan: int = 2000) -> list[
         rows = list(conn.execute(sa.select(TierShare).order_by(TierShare.id.desc()).limit(scan)))
     out: list[dict[str, Any]] = []
     for i, r in enumerate(rows):
-        prev = next((p for p in rows[i + 1:] if p.tier == r.tier), None)
-        if prev is not None and prev.share == r.share \
-                and prev.admission_threshold == r.admission_threshold:
+        prev = next((p for p in rows[i + 1 :] if p.tier == r.tier), None)
+        if (
+            prev is not None
+            and prev.share == r.share
+            and prev.admission_threshold == r.admission_threshold
+        ):
             continue
-        out.append({"ts": r.ts, "tier": r.tier, "share": r.share,
-                    "threshold": r.admission_threshold, "reason": r.reason,
-                    "from_share": None if prev is None else prev.share})
+        out.append(
+            {
+                "ts": r.ts,
+                "tier": r.tier,
+                "share": r.share,
+                "threshold": r.admission_threshold,
+                "reason": r.reason,
+                "from_share": None if prev is None else prev.share,
+            }
+        )
         if len(out) >= limit:
             break
     return out
@@ -74,8 +91,10 @@ def share_history(engine: Engine, *, limit: int = 15, scan: int = 2000) -> list[
 def fleet_events(engine: Engine, *, limit: int = 15) -> list[dict[str, Any]]:
     with engine.connect() as conn:
         rows = conn.execute(sa.select(FleetEvent).order_by(FleetEvent.id.desc()).limit(limit))
-        return [{"ts": r.ts, "kind": getattr(r.kind, "value", r.kind), "payload": r.payload}
-                for r in rows]
+        return [
+            {"ts": r.ts, "kind": getattr(r.kind, "value", r.kind), "payload": r.payload}
+            for r in rows
+        ]
 
 
 @dataclass
@@ -107,12 +126,22 @@ def live_view(gateway: Any) -> LiveView:
         by_tier[tier] = by_tier.get(tier, 0) + n
     rows = []
     for i in sorted(infos, key=lambda i: (i.dc, i.instance_id)):
-        rows.append({"dc": i.dc, "id": i.instance_id, "model": i.model,
-                     "healthy": i.is_healthy(now, stale), "live": i.is_live(now, stale),
-                     "age_s": max(0.0, i.age_s(now)), "running": i.metrics.num_running,
-                     "waiting": i.metrics.num_waiting, "kv": i.metrics.kv_usage,
-                     "slots": i.slots, "reason": i.unhealthy_reason,
-                     "by_tier": dict(i.running_by_tier)})
+        rows.append(
+            {
+                "dc": i.dc,
+                "id": i.instance_id,
+                "model": i.model,
+                "healthy": i.is_healthy(now, stale),
+                "live": i.is_live(now, stale),
+                "age_s": max(0.0, i.age_s(now)),
+                "running": i.metrics.num_running,
+                "waiting": i.metrics.num_waiting,
+                "kv": i.metrics.kv_usage,
+                "slots": i.slots,
+                "reason": i.unhealthy_reason,
+                "by_tier": dict(i.running_by_tier),
+            }
+        )
     return LiveView(True, rows, shares, thresholds, by_tier)
 
 

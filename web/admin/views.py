@@ -7,6 +7,7 @@ write the audit log in the same transaction as the change.
 
 from __future__ import annotations
 
+from datetime import UTC
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -33,12 +34,21 @@ from tokenfleet.tenancy.quota import BUDGETS, LIMIT_NAMES
 from tokenfleet.tenancy.usage import usage_for
 from web.admin import auth, charts, data
 
-admin_bp = Blueprint("admin", __name__, url_prefix="/admin", template_folder="templates",
-                     static_folder="static", static_url_path="/static")
+admin_bp = Blueprint(
+    "admin",
+    __name__,
+    url_prefix="/admin",
+    template_folder="templates",
+    static_folder="static",
+    static_url_path="/static",
+)
 
-LIMIT_LABELS = {"requests_per_minute": "requests / min", "tokens_per_minute": "tokens / min",
-                "max_concurrent_requests": "concurrent requests",
-                "daily_token_budget": "tokens / day (UTC)"}
+LIMIT_LABELS = {
+    "requests_per_minute": "requests / min",
+    "tokens_per_minute": "tokens / min",
+    "max_concurrent_requests": "concurrent requests",
+    "daily_token_budget": "tokens / day (UTC)",
+}
 
 
 def svc() -> Any:
@@ -59,7 +69,8 @@ def _guard() -> None:
 def _headers(resp: Response) -> Response:
     resp.headers["Content-Security-Policy"] = (
         "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
-        "frame-ancestors 'none'; form-action 'self'")
+        "frame-ancestors 'none'; form-action 'self'"
+    )
     resp.headers["X-Frame-Options"] = "DENY"
     resp.headers["X-Content-Type-Options"] = "nosniff"
     resp.headers["Referrer-Policy"] = "same-origin"
@@ -70,14 +81,19 @@ def _headers(resp: Response) -> Response:
 
 @admin_bp.errorhandler(HTTPException)
 def _http_error(err: HTTPException) -> tuple[str, int]:
-    return render_template("admin/error.html", error=err, admin=session.get("admin_user")), \
-        err.code or 500
+    return render_template(
+        "admin/error.html", error=err, admin=session.get("admin_user")
+    ), err.code or 500
 
 
 @admin_bp.app_context_processor
 def _inject() -> dict[str, Any]:
-    return {"csrf_token": auth.csrf_token, "LIMIT_LABELS": LIMIT_LABELS, "BUDGETS": BUDGETS,
-            "LIMIT_NAMES": LIMIT_NAMES}
+    return {
+        "csrf_token": auth.csrf_token,
+        "LIMIT_LABELS": LIMIT_LABELS,
+        "BUDGETS": BUDGETS,
+        "LIMIT_NAMES": LIMIT_NAMES,
+    }
 
 
 def _safe_next(target: str | None) -> str:
@@ -99,11 +115,19 @@ def login() -> Any:
         client = request.remote_addr or "?"
         from tokenfleet.tenancy.quota import QuotaLimits
 
-        gate = s.quotas.admit(f"admin-login:{client}", "interactive",
-                              QuotaLimits(requests_per_minute=10), prompt_tokens=0, max_tokens=0)
+        gate = s.quotas.admit(
+            f"admin-login:{client}",
+            "interactive",
+            QuotaLimits(requests_per_minute=10),
+            prompt_tokens=0,
+            max_tokens=0,
+        )
         username = request.form.get("username", "")
-        fp = auth.check_login(s.engine, username, request.form.get("password", "")) \
-            if gate.allowed else None
+        fp = (
+            auth.check_login(s.engine, username, request.form.get("password", ""))
+            if gate.allowed
+            else None
+        )
         if fp is not None:
             session.clear()
             session["admin_user"] = username
@@ -113,10 +137,14 @@ def login() -> Any:
             with session_scope(s.engine) as db:
                 append_audit(db, f"admin:{username}", "admin.login", {"addr": client})
             return redirect(_safe_next(request.args.get("next")))
-        error = ("too many attempts; wait a minute" if not gate.allowed
-                 else "wrong user name or password")
-    return render_template("admin/login.html", error=error, no_admins=no_admins), \
-        (401 if error else 200)
+        error = (
+            "too many attempts; wait a minute"
+            if not gate.allowed
+            else "wrong user name or password"
+        )
+    return render_template("admin/login.html", error=error, no_admins=no_admins), (
+        401 if error else 200
+    )
 
 
 @admin_bp.post("/logout")
@@ -141,12 +169,21 @@ def _dashboard_context() -> dict[str, Any]:
     batches, _ = jobs.list_batches(s.engine, None, limit=10)
     return {
         "live": live,
-        "goodput_chart": charts.line_chart(series["goodput"], title="goodput per tier",
-                                           unit="req/s within SLO", chart_id="chart-goodput"),
-        "attainment_chart": charts.line_chart(series["attainment"], title="SLO attainment",
-                                              y_max=1.0, chart_id="chart-attainment"),
-        "queue_chart": charts.line_chart(smp.series() if smp else {}, title="queue depth",
-                                         unit="requests", chart_id="chart-queue"),
+        "goodput_chart": charts.line_chart(
+            series["goodput"],
+            title="goodput per tier",
+            unit="req/s within SLO",
+            chart_id="chart-goodput",
+        ),
+        "attainment_chart": charts.line_chart(
+            series["attainment"], title="SLO attainment", y_max=1.0, chart_id="chart-attainment"
+        ),
+        "queue_chart": charts.line_chart(
+            smp.series() if smp else {},
+            title="queue depth",
+            unit="requests",
+            chart_id="chart-queue",
+        ),
         "share_chart": charts.share_bars(live.shares) if live.shares else None,
         "share_history": data.share_history(s.engine),
         "fleet_events": data.fleet_events(s.engine),
@@ -157,8 +194,9 @@ def _dashboard_context() -> dict[str, Any]:
 @admin_bp.get("/")
 @auth.login_required
 def dashboard() -> Any:
-    return render_template("admin/dashboard.html", admin=session["admin_user"],
-                           **_dashboard_context())
+    return render_template(
+        "admin/dashboard.html", admin=session["admin_user"], **_dashboard_context()
+    )
 
 
 @admin_bp.get("/live")
@@ -176,8 +214,10 @@ def _form_limit(name: str) -> int | None:
     try:
         value = int(raw)
     except ValueError:
-        raise TokenFleetError(f"{LIMIT_LABELS.get(name, name)}: '{raw}' is not a whole number "
-                              "(leave empty for unlimited)") from None
+        raise TokenFleetError(
+            f"{LIMIT_LABELS.get(name, name)}: '{raw}' is not a whole number "
+            "(leave empty for unlimited)"
+        ) from None
     if value < 0:
         raise TokenFleetError(f"{LIMIT_LABELS.get(name, name)} must be >= 0")
     return value
@@ -190,8 +230,11 @@ def _csv(name: str) -> list[str]:
 @admin_bp.get("/tenants")
 @auth.login_required
 def tenant_list() -> Any:
-    return render_template("admin/tenants.html", admin=session["admin_user"],
-                           tenants=tenants.list_tenants(svc().engine))
+    return render_template(
+        "admin/tenants.html",
+        admin=session["admin_user"],
+        tenants=tenants.list_tenants(svc().engine),
+    )
 
 
 @admin_bp.post("/tenants")
@@ -200,11 +243,16 @@ def tenant_create() -> Any:
     s = svc()
     tid = (request.form.get("tenant_id") or "").strip()
     try:
-        tenants.create_tenant(s.engine, tid, actor=auth.actor(),
-                              name=(request.form.get("name") or "").strip() or None,
-                              slo_class=request.form.get("slo_class") or "standard",
-                              allowed_models=_csv("allowed_models"),
-                              allowed_regions=_csv("allowed_regions"), cache=s.directory)
+        tenants.create_tenant(
+            s.engine,
+            tid,
+            actor=auth.actor(),
+            name=(request.form.get("name") or "").strip() or None,
+            slo_class=request.form.get("slo_class") or "standard",
+            allowed_models=_csv("allowed_models"),
+            allowed_regions=_csv("allowed_regions"),
+            cache=s.directory,
+        )
     except TokenFleetError as exc:
         flash(str(exc), "error")
         return redirect(url_for("admin.tenant_list"))
@@ -223,9 +271,15 @@ def tenant_detail(tenant_id: str) -> Any:
     new_key = session.pop("new_key", None)
     if new_key and new_key.get("tenant") != tenant_id:
         new_key = None
-    return render_template("admin/tenant.html", admin=session["admin_user"], t=ctx, now=now,
-                           keys=tenants.list_keys(s.engine, tenant_id),
-                           usage=usage_for(s.engine, tenant_id)[:14], new_key=new_key)
+    return render_template(
+        "admin/tenant.html",
+        admin=session["admin_user"],
+        t=ctx,
+        now=now,
+        keys=tenants.list_keys(s.engine, tenant_id),
+        usage=usage_for(s.engine, tenant_id)[:14],
+        new_key=new_key,
+    )
 
 
 @admin_bp.post("/tenants/<tenant_id>/quota/<budget>")
@@ -234,8 +288,9 @@ def tenant_quota(tenant_id: str, budget: str) -> Any:
     s = svc()
     try:
         changes = {name: _form_limit(name) for name in LIMIT_NAMES}
-        tenants.set_quota(s.engine, tenant_id, budget, changes, actor=auth.actor(),
-                          cache=s.directory)
+        tenants.set_quota(
+            s.engine, tenant_id, budget, changes, actor=auth.actor(), cache=s.directory
+        )
         flash(f"{budget} quota of {tenant_id} saved", "ok")
     except TokenFleetError as exc:
         flash(str(exc), "error")
@@ -247,12 +302,17 @@ def tenant_quota(tenant_id: str, budget: str) -> Any:
 def tenant_settings(tenant_id: str) -> Any:
     s = svc()
     try:
-        tenants.update_tenant(s.engine, tenant_id, actor=auth.actor(),
-                              name=(request.form.get("name") or "").strip() or None,
-                              slo_class=request.form.get("slo_class") or None,
-                              allowed_models=_csv("allowed_models"),
-                              allowed_regions=_csv("allowed_regions"),
-                              disabled=request.form.get("disabled") == "on", cache=s.directory)
+        tenants.update_tenant(
+            s.engine,
+            tenant_id,
+            actor=auth.actor(),
+            name=(request.form.get("name") or "").strip() or None,
+            slo_class=request.form.get("slo_class") or None,
+            allowed_models=_csv("allowed_models"),
+            allowed_regions=_csv("allowed_regions"),
+            disabled=request.form.get("disabled") == "on",
+            cache=s.directory,
+        )
         flash(f"settings of {tenant_id} saved", "ok")
     except TokenFleetError as exc:
         flash(str(exc), "error")
@@ -264,9 +324,13 @@ def tenant_settings(tenant_id: str) -> Any:
 def key_create(tenant_id: str) -> Any:
     s = svc()
     try:
-        key, info = tenants.create_key(s.engine, tenant_id, actor=auth.actor(),
-                                       name=(request.form.get("name") or "").strip() or None,
-                                       cache=s.directory)
+        key, info = tenants.create_key(
+            s.engine,
+            tenant_id,
+            actor=auth.actor(),
+            name=(request.form.get("name") or "").strip() or None,
+            cache=s.directory,
+        )
     except TokenFleetError as exc:
         flash(str(exc), "error")
         return redirect(url_for("admin.tenant_detail", tenant_id=tenant_id))
@@ -279,8 +343,9 @@ def key_create(tenant_id: str) -> Any:
 @auth.login_required
 def key_revoke(tenant_id: str, key_id: int) -> Any:
     s = svc()
-    n = tenants.revoke_key(s.engine, str(key_id), actor=auth.actor(), tenant_id=tenant_id,
-                           cache=s.directory)
+    n = tenants.revoke_key(
+        s.engine, str(key_id), actor=auth.actor(), tenant_id=tenant_id, cache=s.directory
+    )
     flash(f"key {key_id} revoked" if n else f"key {key_id} was not active", "ok" if n else "error")
     return redirect(url_for("admin.tenant_detail", tenant_id=tenant_id))
 
@@ -290,9 +355,11 @@ def key_revoke(tenant_id: str, key_id: int) -> Any:
 @auth.login_required
 def batch_list() -> Any:
     rows, _ = jobs.list_batches(svc().engine, None, limit=100)
-    return render_template("admin/batches.html", admin=session["admin_user"],
-                           batches=[jobs.batch_object(b) | {"tenant_id": b.tenant_id}
-                                    for b in rows])
+    return render_template(
+        "admin/batches.html",
+        admin=session["admin_user"],
+        batches=[jobs.batch_object(b) | {"tenant_id": b.tenant_id} for b in rows],
+    )
 
 
 @admin_bp.post("/batches/<batch_id>/cancel")
@@ -305,8 +372,9 @@ def batch_cancel(batch_id: str) -> Any:
     try:
         jobs.cancel_batch(s.engine, owner, batch_id)
         with session_scope(s.engine) as db:
-            append_audit(db, auth.actor(), "batch.cancel", {"batch_id": batch_id,
-                                                            "tenant_id": owner})
+            append_audit(
+                db, auth.actor(), "batch.cancel", {"batch_id": batch_id, "tenant_id": owner}
+            )
         flash(f"batch {batch_id} is being cancelled", "ok")
     except TokenFleetError as exc:
         flash(str(exc), "error")
@@ -316,12 +384,15 @@ def batch_cancel(batch_id: str) -> Any:
 @admin_bp.get("/audit")
 @auth.login_required
 def audit() -> Any:
-    return render_template("admin/audit.html", admin=session["admin_user"],
-                           rows=tenants.audit_log(svc().engine, limit=200))
+    return render_template(
+        "admin/audit.html",
+        admin=session["admin_user"],
+        rows=tenants.audit_log(svc().engine, limit=200),
+    )
 
 
 @admin_bp.app_template_filter("utc")
 def _utc(ts: int) -> str:
-    from datetime import datetime, timezone
+    from datetime import datetime
 
-    return datetime.fromtimestamp(int(ts), timezone.utc).strftime("%Y-%m-%d %H:%M") if ts else ""
+    return datetime.fromtimestamp(int(ts), UTC).strftime("%Y-%m-%d %H:%M") if ts else ""

@@ -21,6 +21,7 @@ from tokenfleet.tenancy.gate import TenancyError
 from tokenfleet.tenancy.quota import BUDGETS
 from tokenfleet.tenancy.usage import usage_for
 from web.batch_api.services import TenancyServices
+from web.errors import ApiError
 
 batch_bp = Blueprint("batch_api", __name__, url_prefix="/v1")
 
@@ -31,7 +32,12 @@ def services() -> TenancyServices:
 
 
 def tenant() -> TenantContext:
-    return services().authenticate(request.headers.get("Authorization"))
+    """The caller's tenancy record (the app's one authenticator, :mod:`web.auth`)."""
+    principal = current_app.extensions["tokenfleet.auth"].authenticate(
+        request.headers.get("Authorization")
+    )
+    ctx: TenantContext = principal.context
+    return ctx
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -41,10 +47,17 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
     return resp
 
 
-def error(status: int, message: str, *, code: str | None = None, param: str | None = None,
-          type_: str = "invalid_request_error") -> Response:
-    return _json({"error": {"message": message, "type": type_, "param": param, "code": code}},
-                 status)
+def error(
+    status: int,
+    message: str,
+    *,
+    code: str | None = None,
+    param: str | None = None,
+    type_: str = "invalid_request_error",
+) -> Response:
+    return _json(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}, status
+    )
 
 
 def not_found(kind: str, ident: str) -> Response:
@@ -54,6 +67,11 @@ def not_found(kind: str, ident: str) -> Response:
 @batch_bp.errorhandler(TenancyError)
 def _tenancy_error(err: TenancyError) -> Response:
     return _json(err.body(), err.status, err.headers)
+
+
+@batch_bp.errorhandler(ApiError)
+def _api_error(err: ApiError) -> Response:  # a 401 from the authenticator
+    return err.response()
 
 
 @batch_bp.errorhandler(jobs.BatchRequestError)
@@ -82,8 +100,9 @@ def _reject_nul() -> Response | None:
     if any(_has_nul(v) for v in (request.view_args or {}).values()):
         return error(404, "No such object (the id contains a NUL character)", code="not_found")
     if any(_has_nul(v) for v in request.args.values()):
-        return error(400, "query parameters must not contain NUL characters",
-                     code="invalid_parameter")
+        return error(
+            400, "query parameters must not contain NUL characters", code="invalid_parameter"
+        )
     return None
 
 
@@ -92,14 +111,17 @@ def _json_body() -> dict[str, Any]:
     try:
         body = json.loads(raw) if raw else None
     except (ValueError, UnicodeDecodeError):
-        raise jobs.BatchRequestError(400, "the request body is not valid JSON",
-                                     code="invalid_json") from None
+        raise jobs.BatchRequestError(
+            400, "the request body is not valid JSON", code="invalid_json"
+        ) from None
     if not isinstance(body, dict):
-        raise jobs.BatchRequestError(400, "the request body must be a JSON object",
-                                     code="invalid_json")
+        raise jobs.BatchRequestError(
+            400, "the request body must be a JSON object", code="invalid_json"
+        )
     if _has_nul(body):
-        raise jobs.BatchRequestError(400, "the request body must not contain NUL characters",
-                                     code="invalid_json")
+        raise jobs.BatchRequestError(
+            400, "the request body must not contain NUL characters", code="invalid_json"
+        )
     return body
 
 
@@ -112,8 +134,7 @@ def _limit(default: int, maximum: int) -> int:
     except ValueError:
         raise jobs.BatchRequestError(400, "limit must be an integer", param="limit") from None
     if not 1 <= value <= maximum:
-        raise jobs.BatchRequestError(400, f"limit must be between 1 and {maximum}",
-                                     param="limit")
+        raise jobs.BatchRequestError(400, f"limit must be between 1 and {maximum}", param="limit")
     return value
 
 
@@ -124,17 +145,21 @@ def create_file() -> Response:
     purpose = request.form.get("purpose")
     upload = request.files.get("file")
     if purpose not in UPLOAD_PURPOSES:
-        return error(400, f"purpose must be one of {', '.join(UPLOAD_PURPOSES)} (got {purpose!r})",
-                     param="purpose")
+        return error(
+            400,
+            f"purpose must be one of {', '.join(UPLOAD_PURPOSES)} (got {purpose!r})",
+            param="purpose",
+        )
     if upload is None:
         return error(400, "send the file as multipart/form-data field 'file'", param="file")
-    filename = "".join(ch for ch in (upload.filename or "").rsplit("/", 1)[-1]
-                       if ch.isprintable())
+    filename = "".join(ch for ch in (upload.filename or "").rsplit("/", 1)[-1] if ch.isprintable())
     if not filename.endswith(".jsonl"):
-        return error(400, "batch input files must be .jsonl", param="file",
-                     code="invalid_file_format")
-    f = services().files.upload(who.id, purpose, filename[:500], upload.stream,
-                                max_bytes=MAX_UPLOAD_BYTES)
+        return error(
+            400, "batch input files must be .jsonl", param="file", code="invalid_file_format"
+        )
+    f = services().files.upload(
+        who.id, purpose, filename[:500], upload.stream, max_bytes=MAX_UPLOAD_BYTES
+    )
     return _json(file_object(f))
 
 
@@ -142,12 +167,22 @@ def create_file() -> Response:
 def list_files() -> Response:
     who = tenant()
     limit = _limit(10000, 10000)
-    rows = services().files.list(who.id, purpose=request.args.get("purpose"), limit=limit + 1,
-                                 after=request.args.get("after"))
+    rows = services().files.list(
+        who.id,
+        purpose=request.args.get("purpose"),
+        limit=limit + 1,
+        after=request.args.get("after"),
+    )
     data = [file_object(f) for f in rows[:limit]]
-    return _json({"object": "list", "data": data, "has_more": len(rows) > limit,
-                  "first_id": data[0]["id"] if data else None,
-                  "last_id": data[-1]["id"] if data else None})
+    return _json(
+        {
+            "object": "list",
+            "data": data,
+            "has_more": len(rows) > limit,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+        }
+    )
 
 
 @batch_bp.get("/files/<file_id>")
@@ -167,8 +202,12 @@ def file_content(file_id: str) -> Response:
     try:
         fh = svc.files.open(f)
     except OSError:
-        return error(410, f"the content of {file_id} is no longer on disk", code="file_gone",
-                     type_="server_error")
+        return error(
+            410,
+            f"the content of {file_id} is no longer on disk",
+            code="file_gone",
+            type_="server_error",
+        )
 
     def chunks() -> Any:
         with fh:
@@ -178,9 +217,14 @@ def file_content(file_id: str) -> Response:
                     return
                 yield block
 
-    return Response(stream_with_context(chunks()), mimetype="application/octet-stream",
-                    headers={"Content-Length": str(f.bytes),
-                             "Content-Disposition": f'attachment; filename="{f.filename}"'})
+    return Response(
+        stream_with_context(chunks()),
+        mimetype="application/octet-stream",
+        headers={
+            "Content-Length": str(f.bytes),
+            "Content-Disposition": f'attachment; filename="{f.filename}"',
+        },
+    )
 
 
 @batch_bp.delete("/files/<file_id>")
@@ -201,22 +245,34 @@ def create_batch() -> Response:
     who = tenant()
     body = _json_body()
     svc = services()
-    b = jobs.create_batch(svc.engine, svc.files, jobs.Owner(who.id, who.allowed_models),
-                          input_file_id=body.get("input_file_id"), endpoint=body.get("endpoint"),
-                          completion_window=body.get("completion_window"),
-                          metadata=body.get("metadata"))
+    b = jobs.create_batch(
+        svc.engine,
+        svc.files,
+        jobs.Owner(who.id, who.allowed_models),
+        input_file_id=body.get("input_file_id"),
+        endpoint=body.get("endpoint"),
+        completion_window=body.get("completion_window"),
+        metadata=body.get("metadata"),
+    )
     return _json(jobs.batch_object(b))
 
 
 @batch_bp.get("/batches")
 def list_batches() -> Response:
     who = tenant()
-    rows, more = jobs.list_batches(services().engine, who.id, limit=_limit(20, 100),
-                                   after=request.args.get("after"))
+    rows, more = jobs.list_batches(
+        services().engine, who.id, limit=_limit(20, 100), after=request.args.get("after")
+    )
     data = [jobs.batch_object(b) for b in rows]
-    return _json({"object": "list", "data": data, "has_more": more,
-                  "first_id": data[0]["id"] if data else None,
-                  "last_id": data[-1]["id"] if data else None})
+    return _json(
+        {
+            "object": "list",
+            "data": data,
+            "has_more": more,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+        }
+    )
 
 
 @batch_bp.get("/batches/<batch_id>")
@@ -243,9 +299,13 @@ def usage() -> Response:
     for b in BUDGETS:
         limits = who.quotas.for_budget(b)
         st = svc.quotas.state(who.id, b, limits)
-        now[b] = {"limits": limits.as_dict(),
-                  "requests_left": None if st.requests_left is None else int(st.requests_left),
-                  "tokens_left": None if st.tokens_left is None else int(st.tokens_left),
-                  "running": st.running, "daily_tokens_used": st.daily_tokens_used}
-    return _json({"object": "usage", "tenant": who.id, "quotas": now,
-                  "daily": usage_for(svc.engine, who.id)})
+        now[b] = {
+            "limits": limits.as_dict(),
+            "requests_left": None if st.requests_left is None else int(st.requests_left),
+            "tokens_left": None if st.tokens_left is None else int(st.tokens_left),
+            "running": st.running,
+            "daily_tokens_used": st.daily_tokens_used,
+        }
+    return _json(
+        {"object": "usage", "tenant": who.id, "quotas": now, "daily": usage_for(svc.engine, who.id)}
+    )

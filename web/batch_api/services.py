@@ -17,8 +17,8 @@ from typing import Any
 from sqlalchemy.engine import Engine
 
 from tokenfleet.batch.files import FileStore
-from tokenfleet.tenancy.directory import TenantContext, TenantDirectory
-from tokenfleet.tenancy.gate import TenancyGate, unauthorized
+from tokenfleet.tenancy.directory import TenantDirectory
+from tokenfleet.tenancy.gate import TenancyGate
 from tokenfleet.tenancy.quota import QuotaEnforcer
 from tokenfleet.tenancy.usage import UsageRecorder
 
@@ -34,48 +34,43 @@ class TenancyServices:
     usage: UsageRecorder
     files: FileStore
     gate: TenancyGate
-    #: the Authenticator of web.auth (seed keys such as the demo key of `tokenfleet up`)
-    seed_auth: Any = None
     runner: Any = None
     _closed: bool = field(default=False, repr=False)
 
     @classmethod
-    def build(cls, *, database_url: str, redis_url: str, data_dir: str | Path,
-              prefix: str = "tf", engine: Engine | None = None) -> TenancyServices:
+    def build(
+        cls,
+        *,
+        database_url: str,
+        redis_url: str,
+        data_dir: str | Path,
+        prefix: str = "tf",
+        engine: Engine | None = None,
+    ) -> TenancyServices:
         import redis
 
         from tokenfleet.service.db import make_engine
 
         eng = engine or make_engine(database_url, pool_size=10)
-        client = redis.Redis.from_url(redis_url, socket_connect_timeout=2,
-                                      health_check_interval=30)
+        client = redis.Redis.from_url(redis_url, socket_connect_timeout=2, health_check_interval=30)
         directory = TenantDirectory(eng, client, prefix=prefix)
         quotas = QuotaEnforcer(client, prefix=prefix)
         usage = UsageRecorder(client, eng, prefix=prefix)
         files = FileStore(eng, Path(data_dir) / "files")
-        return cls(engine=eng, redis=client, directory=directory, quotas=quotas, usage=usage,
-                   files=files, gate=TenancyGate(directory, quotas, usage))
+        return cls(
+            engine=eng,
+            redis=client,
+            directory=directory,
+            quotas=quotas,
+            usage=usage,
+            files=files,
+            gate=TenancyGate(directory, quotas, usage),
+        )
 
-    def authenticate(self, authorization: str | None) -> TenantContext:
-        """Hashed keys of the ``api_keys`` table first, then the configured seed keys."""
-        token = ""
-        if authorization:
-            scheme, _, rest = authorization.strip().partition(" ")
-            if scheme.lower() == "bearer":
-                token = rest.strip()
-        if not token:
-            raise unauthorized()
-        ctx = self.directory.authenticate(token)
-        if ctx is not None:
-            return ctx
-        seed = getattr(self.seed_auth, "seed", None) or {}
-        principal = seed.get(token)
-        if principal is not None:
-            known = self.directory.tenant(principal.tenant)
-            if known is not None and known.disabled:
-                raise unauthorized()
-            return known or TenantContext(id=principal.tenant, name=principal.tenant)
-        raise unauthorized()
+    def allowed_regions(self, tenant_id: str) -> tuple[str, ...]:
+        """Regions a tenant's record allows (``()``: any), for FleetMind (cached <= 0.5 s)."""
+        ctx = self.directory.tenant(tenant_id)
+        return ctx.allowed_regions if ctx is not None else ()
 
     def close(self) -> None:
         if self._closed:

@@ -13,44 +13,59 @@ def register(subparsers: Any) -> None:
     from tokenfleet.service.config import add_config_arguments
 
     p: argparse.ArgumentParser = subparsers.add_parser(
-        "api", help="serve the OpenAI-compatible HTTP API",
+        "api",
+        help="serve the OpenAI-compatible HTTP API",
         description="Serve /v1/chat/completions, /v1/models, /health, /metrics and "
-                    "/openapi.json. Needs Redis (and PostgreSQL for the ledger); see "
-                    "docs/live.md.")
+        "/openapi.json. Needs Redis (and PostgreSQL for the ledger); see "
+        "docs/live.md.",
+    )
     add_config_arguments(p)
     p.add_argument("--host", default=None, help="bind address (default: api_host, 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default: api_port, 8000)")
-    p.add_argument("--admission", default="slomax",
-                   help="admission policy (default slomax; 'none' admits everything)")
-    p.add_argument("--threads", type=int, default=128,
-                   help="server threads = requests in flight at once, streams included; "
-                        "more wait in the accept queue (default 128)")
+    p.add_argument(
+        "--admission",
+        default=None,
+        help="admission policy (default: the 'admission' setting, slomax; "
+        "'none' admits everything)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=128,
+        help="server threads = requests in flight at once, streams included; "
+        "more wait in the accept queue (default 128)",
+    )
     p.add_argument("--loglevel", default="INFO")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from tokenfleet.cli.logs import setup_logging
     from tokenfleet.errors import ConfigError
-    from tokenfleet.live.config import LiveConfig
-    from tokenfleet.live.endpoints import resolve_endpoints
     from tokenfleet.service.config import config_from_args
+    from tokenfleet.service.endpoints import discover
     from web import close_app, create_app
     from web.server import ApiServer
 
-    from tokenfleet.cli.logs import setup_logging
-
     setup_logging(args.loglevel)
-    cfg = config_from_args(args)
-    ep = resolve_endpoints(cfg)
+    cfg = config_from_args(args, admission=args.admission)
+    ep = discover(cfg, require=("redis",))
+    assert ep.redis_url is not None and ep.broker_url is not None
     keys = {cfg.api_key: "demo"} if cfg.api_key else {}
-    app = create_app({"REDIS_URL": ep.redis_url, "BROKER_URL": ep.broker_url,
-                      "DATABASE_URL": ep.database_url, "DATA_DIR": str(cfg.resolved_data_dir()),
-                      "API_KEYS": keys, "ADMISSION": args.admission})
+    app = create_app(
+        {
+            "REDIS_URL": ep.redis_url,
+            "BROKER_URL": ep.broker_url,
+            "DATABASE_URL": ep.database_url,
+            "DATA_DIR": str(cfg.resolved_data_dir()),
+            "API_KEYS": keys,
+            "LIVE": cfg.live,
+        }
+    )
     host = args.host or cfg.api_host
     port = args.port if args.port is not None else cfg.api_port
     try:
-        server = ApiServer(app, host, port, threads=args.threads,
-                           linger_s=LiveConfig.load().api_linger_s)
+        server = ApiServer(app, host, port, threads=args.threads, linger_s=cfg.live.api_linger_s)
     except OSError as exc:
         close_app(app)
         raise ConfigError(f"cannot listen on {host}:{port}: {exc}; pick another --port") from None

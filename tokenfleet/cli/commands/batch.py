@@ -34,10 +34,14 @@ class _Api:
 
         cfg = config_from_args(args)
         self.base = (args.base_url or f"http://{cfg.api_host}:{cfg.api_port}/v1").rstrip("/")
-        key = args.api_key or os.environ.get("TOKENFLEET_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        key = (
+            args.api_key or os.environ.get("TOKENFLEET_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        )
         if not key:
-            raise ConfigError("no API key: pass --api-key or set TOKENFLEET_API_KEY "
-                              "(`tokenfleet tenants keys create TENANT` makes one)")
+            raise ConfigError(
+                "no API key: pass --api-key or set TOKENFLEET_API_KEY "
+                "(`tokenfleet tenants keys create TENANT` makes one)"
+            )
         self.s = requests.Session()
         self.s.headers["Authorization"] = f"Bearer {key}"
 
@@ -47,8 +51,10 @@ class _Api:
         try:
             resp = self.s.request(method, self.base + path, timeout=60, **kw)
         except requests.RequestException as exc:
-            raise TokenFleetError(f"cannot reach the API at {self.base}: {exc.__class__.__name__}; "
-                                  "is `tokenfleet up` running? (or pass --base-url)") from None
+            raise TokenFleetError(
+                f"cannot reach the API at {self.base}: {exc.__class__.__name__}; "
+                "is `tokenfleet up` running? (or pass --base-url)"
+            ) from None
         if resp.status_code >= 400:
             try:
                 msg = resp.json()["error"]["message"]
@@ -66,18 +72,29 @@ def _describe_errors(b: dict[str, Any]) -> str:
 def _follow(api: _Api, b: dict[str, Any], interval_s: float) -> dict[str, Any]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("[bold]{task.fields[status]:<11}"), BarColumn(),
-                  MofNCompleteColumn(), TextColumn("failed {task.fields[failed]}"),
-                  TimeElapsedColumn(), transient=False) as bar:
+    with Progress(
+        TextColumn("[bold]{task.fields[status]:<11}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("failed {task.fields[failed]}"),
+        TimeElapsedColumn(),
+        transient=False,
+    ) as bar:
         counts = b["request_counts"]
-        task = bar.add_task("batch", total=counts["total"] or None, status=b["status"],
-                            failed=counts["failed"])
+        task = bar.add_task(
+            "batch", total=counts["total"] or None, status=b["status"], failed=counts["failed"]
+        )
         while b["status"] not in TERMINAL:
             time.sleep(interval_s)
             b = api.call("GET", f"/batches/{b['id']}").json()
             c = b["request_counts"]
-            bar.update(task, total=c["total"] or None, completed=c["completed"] + c["failed"],
-                       status=b["status"], failed=c["failed"])
+            bar.update(
+                task,
+                total=c["total"] or None,
+                completed=c["completed"] + c["failed"],
+                status=b["status"],
+                failed=c["failed"],
+            )
     return b
 
 
@@ -95,14 +112,23 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         raise ConfigError(f"{src} does not exist")
     api = _Api(args)
     with open(src, "rb") as fh:
-        f = api.call("POST", "/files", data={"purpose": "batch"},
-                     files={"file": (src.name if src.suffix == ".jsonl" else src.stem + ".jsonl",
-                                     fh)}).json()
+        f = api.call(
+            "POST",
+            "/files",
+            data={"purpose": "batch"},
+            files={"file": (src.name if src.suffix == ".jsonl" else src.stem + ".jsonl", fh)},
+        ).json()
     meta = dict(kv.split("=", 1) for kv in args.metadata or [])
-    b = api.call("POST", "/batches", json={"input_file_id": f["id"],
-                                           "endpoint": "/v1/chat/completions",
-                                           "completion_window": "24h",
-                                           "metadata": meta or None}).json()
+    b = api.call(
+        "POST",
+        "/batches",
+        json={
+            "input_file_id": f["id"],
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+            "metadata": meta or None,
+        },
+    ).json()
     print(f"batch {b['id']} ({b['request_counts']['total']} requests): {b['status']}")
     if b["status"] == "failed":
         raise TokenFleetError(f"batch failed validation: {_describe_errors(b)}")
@@ -144,7 +170,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
     print(f"{'id':<40} {'status':<11} {'done':>7} {'failed':>6} {'total':>6}")
     for b in data:
         c = b["request_counts"]
-        print(f"{b['id']:<40} {b['status']:<11} {c['completed']:>7} {c['failed']:>6} {c['total']:>6}")
+        print(
+            f"{b['id']:<40} {b['status']:<11} {c['completed']:>7} {c['failed']:>6} {c['total']:>6}"
+        )
     return 0
 
 
@@ -163,27 +191,37 @@ def _cmd_runner(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     db_url, redis_url = args.database_url or cfg.database_url, args.redis_url or cfg.redis_url
     if not db_url or not redis_url:
-        from tokenfleet.service.embedded import discover_endpoints
+        from tokenfleet.service.endpoints import discover
 
-        ep = discover_endpoints(cfg)
+        ep = discover(cfg)
         db_url, redis_url = db_url or ep.database_url, redis_url or ep.redis_url
     engine = make_engine(db_url, pool_size=4)
     client = redis.Redis.from_url(redis_url)
     usage = UsageRecorder(client, engine)
     gate = TenancyGate(TenantDirectory(engine, client), QuotaEnforcer(client), usage)
-    files = FileStore(engine, Path(args.files_dir) if args.files_dir
-                      else cfg.resolved_data_dir() / "files")
-    runner = BatchRunner(engine, files, HttpExecutor(args.engine_url, api_key=args.engine_api_key),
-                         config=RunnerConfig(max_inflight=args.max_inflight, lease_s=args.lease_s,
-                                             poll_s=args.poll_s),
-                         gate=gate, name="batch-runner")
+    files = FileStore(
+        engine, Path(args.files_dir) if args.files_dir else cfg.resolved_data_dir() / "files"
+    )
+    runner = BatchRunner(
+        engine,
+        files,
+        HttpExecutor(args.engine_url, api_key=args.engine_api_key),
+        config=RunnerConfig(
+            max_inflight=args.max_inflight, lease_s=args.lease_s, poll_s=args.poll_s
+        ),
+        gate=gate,
+        name="batch-runner",
+    )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     usage.start()
     runner.start()
-    print(f"tokenfleet batch runner: {args.max_inflight} lines at once -> {args.engine_url}",
-          file=sys.stderr, flush=True)
+    print(
+        f"tokenfleet batch runner: {args.max_inflight} lines at once -> {args.engine_url}",
+        file=sys.stderr,
+        flush=True,
+    )
     while not stop.wait(1.0):
         pass
     runner.stop()
@@ -199,10 +237,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
     def api_args(p: argparse.ArgumentParser) -> None:
         add_config_arguments(p)
-        p.add_argument("--base-url", default=None,
-                       help="API base URL ending in /v1 (default: from api_host/api_port)")
-        p.add_argument("--api-key", default=None,
-                       help="tenant API key (default: $TOKENFLEET_API_KEY or $OPENAI_API_KEY)")
+        p.add_argument(
+            "--base-url",
+            default=None,
+            help="API base URL ending in /v1 (default: from api_host/api_port)",
+        )
+        p.add_argument(
+            "--api-key",
+            default=None,
+            help="tenant API key (default: $TOKENFLEET_API_KEY or $OPENAI_API_KEY)",
+        )
         p.add_argument("--interval", type=float, default=1.0, help="poll interval in seconds")
 
     p = sub.add_parser("submit", help="upload FILE (.jsonl) and create a batch")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-from datetime import datetime, timedelta, timezone
-from typing import Callable
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 
 from tokenfleet.errors import ConfigError, TokenFleetError
 from tokenfleet.service.config import add_config_arguments, config_from_args, redact_url
@@ -20,9 +20,11 @@ from tokenfleet.service.config import add_config_arguments, config_from_args, re
 def _database_url(args: argparse.Namespace) -> str:
     if getattr(args, "database_url", None):
         return str(args.database_url)
-    from tokenfleet.service.embedded import discover_database_url
+    from tokenfleet.service.endpoints import discover
 
-    return discover_database_url(config_from_args(args))
+    url = discover(config_from_args(args), require=("database",)).database_url
+    assert url is not None
+    return url
 
 
 def _parse_time(text: str | None, default: datetime) -> datetime:
@@ -34,12 +36,14 @@ def _parse_time(text: str | None, default: datetime) -> datetime:
     except ValueError:
         pass
     else:
-        return datetime.now(timezone.utc) + timedelta(seconds=offset)
+        return datetime.now(UTC) + timedelta(seconds=offset)
     try:
         value = datetime.fromisoformat(text)
     except ValueError:
-        raise ConfigError(f"bad time '{text}': use ISO 8601 (2025-01-01T00:00:00) or -SECONDS") from None
-    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+        raise ConfigError(
+            f"bad time '{text}': use ISO 8601 (2025-01-01T00:00:00) or -SECONDS"
+        ) from None
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
 
 
 def _friendly(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -101,7 +105,7 @@ def _cmd_goodput(args: argparse.Namespace) -> int:
     from tokenfleet.service.db import make_engine
     from tokenfleet.service.queries import goodput
 
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     until = _parse_time(args.until, now)
     since = _parse_time(args.since, until - timedelta(hours=1))
     engine = make_engine(_database_url(args))
@@ -113,11 +117,16 @@ def _cmd_goodput(args: argparse.Namespace) -> int:
         print(json.dumps([r.__dict__ for r in rows], default=str, indent=2))
         return 0
     print(f"window {since.isoformat()} .. {until.isoformat()}  ({args.by})")
-    print(f"{'key':<20} {'total':>8} {'completed':>10} {'attain':>7} {'goodput_rps':>12} {'tok/s':>10}")
+    print(
+        f"{'key':<20} {'total':>8} {'completed':>10} {'attain':>7} "
+        f"{'goodput_rps':>12} {'tok/s':>10}"
+    )
     for r in rows:
         att = "-" if r.attainment is None else f"{r.attainment:.3f}"
-        print(f"{str(r.key):<20} {r.total:>8} {r.completed:>10} {att:>7} "
-              f"{r.goodput_rps:>12.3f} {r.goodput_tokens_per_s:>10.1f}")
+        print(
+            f"{str(r.key):<20} {r.total:>8} {r.completed:>10} {att:>7} "
+            f"{r.goodput_rps:>12.3f} {r.goodput_tokens_per_s:>10.1f}"
+        )
     return 0
 
 
@@ -137,7 +146,9 @@ def _cmd_create_key(args: argparse.Namespace) -> int:
                 create_tenant(session, args.tenant, slo_class=args.slo_class)
                 session.flush()
             key = create_api_key(session, args.tenant, name=args.name)
-            append_audit(session, "cli", "api_key.create", {"tenant": args.tenant, "prefix": key[:10]})
+            append_audit(
+                session, "cli", "api_key.create", {"tenant": args.tenant, "prefix": key[:10]}
+            )
     finally:
         engine.dispose()
     print(key)
@@ -150,8 +161,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
     def common(p: argparse.ArgumentParser) -> None:
         add_config_arguments(p)
-        p.add_argument("--database-url", metavar="URL", default=None,
-                       help="PostgreSQL URL (default: config / embedded server)")
+        p.add_argument(
+            "--database-url",
+            metavar="URL",
+            default=None,
+            help="PostgreSQL URL (default: config / embedded server)",
+        )
 
     p = sub.add_parser("upgrade", help="apply migrations (alembic upgrade)")
     common(p)

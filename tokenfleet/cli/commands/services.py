@@ -20,7 +20,8 @@ def _print_env(env: dict[str, str]) -> None:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from tokenfleet.service.embedded import ServiceStack, install_sigterm_handler
+    from tokenfleet.service.endpoints import ServiceStack
+    from tokenfleet.service.processes import install_sigterm_handler
 
     cfg = config_from_args(args)
     install_sigterm_handler()
@@ -44,7 +45,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
-    from tokenfleet.service.embedded import stop_embedded
+    from tokenfleet.service.endpoints import stop_embedded
 
     stopped = stop_embedded(config_from_args(args))
     print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
@@ -52,7 +53,7 @@ def _cmd_down(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from tokenfleet.service.embedded import embedded_status
+    from tokenfleet.service.endpoints import embedded_status
 
     cfg = config_from_args(args)
     print(f"data dir: {cfg.resolved_data_dir()}")
@@ -70,10 +71,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
-    from tokenfleet.service.embedded import discover_endpoints
+    from tokenfleet.service.endpoints import discover
 
     cfg = config_from_args(args)
-    _print_env({**discover_endpoints(cfg).as_env(), env_var("data_dir"): str(cfg.resolved_data_dir())})
+    _print_env({**discover(cfg).as_env(), env_var("data_dir"): str(cfg.resolved_data_dir())})
     return 0
 
 
@@ -97,7 +98,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     for name, func, text in (
         ("down", _cmd_down, "stop embedded servers of the data dir"),
         ("status", _cmd_status, "show embedded servers; exit 1 unless all answer"),
-        ("env", _cmd_env, "print export lines: eval \"$(tokenfleet services env)\""),
+        ("env", _cmd_env, 'print export lines: eval "$(tokenfleet services env)"'),
         ("config", _cmd_config, "show the resolved configuration and where each value came from"),
     ):
         p = sub.add_parser(name, help=text)

@@ -33,19 +33,16 @@ class _Stores:
         cfg = config_from_args(args)
         db_url = getattr(args, "database_url", None)
         if not db_url:
-            from tokenfleet.service.embedded import discover_database_url
+            from tokenfleet.service.endpoints import discover
 
-            db_url = discover_database_url(cfg)
+            db_url = discover(cfg, require=("database",)).database_url
         self.engine = make_engine(db_url, pool_size=2)
         self.cache: Any = None
-        redis_url = getattr(args, "redis_url", None) or cfg.redis_url
+        redis_url = getattr(args, "redis_url", None)
         if not redis_url:
-            from tokenfleet.service.embedded import make_embedded_redis
+            from tokenfleet.service.endpoints import discover
 
-            r = make_embedded_redis(cfg)
-            state = r._read_state()
-            if state and r._state_pid_is_ours(state):
-                redis_url = str(state["url"])
+            redis_url = discover(cfg, require=()).redis_url
         if redis_url:
             import redis
 
@@ -62,8 +59,11 @@ class _Stores:
     def warn_no_cache(self) -> None:
         if self.cache is None and not self.warned:
             self.warned = True
-            print("tokenfleet: warning: Redis not reachable; running API processes see this "
-                  "change when their cache expires (up to 60 s)", file=sys.stderr)
+            print(
+                "tokenfleet: warning: Redis not reachable; running API processes see this "
+                "change when their cache expires (up to 60 s)",
+                file=sys.stderr,
+            )
 
     def close(self) -> None:
         self.engine.dispose()
@@ -78,9 +78,10 @@ def _with_stores(func: Any) -> Any:
             return int(func(args, stores))
         except sa.exc.OperationalError as exc:
             first = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
-            raise ConfigError(f"database error: {first}; is PostgreSQL running "
-                              "(`tokenfleet services status`) and migrated (`tokenfleet db upgrade`)?"
-                              ) from None
+            raise ConfigError(
+                f"database error: {first}; is PostgreSQL running "
+                "(`tokenfleet services status`) and migrated (`tokenfleet db upgrade`)?"
+            ) from None
         finally:
             stores.close()
 
@@ -104,29 +105,44 @@ def _limit_value(text: str) -> int | None:
 
 
 def _quota_changes(args: argparse.Namespace) -> dict[str, int | None]:
-    return {name: getattr(args, flag) for flag, name in _QUOTA_FLAGS.items()
-            if getattr(args, flag) is not _UNSET}
+    return {
+        name: getattr(args, flag)
+        for flag, name in _QUOTA_FLAGS.items()
+        if getattr(args, flag) is not _UNSET
+    }
 
 
 _UNSET: Any = object()
 
 
 def _fmt_limits(d: dict[str, int | None]) -> str:
-    short = {"requests_per_minute": "rpm", "tokens_per_minute": "tpm",
-             "max_concurrent_requests": "conc", "daily_token_budget": "daily"}
+    short = {
+        "requests_per_minute": "rpm",
+        "tokens_per_minute": "tpm",
+        "max_concurrent_requests": "conc",
+        "daily_token_budget": "daily",
+    }
     return " ".join(f"{short[k]}={'-' if v is None else v}" for k, v in d.items())
 
 
 def _cmd_create(args: argparse.Namespace, st: _Stores) -> int:
     from tokenfleet.tenancy import admin
 
-    admin.create_tenant(st.engine, args.tenant_id, actor=args.actor, name=args.name,
-                        slo_class=args.slo_class, allowed_models=_csv(args.models),
-                        allowed_regions=_csv(args.regions), cache=st.cache)
+    admin.create_tenant(
+        st.engine,
+        args.tenant_id,
+        actor=args.actor,
+        name=args.name,
+        slo_class=args.slo_class,
+        allowed_models=_csv(args.models),
+        allowed_regions=_csv(args.regions),
+        cache=st.cache,
+    )
     changes = _quota_changes(args)
     if changes:
-        admin.set_quota(st.engine, args.tenant_id, args.budget, changes, actor=args.actor,
-                        cache=st.cache)
+        admin.set_quota(
+            st.engine, args.tenant_id, args.budget, changes, actor=args.actor, cache=st.cache
+        )
     print(f"created tenant {args.tenant_id}")
     if args.with_key:
         key, info = admin.create_key(st.engine, args.tenant_id, actor=args.actor, cache=st.cache)
@@ -139,11 +155,24 @@ def _cmd_list(args: argparse.Namespace, st: _Stores) -> int:
 
     rows = admin.list_tenants(st.engine)
     if args.json:
-        print(json.dumps([{"id": c.id, "name": c.name, "slo_class": c.slo_class,
-                           "allowed_models": list(c.allowed_models),
-                           "allowed_regions": list(c.allowed_regions),
-                           "disabled": c.disabled, "active_keys": n,
-                           "quotas": c.quotas.as_dict()} for c, n in rows], indent=2))
+        print(
+            json.dumps(
+                [
+                    {
+                        "id": c.id,
+                        "name": c.name,
+                        "slo_class": c.slo_class,
+                        "allowed_models": list(c.allowed_models),
+                        "allowed_regions": list(c.allowed_regions),
+                        "disabled": c.disabled,
+                        "active_keys": n,
+                        "quotas": c.quotas.as_dict(),
+                    }
+                    for c, n in rows
+                ],
+                indent=2,
+            )
+        )
         return 0
     if not rows:
         print("no tenants; create one with `tokenfleet tenants create ID`")
@@ -151,9 +180,11 @@ def _cmd_list(args: argparse.Namespace, st: _Stores) -> int:
     print(f"{'tenant':<20} {'slo':<9} {'keys':>4}  {'interactive':<40} batch")
     for c, n in rows:
         flag = " (disabled)" if c.disabled else ""
-        print(f"{c.id + flag:<20} {c.slo_class:<9} {n:>4}  "
-              f"{_fmt_limits(c.quotas.interactive.as_dict()):<40} "
-              f"{_fmt_limits(c.quotas.batch.as_dict())}")
+        print(
+            f"{c.id + flag:<20} {c.slo_class:<9} {n:>4}  "
+            f"{_fmt_limits(c.quotas.interactive.as_dict()):<40} "
+            f"{_fmt_limits(c.quotas.batch.as_dict())}"
+        )
     return 0
 
 
@@ -163,8 +194,9 @@ def _cmd_set_quota(args: argparse.Namespace, st: _Stores) -> int:
     changes = _quota_changes(args)
     if not changes:
         raise ConfigError("nothing to change; pass --rpm, --tpm, --concurrency or --daily-tokens")
-    limits = admin.set_quota(st.engine, args.tenant_id, args.budget, changes, actor=args.actor,
-                             cache=st.cache)
+    limits = admin.set_quota(
+        st.engine, args.tenant_id, args.budget, changes, actor=args.actor, cache=st.cache
+    )
     st.warn_no_cache()
     print(f"{args.tenant_id} {args.budget}: {_fmt_limits(limits.as_dict())}")
     return 0
@@ -174,21 +206,30 @@ def _cmd_update(args: argparse.Namespace, st: _Stores) -> int:
     from tokenfleet.tenancy import admin
 
     ctx = admin.update_tenant(
-        st.engine, args.tenant_id, actor=args.actor, name=args.name, slo_class=args.slo_class,
+        st.engine,
+        args.tenant_id,
+        actor=args.actor,
+        name=args.name,
+        slo_class=args.slo_class,
         allowed_models=None if args.models is None else _csv(args.models),
         allowed_regions=None if args.regions is None else _csv(args.regions),
-        disabled=True if args.disable else (False if args.enable else None), cache=st.cache)
+        disabled=True if args.disable else (False if args.enable else None),
+        cache=st.cache,
+    )
     st.warn_no_cache()
-    print(f"{ctx.id}: slo={ctx.slo_class} models={','.join(ctx.allowed_models) or '*'} "
-          f"regions={','.join(ctx.allowed_regions) or '*'} disabled={ctx.disabled}")
+    print(
+        f"{ctx.id}: slo={ctx.slo_class} models={','.join(ctx.allowed_models) or '*'} "
+        f"regions={','.join(ctx.allowed_regions) or '*'} disabled={ctx.disabled}"
+    )
     return 0
 
 
 def _cmd_key_create(args: argparse.Namespace, st: _Stores) -> int:
     from tokenfleet.tenancy import admin
 
-    key, info = admin.create_key(st.engine, args.tenant_id, actor=args.actor, name=args.name,
-                                 cache=st.cache)
+    key, info = admin.create_key(
+        st.engine, args.tenant_id, actor=args.actor, name=args.name, cache=st.cache
+    )
     if args.quiet:
         print(key)
     else:
@@ -200,8 +241,9 @@ def _cmd_key_create(args: argparse.Namespace, st: _Stores) -> int:
 def _cmd_key_revoke(args: argparse.Namespace, st: _Stores) -> int:
     from tokenfleet.tenancy import admin
 
-    n = admin.revoke_key(st.engine, args.key, actor=args.actor, tenant_id=args.tenant,
-                         cache=st.cache)
+    n = admin.revoke_key(
+        st.engine, args.key, actor=args.actor, tenant_id=args.tenant, cache=st.cache
+    )
     if n == 0:
         raise ConfigError(f"no active key matches '{args.key}'; see `tokenfleet tenants keys list`")
     st.warn_no_cache()
@@ -234,19 +276,37 @@ def _cmd_admin_user(args: argparse.Namespace, st: _Stores) -> int:
 
 def _common(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
-    p.add_argument("--database-url", metavar="URL", default=None,
-                   help="PostgreSQL URL (default: config / embedded server)")
-    p.add_argument("--redis-url", metavar="URL", default=None,
-                   help="Redis URL whose caches are invalidated (default: config / embedded)")
+    p.add_argument(
+        "--database-url",
+        metavar="URL",
+        default=None,
+        help="PostgreSQL URL (default: config / embedded server)",
+    )
+    p.add_argument(
+        "--redis-url",
+        metavar="URL",
+        default=None,
+        help="Redis URL whose caches are invalidated (default: config / embedded)",
+    )
     p.add_argument("--actor", default="cli", help="name written to the audit log (default: cli)")
 
 
 def _quota_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--budget", choices=["interactive", "batch"], default="interactive",
-                   help="which budget the limits apply to (default: interactive)")
+    p.add_argument(
+        "--budget",
+        choices=["interactive", "batch"],
+        default="interactive",
+        help="which budget the limits apply to (default: interactive)",
+    )
     for flag, name in _QUOTA_FLAGS.items():
-        p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=_limit_value,
-                       default=_UNSET, metavar="N|none", help=name.replace("_", " "))
+        p.add_argument(
+            "--" + flag.replace("_", "-"),
+            dest=flag,
+            type=_limit_value,
+            default=_UNSET,
+            metavar="N|none",
+            help=name.replace("_", " "),
+        )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -259,8 +319,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--name", default=None)
     p.add_argument("--slo-class", default="standard", help="standard, premium or batch")
     p.add_argument("--models", default=None, help="comma-separated allowed models (default: all)")
-    p.add_argument("--regions", default=None,
-                   help="comma-separated allowed regions for data residency (default: all)")
+    p.add_argument(
+        "--regions",
+        default=None,
+        help="comma-separated allowed regions for data residency (default: all)",
+    )
     p.add_argument("--with-key", action="store_true", help="also create and print an API key")
     _quota_flags(p)
     p.set_defaults(func=_with_stores(_cmd_create))
@@ -306,8 +369,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("tenant_id", nargs="?", default=None)
     p.set_defaults(func=_with_stores(_cmd_key_list))
 
-    p = subparsers.add_parser("admin-user", help="create an admin login for the web UI "
-                              "(or change its password)")
+    p = subparsers.add_parser(
+        "admin-user", help="create an admin login for the web UI (or change its password)"
+    )
     _common(p)
     p.add_argument("username")
     p.add_argument("--password-stdin", action="store_true", help="read the password from stdin")

@@ -28,28 +28,48 @@ def register(subparsers: Any) -> None:
     from tokenfleet.service.config import add_config_arguments
 
     p: argparse.ArgumentParser = subparsers.add_parser(
-        "up", help="start the whole live service locally (stores, engines, workers, API)",
+        "up",
+        help="start the whole live service locally (stores, engines, workers, API)",
         description="Start Redis, PostgreSQL, a two-DC fleet of emulated engines with one "
-                    "worker each, beat and the OpenAI-compatible API; print the URL and a "
-                    "demo API key. Ctrl-C stops everything.")
+        "worker each, beat and the OpenAI-compatible API; print the URL and a "
+        "demo API key. Ctrl-C stops everything.",
+    )
     add_config_arguments(p)
     p.add_argument("--port", type=int, default=None, help="API port (default 8000)")
     p.add_argument("--host", default=None, help="API address (default 127.0.0.1)")
     p.add_argument("--profile", default="llama3-8b-h200", help="engine profile of the emulators")
-    p.add_argument("--instances-per-dc", type=int, default=1,
-                   help="emulated engines (and workers) per datacenter (default 1)")
-    p.add_argument("--time-scale", type=float, default=1.0,
-                   help="emulator wall seconds per model second (default 1.0 = real time)")
+    p.add_argument(
+        "--instances-per-dc",
+        type=int,
+        default=1,
+        help="emulated engines (and workers) per datacenter (default 1)",
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="emulator wall seconds per model second (default 1.0 = real time)",
+    )
     p.add_argument("--slots", type=int, default=64, help="requests per worker at once")
-    p.add_argument("--max-instances-per-dc", type=int, default=3,
-                   help="cap on engines per DC when the FleetMind plan adds replicas "
-                        "(default 3)")
+    p.add_argument(
+        "--max-instances-per-dc",
+        type=int,
+        default=3,
+        help="cap on engines per DC when the FleetMind plan adds replicas (default 3)",
+    )
     p.add_argument("--router", default=None, help="router policy (default: tokenpilot)")
-    p.add_argument("--admission", default="slomax", help="admission policy (default slomax)")
-    p.add_argument("--topology", default=None,
-                   help="topology YAML: regions, RTTs, ceilings, tenants (default: "
-                        "tokenfleet/live/local_topology.yaml, dc-east in us-east and "
-                        "dc-west in us-west)")
+    p.add_argument(
+        "--admission",
+        default=None,
+        help="admission policy (default: the 'admission' setting, slomax)",
+    )
+    p.add_argument(
+        "--topology",
+        default=None,
+        help="topology YAML: regions, RTTs, ceilings, tenants (default: "
+        "tokenfleet/live/local_topology.yaml, dc-east in us-east and "
+        "dc-west in us-west)",
+    )
     p.add_argument("--loglevel", default="INFO")
     p.set_defaults(func=run)
 
@@ -69,8 +89,9 @@ def _free_port() -> int:
     return port
 
 
-def _get(url: str, path: str, timeout: float = 1.0,
-         headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+def _get(
+    url: str, path: str, timeout: float = 1.0, headers: dict[str, str] | None = None
+) -> tuple[int, bytes]:
     from urllib.parse import urlsplit
 
     u = urlsplit(url)
@@ -88,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     from tokenfleet.live.config import LiveConfig
     from tokenfleet.live.supervisor import Supervisor
     from tokenfleet.service.config import config_from_args
-    from tokenfleet.service.embedded import ServiceStack
+    from tokenfleet.service.endpoints import ServiceStack
 
     if args.instances_per_dc < 1:
         raise ConfigError("--instances-per-dc must be >= 1")
@@ -97,12 +118,23 @@ def run(args: argparse.Namespace) -> int:
     data_dir.mkdir(parents=True, exist_ok=True)
     host = args.host or cfg.api_host
     port = args.port if args.port is not None else cfg.api_port
-    api_key = cfg.api_key or os.environ.get("TOKENFLEET_API_KEY") or \
-        "tf-demo-" + secrets.token_urlsafe(18)
-    topology = args.topology or os.environ.get("TOKENFLEET_TOPOLOGY") or str(
-        Path(__file__).resolve().parents[2] / "live" / "local_topology.yaml")
-    live = LiveConfig.load(router=args.router, topology=str(Path(topology).resolve()))
-    from tokenfleet.live.fleet import load_topology
+    api_key = (
+        cfg.api_key
+        or os.environ.get("TOKENFLEET_API_KEY")
+        or "tf-demo-" + secrets.token_urlsafe(18)
+    )
+    topology = (
+        args.topology
+        or os.environ.get("TOKENFLEET_TOPOLOGY")
+        or str(Path(__file__).resolve().parents[2] / "live" / "local_topology.yaml")
+    )
+    live = LiveConfig.load(
+        path=args.config,
+        router=args.router,
+        admission=args.admission,
+        topology=str(Path(topology).resolve()),
+    )
+    from tokenfleet.live.dc_select import load_topology
 
     load_topology(live.topology)  # a bad file fails here, with the field named
     stopping = {"flag": False}
@@ -134,18 +166,50 @@ def run(args: argparse.Namespace) -> int:
             # the engine publishes vLLM KV events; its worker relays them to the
             # shared prefix index (exact cache knowledge for every API replica)
             kv_of[inst] = f"tcp://127.0.0.1:{_free_port()}"
-            sup.start(f"engine-{inst}", py + [
-                "engine-sim", "--port", str(eport), "--profile", args.profile,
-                "--time-scale", str(args.time_scale), "--seed", str(len(kv_of)),
-                "--kv-events-endpoint", kv_of[inst]], env)
+            sup.start(
+                f"engine-{inst}",
+                py
+                + [
+                    "engine-sim",
+                    "--port",
+                    str(eport),
+                    "--profile",
+                    args.profile,
+                    "--time-scale",
+                    str(args.time_scale),
+                    "--seed",
+                    str(len(kv_of)),
+                    "--kv-events-endpoint",
+                    kv_of[inst],
+                ],
+                env,
+            )
             return f"engine-{inst}", f"http://127.0.0.1:{eport}"
 
         def start_worker(dc: str, inst: str, engine_url: str) -> str:
-            sup.start(f"worker-{inst}", py + [
-                "worker", "--dc", dc, "--instance", inst, "--engine-url", engine_url,
-                "--profile", args.profile, "--slots", str(args.slots),
-                "--kv-events", kv_of[inst], "--loglevel", args.loglevel], env,
-                stop_timeout_s=15.0)
+            sup.start(
+                f"worker-{inst}",
+                py
+                + [
+                    "worker",
+                    "--dc",
+                    dc,
+                    "--instance",
+                    inst,
+                    "--engine-url",
+                    engine_url,
+                    "--profile",
+                    args.profile,
+                    "--slots",
+                    str(args.slots),
+                    "--kv-events",
+                    kv_of[inst],
+                    "--loglevel",
+                    args.loglevel,
+                ],
+                env,
+                stop_timeout_s=15.0,
+            )
             return f"worker-{inst}"
 
         for dc in DEFAULT_DCS:
@@ -155,8 +219,22 @@ def run(args: argparse.Namespace) -> int:
                 start_worker(dc, inst, engine_url)
                 engines.append(inst)
         sup.start("beat", py + ["beat", "--loglevel", args.loglevel], env)
-        sup.start("api", py + ["api", "--host", host, "--port", str(port),
-                               "--admission", args.admission, "--loglevel", args.loglevel], env)
+        sup.start(
+            "api",
+            py
+            + [
+                "api",
+                "--host",
+                host,
+                "--port",
+                str(port),
+                "--admission",
+                live.admission,
+                "--loglevel",
+                args.loglevel,
+            ],
+            env,
+        )
         url = f"http://{host}:{port}"
         _wait_ready(sup, url, len(engines), stopping)
         if not stopping["flag"]:
@@ -167,22 +245,34 @@ def run(args: argparse.Namespace) -> int:
 
         state = LiveState.from_url(endpoints.redis_url, prefix=live.redis_prefix)
         replicas = LocalReplicas(
-            sup, state, base={dc: args.instances_per_dc for dc in DEFAULT_DCS},
-            start_engine=start_engine, start_worker=start_worker,
-            healthy=_healthy, max_per_dc=args.max_instances_per_dc)
+            sup,
+            state,
+            base={dc: args.instances_per_dc for dc in DEFAULT_DCS},
+            start_engine=start_engine,
+            start_worker=start_worker,
+            healthy=_healthy,
+            max_per_dc=args.max_instances_per_dc,
+        )
         next_plan_check = 0.0
         while not stopping["flag"]:
             for name in sup.poll():
-                print(f"tokenfleet up: {name} died and was restarted (see "
-                      f"{sup.children[name].log_path})", file=sys.stderr, flush=True)
+                print(
+                    f"tokenfleet up: {name} died and was restarted (see "
+                    f"{sup.children[name].log_path})",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if time.monotonic() >= next_plan_check:
                 next_plan_check = time.monotonic() + 1.0
                 try:
                     for line in replicas.reconcile():
                         print(f"tokenfleet up: {line}", file=sys.stderr, flush=True)
                 except Exception as exc:  # noqa: BLE001 - Redis blip: try again next second
-                    print(f"tokenfleet up: replica plan not applied now ({exc})",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"tokenfleet up: replica plan not applied now ({exc})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             time.sleep(0.2)
         try:
             replicas.stop()
@@ -207,8 +297,9 @@ def _healthy(engine_url: str) -> bool:
         return False
 
 
-def _wait_ready(sup: Any, url: str, n_instances: int, stopping: dict[str, bool],
-                timeout_s: float = 120.0) -> None:
+def _wait_ready(
+    sup: Any, url: str, n_instances: int, stopping: dict[str, bool], timeout_s: float = 120.0
+) -> None:
     from tokenfleet.errors import TokenFleetError
 
     deadline = time.monotonic() + timeout_s
@@ -226,8 +317,9 @@ def _wait_ready(sup: Any, url: str, n_instances: int, stopping: dict[str, bool],
         time.sleep(0.2)
     if not stopping["flag"]:
         logs = sup.log_dir
-        raise TokenFleetError(f"the service did not become ready within {timeout_s:.0f}s; "
-                              f"see the logs in {logs}")
+        raise TokenFleetError(
+            f"the service did not become ready within {timeout_s:.0f}s; see the logs in {logs}"
+        )
 
 
 def _banner(url: str, api_key: str, data_dir: Path) -> None:
@@ -238,12 +330,13 @@ def _banner(url: str, api_key: str, data_dir: Path) -> None:
             model = json.loads(body)["data"][0]["id"]
     except (OSError, ValueError, KeyError, IndexError):
         pass
-    print(f"""
+    print(
+        f"""
 TokenFleet is up.
 
   API:      {url}/v1   (OpenAPI: {url}/openapi.json, metrics: {url}/metrics)
   API key:  {api_key}
-  Logs:     {data_dir / 'logs'}
+  Logs:     {data_dir / "logs"}
 
 Try it:
 
@@ -254,4 +347,6 @@ Try it:
   python -c "from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='{api_key}'); print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello!'}}], max_tokens=32).choices[0].message.content)"
 
 Press Ctrl-C to stop.
-""", flush=True)
+""",
+        flush=True,
+    )

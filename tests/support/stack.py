@@ -1,5 +1,8 @@
 """A whole live stack for integration tests and benchmarks: no mocks.
 
+(Test support, not part of the package: ``benchmarks/live_overhead.py`` uses it
+from the checkout too.)
+
 Real Redis and (optionally) PostgreSQL from the embedded wheels, emulated
 engines over real HTTP (in this process), Celery workers as real child
 processes (so a test can ``kill -9`` one) and the Flask API on a real socket
@@ -14,14 +17,14 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.supervisor import Supervisor
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 PROFILE = "llama3-8b-h200"
 API_KEY = "tf-test-key"
 TENANT = "test-tenant"
@@ -61,7 +64,11 @@ class LiveStack:
     #: them (``--kv-events``), so routers get exact cache knowledge
     engine_kv_events: bool = False
     kv_endpoints: dict[str, str] = field(default_factory=dict)
+    #: a running PostgreSQL to take a fresh database from (the test session's
+    #: shared server); None: the stack starts its own under data_dir
+    shared_postgres: Any = None
     _state: Any = None
+    _database_name: str = ""
 
     redis: Any = None
     postgres: Any = None
@@ -86,19 +93,32 @@ class LiveStack:
     def _start(self) -> None:
         from tokenfleet.emulator import EmulatorServer
         from tokenfleet.service.embedded import EmbeddedPostgres, EmbeddedRedis
-        from tokenfleet.service.testing import FAST_POSTGRES_SETTINGS, fresh_database
+
+        from .stores import FAST_POSTGRES_SETTINGS, fresh_database
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.data_dir, 0o755)
         self.redis = EmbeddedRedis(self.data_dir).start()
         if self.with_postgres:
-            self.postgres = EmbeddedPostgres(self.data_dir, settings=FAST_POSTGRES_SETTINGS)
-            self.postgres.start()
-            self.database_url = fresh_database(self.postgres, "tokenfleet_live")
-        overrides = {"scrape_interval_s": 0.25, "stale_after_s": 1.5, "lease_ttl_s": 1.5,
-                     "engine_stall_timeout_s": 3.0, "affinity_dead_after_s": 1.0,
-                     "engine_unhealthy_s": 3.0, "control_period_s": 0.5,
-                     "request_timeout_s": 60.0, "router": self.router}
+            pg = self.shared_postgres
+            if pg is None:
+                self.postgres = pg = EmbeddedPostgres(
+                    self.data_dir, settings=FAST_POSTGRES_SETTINGS
+                )
+                pg.start()
+            self.database_url = fresh_database(pg)
+            self._database_name = self.database_url.rsplit("/", 1)[1]
+        overrides = {
+            "scrape_interval_s": 0.25,
+            "stale_after_s": 1.5,
+            "lease_ttl_s": 1.5,
+            "engine_stall_timeout_s": 3.0,
+            "affinity_dead_after_s": 1.0,
+            "engine_unhealthy_s": 3.0,
+            "control_period_s": 0.5,
+            "request_timeout_s": 60.0,
+            "router": self.router,
+        }
         overrides.update(self.live_overrides)
         self.live = LiveConfig.load(env={}, **overrides)
         if self.engines_in_process:
@@ -111,9 +131,14 @@ class LiveStack:
                 self.engine_urls[spec.instance_id] = emu.url
         env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENFLEET_")}
         env.update(self.live.as_env())
-        env.update({"TOKENFLEET_REDIS_URL": self.redis.url,
-                    "TOKENFLEET_BROKER_URL": self.broker_url or self.redis.url,
-                    "TOKENFLEET_DATA_DIR": str(self.data_dir), "PYTHONUNBUFFERED": "1"})
+        env.update(
+            {
+                "TOKENFLEET_REDIS_URL": self.redis.url,
+                "TOKENFLEET_BROKER_URL": self.broker_url or self.redis.url,
+                "TOKENFLEET_DATA_DIR": str(self.data_dir),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         if self.database_url:
             env["TOKENFLEET_DATABASE_URL"] = self.database_url
         self.env = env
@@ -123,8 +148,12 @@ class LiveStack:
         for spec in self.instances:
             self.start_worker(spec)
         if self.with_beat:
-            self.sup.start("beat", [sys.executable, "-m", "tokenfleet.cli.main", "beat",
-                                    "--loglevel", "INFO"], env, restart=False)
+            self.sup.start(
+                "beat",
+                [sys.executable, "-m", "tokenfleet.cli.main", "beat", "--loglevel", "INFO"],
+                env,
+                restart=False,
+            )
         if self.api_in_process:
             self._start_api()
         else:
@@ -144,8 +173,12 @@ class LiveStack:
                 port = free_port()
             used.add(port)
             ts = spec.emulator.get("time_scale", self.time_scale)
-            env = dict(self.env, **{k: v.replace("{instance}", spec.instance_id)
-                                    for k, v in self.engine_env.items()})
+            env = dict(
+                self.env,
+                **{
+                    k: v.replace("{instance}", spec.instance_id) for k, v in self.engine_env.items()
+                },
+            )
             extra: list[str] = []
             if self.engine_kv_events:
                 kv_port = free_port()
@@ -154,25 +187,45 @@ class LiveStack:
                 used.add(kv_port)
                 self.kv_endpoints[spec.instance_id] = f"tcp://127.0.0.1:{kv_port}"
                 extra = ["--kv-events-endpoint", self.kv_endpoints[spec.instance_id]]
-            self.sup.start(f"engine-{spec.instance_id}", [
-                sys.executable, "-m", "tokenfleet.cli.main", "engine-sim", "--port", str(port),
-                "--profile", PROFILE, "--time-scale", str(ts), "--seed", str(k + 1), *extra],
-                env, restart=False)
+            self.sup.start(
+                f"engine-{spec.instance_id}",
+                [
+                    sys.executable,
+                    "-m",
+                    "tokenfleet.cli.main",
+                    "engine-sim",
+                    "--port",
+                    str(port),
+                    "--profile",
+                    PROFILE,
+                    "--time-scale",
+                    str(ts),
+                    "--seed",
+                    str(k + 1),
+                    *extra,
+                ],
+                env,
+                restart=False,
+            )
             self.engine_urls[spec.instance_id] = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
         for url in self.engine_urls.values():
             while True:
                 try:
-                    conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]),
-                                                      timeout=1)
+                    conn = http.client.HTTPConnection(
+                        "127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=1
+                    )
                     conn.request("GET", "/health")
                     if conn.getresponse().status == 200:
                         break
                 except OSError:
                     pass
-                child = next(c for c in self.sup.children.values()
-                             if c.name.startswith("engine-") and url.endswith(
-                                 ":" + c.argv[c.argv.index("--port") + 1]))
+                child = next(
+                    c
+                    for c in self.sup.children.values()
+                    if c.name.startswith("engine-")
+                    and url.endswith(":" + c.argv[c.argv.index("--port") + 1])
+                )
                 if not child.alive() or time.monotonic() > deadline:
                     tail = child.log_path.read_text(errors="replace")[-2000:]
                     raise TimeoutError(f"engine at {url} did not start:\n{tail}")
@@ -182,25 +235,49 @@ class LiveStack:
         assert self.sup is not None
         emu = self.emulators.get(spec.instance_id)
         endpoint = getattr(emu, "kv_events_endpoint", None) or self.kv_endpoints.get(
-            spec.instance_id)
+            spec.instance_id
+        )
         extra = ["--kv-events", endpoint] if endpoint else []
-        self.sup.start(f"worker-{spec.instance_id}", [
-            sys.executable, "-m", "tokenfleet.cli.main", "worker", "--dc", spec.dc,
-            "--instance", spec.instance_id, "--engine-url", self.engine_urls[spec.instance_id],
-            "--profile", PROFILE,
-            "--slots", str(spec.slots), "--loglevel", "INFO", *extra], self.env,
-            restart=False, stop_timeout_s=10.0)
+        self.sup.start(
+            f"worker-{spec.instance_id}",
+            [
+                sys.executable,
+                "-m",
+                "tokenfleet.cli.main",
+                "worker",
+                "--dc",
+                spec.dc,
+                "--instance",
+                spec.instance_id,
+                "--engine-url",
+                self.engine_urls[spec.instance_id],
+                "--profile",
+                PROFILE,
+                "--slots",
+                str(spec.slots),
+                "--loglevel",
+                "INFO",
+                *extra,
+            ],
+            self.env,
+            restart=False,
+            stop_timeout_s=10.0,
+        )
 
     def _start_api(self) -> None:
         from web import create_app
         from web.server import ApiServer
 
-        cfg: dict[str, Any] = {"REDIS_URL": self.redis.url,
-                               "BROKER_URL": self.broker_url or self.redis.url,
-                               "DATA_DIR": str(self.data_dir), "LIVE": self.live,
-                               "API_KEYS": {API_KEY: TENANT}, "ADMISSION": self.admission,
-                               # the batch API's runner thread is not under test here
-                               "BATCH_RUNNER": False}
+        cfg: dict[str, Any] = {
+            "REDIS_URL": self.redis.url,
+            "BROKER_URL": self.broker_url or self.redis.url,
+            "DATA_DIR": str(self.data_dir),
+            "LIVE": self.live,
+            "API_KEYS": {API_KEY: TENANT},
+            "ADMISSION": self.admission,
+            # the batch API's runner thread is not under test here
+            "BATCH_RUNNER": False,
+        }
         if self.database_url:
             cfg["DATABASE_URL"] = self.database_url
         cfg.update(self.app_config)
@@ -215,9 +292,23 @@ class LiveStack:
         assert self.sup is not None
         port = free_port()
         env = dict(self.env, TOKENFLEET_SEED_API_KEYS=f"{API_KEY}={TENANT}")
-        self.sup.start("api", [sys.executable, "-m", "tokenfleet.cli.main", "api", "--port",
-                               str(port), "--admission", self.admission, "--loglevel",
-                               "WARNING"], env, restart=False)
+        self.sup.start(
+            "api",
+            [
+                sys.executable,
+                "-m",
+                "tokenfleet.cli.main",
+                "api",
+                "--port",
+                str(port),
+                "--admission",
+                self.admission,
+                "--loglevel",
+                "WARNING",
+            ],
+            env,
+            restart=False,
+        )
         self.url = f"http://127.0.0.1:{port}"
         # a local gateway object for reading live state (never serves requests)
         from tokenfleet.live.state import LiveState
@@ -237,8 +328,11 @@ class LiveStack:
             now = time.time()
             infos = self.gateway.state.instances()
             ok = [i for i in infos if i.is_healthy(now, self.live.stale_after_s)]  # type: ignore[union-attr]
-            if len(ok) >= want and self._consuming(want) and (
-                    self.app is not None or self._api_answers()):
+            if (
+                len(ok) >= want
+                and self._consuming(want)
+                and (self.app is not None or self._api_answers())
+            ):
                 return
             self._check_workers()
             time.sleep(0.1)
@@ -248,8 +342,9 @@ class LiveStack:
         import http.client
 
         try:
-            conn = http.client.HTTPConnection("127.0.0.1", int(self.url.rsplit(":", 1)[1]),
-                                              timeout=1)
+            conn = http.client.HTTPConnection(
+                "127.0.0.1", int(self.url.rsplit(":", 1)[1]), timeout=1
+            )
             conn.request("GET", "/health")
             return conn.getresponse().status == 200
         except OSError:
@@ -269,8 +364,11 @@ class LiveStack:
     def _check_workers(self) -> None:
         assert self.sup is not None
         for name, child in self.sup.children.items():
-            if child.proc is not None and child.proc.poll() is not None and \
-                    child.proc.returncode not in (0, -signal.SIGKILL, -signal.SIGTERM):
+            if (
+                child.proc is not None
+                and child.proc.poll() is not None
+                and child.proc.returncode not in (0, -signal.SIGKILL, -signal.SIGTERM)
+            ):
                 tail = child.log_path.read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"{name} exited with {child.proc.returncode}:\n{tail}")
 
@@ -291,6 +389,9 @@ class LiveStack:
         if self.postgres is not None:
             with contextlib.suppress(Exception):
                 self.postgres.stop()
+        elif self.shared_postgres is not None and self._database_name:
+            with contextlib.suppress(Exception):  # the session's server: keep its disk small
+                self.shared_postgres.drop_database(self._database_name)
         if self.redis is not None:
             with contextlib.suppress(Exception):
                 self.redis.stop()
@@ -299,8 +400,13 @@ class LiveStack:
     def client(self, **kwargs: Any) -> Any:
         import openai
 
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0,
-                             timeout=kwargs.pop("timeout", 30.0), **kwargs)
+        return openai.OpenAI(
+            base_url=self.url + "/v1",
+            api_key=API_KEY,
+            max_retries=0,
+            timeout=kwargs.pop("timeout", 30.0),
+            **kwargs,
+        )
 
     @property
     def model(self) -> str:
@@ -308,9 +414,12 @@ class LiveStack:
             return str(next(iter(self.emulators.values())).model_name)
         return next(i.model for i in self.gateway.state.instances())
 
-    def ledger_rows(self, where: str = "", timeout_s: float = 10.0,
-                    expect: Callable[[list[dict[str, Any]]], bool] | None = None
-                    ) -> list[dict[str, Any]]:
+    def ledger_rows(
+        self,
+        where: str = "",
+        timeout_s: float = 10.0,
+        expect: Callable[[list[dict[str, Any]]], bool] | None = None,
+    ) -> list[dict[str, Any]]:
         """Rows of the ledger (waits until ``expect(rows)`` holds, if given)."""
         import sqlalchemy as sa
 
@@ -322,9 +431,16 @@ class LiveStack:
             deadline = time.monotonic() + timeout_s
             while True:
                 with engine.connect() as conn:
-                    rows = [dict(r) for r in conn.execute(sa.text(
-                        "SELECT * FROM requests " + (f"WHERE {where} " if where else "")
-                        + "ORDER BY id")).mappings()]
+                    rows = [
+                        dict(r)
+                        for r in conn.execute(
+                            sa.text(
+                                "SELECT * FROM requests "
+                                + (f"WHERE {where} " if where else "")
+                                + "ORDER BY id"
+                            )
+                        ).mappings()
+                    ]
                 if expect is None or expect(rows) or time.monotonic() > deadline:
                     return rows
                 time.sleep(0.2)
@@ -348,7 +464,7 @@ class _StateOnly:
 def running_stack(**kwargs: Any) -> Any:
     """A started :func:`two_dc_stack` in a fresh world-traversable temp dir
     (PostgreSQL runs as another user when we are root), stopped and removed on exit."""
-    from tokenfleet.service.testing import temp_data_dir
+    from .stores import temp_data_dir
 
     with temp_data_dir("tokenfleet-live-") as d:
         stack = two_dc_stack(d, **kwargs)
@@ -361,6 +477,8 @@ def running_stack(**kwargs: Any) -> Any:
 
 def two_dc_stack(data_dir: Path, **kwargs: Any) -> LiveStack:
     """The default test topology: dc-a and dc-b, one instance each."""
-    specs = kwargs.pop("instances", None) or [InstanceSpec("dc-a", "a0"),
-                                               InstanceSpec("dc-b", "b0")]
+    specs = kwargs.pop("instances", None) or [
+        InstanceSpec("dc-a", "a0"),
+        InstanceSpec("dc-b", "b0"),
+    ]
     return LiveStack(data_dir=data_dir, instances=specs, **kwargs)

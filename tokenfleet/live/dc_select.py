@@ -1,6 +1,6 @@
 """FleetMind on the live request path: which datacenter serves a request.
 
-The gateway calls :meth:`LiveFleet.select` before admission and routing, so
+The gateway calls :meth:`LiveDCSelector.select` before admission and routing, so
 the in-DC router only ever sees the chosen DC's instances, as in the
 simulator (``tokenfleet.sim.fleet``). The selector is the same ``FLEET``
 policy object the simulator runs; this module only turns what a live API
@@ -24,16 +24,17 @@ No I/O and no clock reads here: the gateway passes ``now_s`` and the views.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from tokenfleet.core.fleet import (
     FLEET,
-    DCDecision,
-    DCStats,
-    DCSelector,
-    DCView,
     Datacenter,
+    DCDecision,
+    DCSelector,
+    DCStats,
+    DCView,
     FleetCompletion,
     FleetFirstToken,
     FleetSnapshot,
@@ -53,6 +54,7 @@ from tokenfleet.core.types import InstanceView, RequestInfo
 from tokenfleet.engine.profiles import EngineProfile
 from tokenfleet.errors import NoCandidateError
 
+
 class _ZeroRTT(dict[tuple[str, str], float]):
     """RTTs of the topology; pairs it does not know (no topology, or an API
     replica outside every DC) count as zero rather than failing a request."""
@@ -62,7 +64,7 @@ class _ZeroRTT(dict[tuple[str, str], float]):
 
 
 @dataclass(slots=True)
-class FleetTicket:
+class DCTicket:
     """What the gateway keeps per dispatched request to settle the accounting."""
 
     pool: PoolView
@@ -72,17 +74,22 @@ class FleetTicket:
     done: bool = False
 
 
-class LiveFleet:
+class LiveDCSelector:
     """One API replica's datacenter selector and the fleet view it decides on."""
 
-    def __init__(self, policy: str = "fleetmind", *, topology: Topology | None = None,
-                 slo: SLOConfig | None = None, entry_dc: str = "",
-                 policy_kwargs: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        policy: str = "fleetmind",
+        *,
+        topology: Topology | None = None,
+        slo: SLOConfig | None = None,
+        entry_dc: str = "",
+        policy_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
         kwargs: dict[str, Any] = {"slo": slo or SLOConfig()}
         kwargs.update(policy_kwargs or {})
         self.selector: DCSelector = FLEET.create(policy, **kwargs)
-        self.topology = topology or Topology(name="live", datacenters={}, rtt_s={},
-                                             tenants={})
+        self.topology = topology or Topology(name="live", datacenters={}, rtt_s={}, tenants={})
         self.entry_dc = entry_dc
         self.prefix = PrefixIndex()
         self.outputs = OutputLengthModel()
@@ -90,8 +97,14 @@ class LiveFleet:
         self.spill_share: dict[str, float] = {}
         self._costs: dict[str, PoolCosts] = {}
         rtt = _ZeroRTT(self.topology.rtt_s)
-        self.snap = FleetSnapshot(now_s=0.0, dcs=self.views, topology=self.topology,
-                                  rtt_s=rtt, prefix=self.prefix, outputs=self.outputs)
+        self.snap = FleetSnapshot(
+            now_s=0.0,
+            dcs=self.views,
+            topology=self.topology,
+            rtt_s=rtt,
+            prefix=self.prefix,
+            outputs=self.outputs,
+        )
 
     # -- the view ---------------------------------------------------------------------
     def _dc_view(self, name: str) -> DCView:
@@ -122,18 +135,23 @@ class LiveFleet:
             pool = dv.pools.get((model, version))
             if pool is None:
                 prof = members[0].profile
-                pool = PoolView(dc, model, version, self._costs_for(prof),
-                                kv_capacity_tokens=prof.kv_capacity_tokens)
+                pool = PoolView(
+                    dc,
+                    model,
+                    version,
+                    self._costs_for(prof),
+                    kv_capacity_tokens=prof.kv_capacity_tokens,
+                )
                 dv.pools[(model, version)] = pool
             ready = [m for m in members if m.ready and m.metrics.healthy]
             pool.ready_instances = len(ready)
             pool.running = sum(m.metrics.num_running for m in ready)
             pool.waiting = sum(m.metrics.num_waiting for m in ready)
-            pool.kv_usage = (sum(m.metrics.kv_usage for m in ready) / len(ready)) if ready \
-                else 0.0
+            pool.kv_usage = (sum(m.metrics.kv_usage for m in ready) / len(ready)) if ready else 0.0
             pool.scraped_at_s = max((m.metrics.scraped_at_s for m in ready), default=now_s)
-            self.prefix.set_capacity(pool.prefix_id, sum(m.profile.kv_capacity_blocks
-                                                         for m in members))
+            self.prefix.set_capacity(
+                pool.prefix_id, sum(m.profile.kv_capacity_blocks for m in members)
+            )
             seen.add((dc, model, version))
         for name, dv in self.views.items():
             dv.spill_share = self.spill_share.get(name, 1.0)
@@ -176,41 +194,48 @@ class LiveFleet:
         """Whether some DC serving the model is allowed to this tenant, ready or not:
         False is a permission problem (403), True a capacity one (503)."""
         ok = self.compliant_dcs(request, tenant)
-        return any(p.model == request.model or request.model == "default"
-                   for name in ok for p in self.views[name].pools.values())
+        return any(
+            p.model == request.model or request.model == "default"
+            for name in ok
+            for p in self.views[name].pools.values()
+        )
 
     def compliant_dcs(self, request: RequestInfo, tenant: Tenant) -> set[str]:
         """DCs this tenant's request may be served in at all (load and readiness aside)."""
         home = self.home_of(tenant)
         home_region = self.views[home].region if home in self.views else None
-        return {name for name, dv in self.views.items()
-                if compliant(request, tenant, dv, home_region)}
+        return {
+            name for name, dv in self.views.items() if compliant(request, tenant, dv, home_region)
+        }
 
-    def dispatched(self, request: RequestInfo, decision: DCDecision) -> FleetTicket:
+    def dispatched(self, request: RequestInfo, decision: DCDecision) -> DCTicket:
         """Account a request sent to ``decision.dc`` (before it leaves)."""
         dv = self.views[decision.dc]
-        pool = dv.pool_for(request.model, request.model_version,
-                           exact=self.selector.exact_version)
+        pool = dv.pool_for(request.model, request.model_version, exact=self.selector.exact_version)
         if pool is None:
-            raise NoCandidateError(f"datacenter '{decision.dc}' lost its pool for "
-                                   f"'{request.model}' while routing")
+            raise NoCandidateError(
+                f"datacenter '{decision.dc}' lost its pool for '{request.model}' while routing"
+            )
         _, prefill_s, work_s = self.snap.estimate(pool, request)
         pool.accounting.on_dispatch(self.snap.now_s, prefill_s, work_s, pool.ready_instances)
         self.prefix.insert(pool.prefix_id, request.block_hashes)
-        return FleetTicket(pool, prefill_s, decision.predicted_dc_ttft_s)
+        return DCTicket(pool, prefill_s, decision.predicted_dc_ttft_s)
 
-    def first_token(self, ticket: FleetTicket, request: RequestInfo, dc_ttft_s: float) -> None:
+    def first_token(self, ticket: DCTicket, request: RequestInfo, dc_ttft_s: float) -> None:
         if ticket.first_token_seen or ticket.done:
             return
         ticket.first_token_seen = True
         pool = ticket.pool
         pool.accounting.on_first_token(ticket.prefill_s)
-        self.selector.on_first_token(FleetFirstToken(
-            request, pool.dc, pool.model, pool.version, dc_ttft_s,
-            ticket.predicted_dc_ttft_s))
+        self.selector.on_first_token(
+            FleetFirstToken(
+                request, pool.dc, pool.model, pool.version, dc_ttft_s, ticket.predicted_dc_ttft_s
+            )
+        )
 
-    def finished(self, ticket: FleetTicket, request: RequestInfo, status: str,
-                 output_tokens: int) -> None:
+    def finished(
+        self, ticket: DCTicket, request: RequestInfo, status: str, output_tokens: int
+    ) -> None:
         """The request ended (any status). Idempotent."""
         if ticket.done:
             return
@@ -218,8 +243,7 @@ class LiveFleet:
             ticket.pool.accounting.on_first_token(ticket.prefill_s)  # no longer pending
             ticket.first_token_seen = True
         ticket.done = True
-        self.selector.on_complete(FleetCompletion(request, ticket.pool.dc, status,
-                                                  output_tokens))
+        self.selector.on_complete(FleetCompletion(request, ticket.pool.dc, status, output_tokens))
         if status == "completed":
             self.outputs.observe(request.tenant, request.task_type, output_tokens)
 
@@ -236,10 +260,16 @@ class LivePool:
     warming: int = 0
 
 
-def planner_input(now_s: float, period_s: float, pools: Sequence[LivePool],
-                  work: Sequence[Any], spilled_in: Mapping[str, int],
-                  topology: Topology | None, *, typical_output_tokens: int = 256
-                  ) -> PlannerInput:
+def planner_input(
+    now_s: float,
+    period_s: float,
+    pools: Sequence[LivePool],
+    work: Sequence[Any],
+    spilled_in: Mapping[str, int],
+    topology: Topology | None,
+    *,
+    typical_output_tokens: int = 256,
+) -> PlannerInput:
     """The planner's view of the last long cycle, from what beat can read.
 
     ``work`` rows (``tokenfleet.service.queries.pool_work``) give each pool's
@@ -263,19 +293,31 @@ def planner_input(now_s: float, period_s: float, pools: Sequence[LivePool],
         served_s = refused_s = 0.0
         if w is not None and w.served:
             mean_uncached = w.uncached_prompt_tokens / w.served
-            served_s = (w.served * costs.prefill.seconds(int(mean_uncached))
-                        + w.completion_tokens * costs.decode_token_s)
+            served_s = (
+                w.served * costs.prefill.seconds(int(mean_uncached))
+                + w.completion_tokens * costs.decode_token_s
+            )
         if w is not None and w.rejected:
             mean_prompt = w.rejected_prompt_tokens / w.rejected
-            refused_s = w.rejected * (costs.prefill.seconds(int(mean_prompt))
-                                      + typical_output_tokens * costs.decode_token_s)
+            refused_s = w.rejected * (
+                costs.prefill.seconds(int(mean_prompt))
+                + typical_output_tokens * costs.decode_token_s
+            )
         replicas = p.ready + p.warming
         served_rate = served_s / period_s
-        stats.append(PoolStats(dc=p.dc, model=p.model, version=p.version, tp=p.profile.tp,
-                               replicas=replicas, ready=p.ready,
-                               demand_work_s=served_rate + refused_s / period_s,
-                               served_work_s=served_rate,
-                               load=served_rate / p.ready if p.ready else 0.0))
+        stats.append(
+            PoolStats(
+                dc=p.dc,
+                model=p.model,
+                version=p.version,
+                tp=p.profile.tp,
+                replicas=replicas,
+                ready=p.ready,
+                demand_work_s=served_rate + refused_s / period_s,
+                served_work_s=served_rate,
+                load=served_rate / p.ready if p.ready else 0.0,
+            )
+        )
         if w is not None:
             per_dc_served[p.dc] = per_dc_served.get(p.dc, 0) + w.served
             per_dc_met[p.dc] = per_dc_met.get(p.dc, 0) + w.slo_met
@@ -287,13 +329,19 @@ def planner_input(now_s: float, period_s: float, pools: Sequence[LivePool],
         if target is None:
             target = topology.settings.attainment_target if topology is not None else 0.95
         dcs[dc] = DCStats(
-            dc=dc, served=per_dc_served.get(dc, 0), slo_met=per_dc_met.get(dc, 0),
-            spilled_in=min(spilled_in.get(dc, 0), per_dc_served.get(dc, 0)), target=target,
+            dc=dc,
+            served=per_dc_served.get(dc, 0),
+            slo_met=per_dc_met.get(dc, 0),
+            spilled_in=min(spilled_in.get(dc, 0), per_dc_served.get(dc, 0)),
+            target=target,
             free_gpus=max(0, site.gpus - gpus_used.get(dc, 0)),
-            load_ceiling=site.load_ceiling, spill_in_ceiling=site.spill_in_ceiling)
+            load_ceiling=site.load_ceiling,
+            spill_in_ceiling=site.spill_in_ceiling,
+        )
     budget = topology.settings.gpu_budget if topology is not None else None
-    return PlannerInput(now_s=now_s, pools=stats, dcs=dcs, gpu_budget=budget,
-                        gpus_used=sum(gpus_used.values()))
+    return PlannerInput(
+        now_s=now_s, pools=stats, dcs=dcs, gpu_budget=budget, gpus_used=sum(gpus_used.values())
+    )
 
 
 def _site(topology: Topology | None, name: str) -> Datacenter:
@@ -321,11 +369,12 @@ def load_topology(path: str) -> Topology:
         with open(path, encoding="utf-8") as fh:
             data = yaml.safe_load(fh)
     except OSError as exc:
-        raise ConfigError(f"cannot read the topology file {path} ({exc.strerror}); "
-                          "set TOKENFLEET_TOPOLOGY to a readable YAML file or unset it") \
-            from None
+        raise ConfigError(
+            f"cannot read the topology file {path} ({exc.strerror}); "
+            "set TOKENFLEET_TOPOLOGY to a readable YAML file or unset it"
+        ) from None
     # a simulator scenario file works too: its workload/events/slo sections are ignored
     return parse_topology(data, source=path, extra_keys=("workload", "events", "slo"))
 
 
-__all__ = ["LiveFleet", "FleetTicket", "LivePool", "planner_input", "load_topology"]
+__all__ = ["LiveDCSelector", "DCTicket", "LivePool", "planner_input", "load_topology"]

@@ -1,4 +1,4 @@
-"""Benchmarks of the live path itself (``python -m tokenfleet.live.overhead``).
+"""Benchmarks of the live path itself (``python benchmarks/live_overhead.py``).
 
 1. **Overhead** of API + Celery + worker + Redis Stream over calling the
    emulator directly, at a fixed open-loop rate (default 50 req/s): every
@@ -24,14 +24,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.*, tests.support
+
+from tests.support.stack import API_KEY, InstanceSpec, LiveStack
 from tokenfleet.live.httpclient import KeepAliveClient
-from tokenfleet.live.testing import API_KEY, InstanceSpec, LiveStack
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -47,8 +50,9 @@ class _Caller(KeepAliveClient):
         super().__init__(base_url, timeout_s=30)
         self.key = key
 
-    def call(self, body: dict[str, Any], trace: dict[str, Any] | None = None
-             ) -> tuple[float, float]:
+    def call(
+        self, body: dict[str, Any], trace: dict[str, Any] | None = None
+    ) -> tuple[float, float]:
         """(seconds to first content, seconds to end) of one streamed completion;
         ``trace`` gets the request id and wall-clock send/first-token times."""
         headers = {"Content-Type": "application/json"}
@@ -58,8 +62,9 @@ class _Caller(KeepAliveClient):
         t0 = time.perf_counter()
         first = None
         try:
-            resp = self.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(),
-                                headers=headers)
+            resp = self.request(
+                "POST", "/v1/chat/completions", body=json.dumps(body).encode(), headers=headers
+            )
             if trace is not None:
                 trace["rid"] = resp.getheader("X-Request-Id") or ""
             if resp.status != 200:
@@ -69,9 +74,13 @@ class _Caller(KeepAliveClient):
                 data = resp.read1(65536)
                 if not data:
                     break
-                if first is None and b'"content": "' in data and b'"content": ""' not in data:
-                    first = time.perf_counter()
-                elif first is None and data.count(b'"content"') > 1:
+                if (
+                    first is None
+                    and b'"content": "' in data
+                    and b'"content": ""' not in data
+                    or first is None
+                    and data.count(b'"content"') > 1
+                ):
                     first = time.perf_counter()
         except Exception:
             self.drop()
@@ -106,12 +115,14 @@ def stack_pids(stack: LiveStack) -> dict[str, int]:
     return pids
 
 
-_ECHO = ("import os\n"
-         "while True:\n"
-         "    b = os.read(0, 1)\n"
-         "    if not b:\n"
-         "        break\n"
-         "    os.write(1, b)\n")
+_ECHO = (
+    "import os\n"
+    "while True:\n"
+    "    b = os.read(0, 1)\n"
+    "    if not b:\n"
+    "        break\n"
+    "    os.write(1, b)\n"
+)
 
 
 def wakeup_rtt_us(rounds: int = 2000) -> float:
@@ -123,8 +134,9 @@ def wakeup_rtt_us(rounds: int = 2000) -> float:
     import subprocess
     import sys
 
-    child = subprocess.Popen([sys.executable, "-c", _ECHO], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, bufsize=0)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _ECHO], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0
+    )
     assert child.stdin is not None and child.stdout is not None
     w, r = child.stdin.fileno(), child.stdout.fileno()
     rtts = []
@@ -158,23 +170,37 @@ class CpuMeter:
                 self.used_s[name] = t1 - t0
 
     def per_request_ms(self, requests: int) -> dict[str, float]:
-        out = {name: round(s * 1e3 / max(1, requests), 2)
-               for name, s in sorted(self.used_s.items())}
+        out = {
+            name: round(s * 1e3 / max(1, requests), 2) for name, s in sorted(self.used_s.items())
+        }
         out["stack (all but client)"] = round(
-            sum(s for n, s in self.used_s.items() if n != "client") * 1e3 / max(1, requests), 2)
+            sum(s for n, s in self.used_s.items() if n != "client") * 1e3 / max(1, requests), 2
+        )
         return out
 
 
-def overhead(stack: LiveStack, rate_rps: float = 50.0, duration_s: float = 20.0,
-             output_tokens: int = 8, traces: list[dict[str, Any]] | None = None
-             ) -> dict[str, Any]:
+def overhead(
+    stack: LiveStack,
+    rate_rps: float = 50.0,
+    duration_s: float = 20.0,
+    output_tokens: int = 8,
+    traces: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     api = _Caller(stack.url, API_KEY)
     direct = _Caller(next(iter(stack.engine_urls.values())), None)
-    body = {"model": stack.model, "stream": True, "max_tokens": output_tokens,
-            "vllm_xargs": {"output_tokens": output_tokens},
-            "stream_options": {"include_usage": True}}
-    res: dict[str, list[float]] = {"api_ttft": [], "api_e2e": [], "direct_ttft": [],
-                                   "direct_e2e": []}
+    body = {
+        "model": stack.model,
+        "stream": True,
+        "max_tokens": output_tokens,
+        "vllm_xargs": {"output_tokens": output_tokens},
+        "stream_options": {"include_usage": True},
+    }
+    res: dict[str, list[float]] = {
+        "api_ttft": [],
+        "api_e2e": [],
+        "direct_ttft": [],
+        "direct_e2e": [],
+    }
     errors: dict[str, int] = {}
     lock = threading.Lock()
 
@@ -182,8 +208,7 @@ def overhead(stack: LiveStack, rate_rps: float = 50.0, duration_s: float = 20.0,
         msg = {"role": "user", "content": f"overhead probe {i} {which}"}
         trace: dict[str, Any] | None = {} if traces is not None and which == "api" else None
         try:
-            ttft, e2e = (api if which == "api" else direct).call(dict(body, messages=[msg]),
-                                                                 trace)
+            ttft, e2e = (api if which == "api" else direct).call(dict(body, messages=[msg]), trace)
         except Exception as exc:  # noqa: BLE001
             what = f"{which}: {exc.__class__.__name__}: {str(exc)[:80]}"
             with lock:
@@ -215,8 +240,12 @@ def overhead(stack: LiveStack, rate_rps: float = 50.0, duration_s: float = 20.0,
             pool.submit(one, i, "api")
             pool.submit(one, i, "direct")
     meter.stop()
-    out: dict[str, Any] = {"rate_rps": rate_rps, "requests": n,
-                           "errors": sum(errors.values()), "error_kinds": errors}
+    out: dict[str, Any] = {
+        "rate_rps": rate_rps,
+        "requests": n,
+        "errors": sum(errors.values()),
+        "error_kinds": errors,
+    }
     for q in (50, 90, 99):
         for metric in ("ttft", "e2e"):
             a, d = _pct(res[f"api_{metric}"], q), _pct(res[f"direct_{metric}"], q)
@@ -231,19 +260,22 @@ def overhead(stack: LiveStack, rate_rps: float = 50.0, duration_s: float = 20.0,
 
 
 #: hops of the request path, in order: (name, from timestamp, to timestamp)
-HOPS = (("client -> API arrival", "sent", "arrival"),
-        ("API: arrival -> admitted", "arrival", "admitted"),
-        ("publish -> worker receives", "admitted", "received"),
-        ("worker: received -> claimed", "received", "claimed"),
-        ("worker: claimed -> engine call", "claimed", "dispatched"),
-        ("worker -> engine receives", "dispatched", "engine_received"),
-        ("engine: received -> first token", "engine_received", "engine_first"),
-        ("engine -> worker first token", "engine_first", "worker_first"),
-        ("worker -> client first token", "worker_first", "first"))
+HOPS = (
+    ("client -> API arrival", "sent", "arrival"),
+    ("API: arrival -> admitted", "arrival", "admitted"),
+    ("publish -> worker receives", "admitted", "received"),
+    ("worker: received -> claimed", "received", "claimed"),
+    ("worker: claimed -> engine call", "claimed", "dispatched"),
+    ("worker -> engine receives", "dispatched", "engine_received"),
+    ("engine: received -> first token", "engine_received", "engine_first"),
+    ("engine -> worker first token", "engine_first", "worker_first"),
+    ("worker -> client first token", "worker_first", "first"),
+)
 
 
-def breakdown(stack: LiveStack, traces: list[dict[str, Any]],
-              engine_log_dir: Path) -> dict[str, Any]:
+def breakdown(
+    stack: LiveStack, traces: list[dict[str, Any]], engine_log_dir: Path
+) -> dict[str, Any]:
     """Median and p90 of each hop (ms), joining the client's times with the
     ledger (API and worker), the request state in Redis (when the worker's
     consumer received the message and claimed it) and the engines' request
@@ -266,22 +298,38 @@ def breakdown(stack: LiveStack, traces: list[dict[str, Any]],
         if not rid or row is None or e is None:
             continue
         st = state.request_state(rid)
-        point = dict(t, arrival=ts(row["arrival_ts"]), admitted=ts(row["admitted_ts"]),
-                     received=float(st.get("received_at") or "nan"),
-                     claimed=float(st.get("claimed_at") or "nan"),
-                     dispatched=ts(row["dispatched_ts"]), engine_received=e["received"],
-                     engine_first=e["first"], worker_first=ts(row["first_token_ts"]))
+        point = dict(
+            t,
+            arrival=ts(row["arrival_ts"]),
+            admitted=ts(row["admitted_ts"]),
+            received=float(st.get("received_at") or "nan"),
+            claimed=float(st.get("claimed_at") or "nan"),
+            dispatched=ts(row["dispatched_ts"]),
+            engine_received=e["received"],
+            engine_first=e["first"],
+            worker_first=ts(row["first_token_ts"]),
+        )
         for name, a, b in HOPS:
             if point.get(a) is not None and point.get(b) is not None:
                 per_hop[name].append(point[b] - point[a])
-    return {name: {"p50_ms": round(_pct(xs, 50) * 1e3, 2), "p90_ms": round(_pct(xs, 90) * 1e3, 2),
-                   "n": len(xs)} for name, xs in per_hop.items()}
+    return {
+        name: {
+            "p50_ms": round(_pct(xs, 50) * 1e3, 2),
+            "p90_ms": round(_pct(xs, 90) * 1e3, 2),
+            "n": len(xs),
+        }
+        for name, xs in per_hop.items()
+    }
 
 
 def throughput(stack: LiveStack, clients: int = 32, duration_s: float = 10.0) -> dict[str, Any]:
     api = _Caller(stack.url, API_KEY)
-    body = {"model": stack.model, "stream": True, "max_tokens": 1,
-            "vllm_xargs": {"output_tokens": 1}}
+    body = {
+        "model": stack.model,
+        "stream": True,
+        "max_tokens": 1,
+        "vllm_xargs": {"output_tokens": 1},
+    }
     stop = time.perf_counter() + duration_s
     done = [0]
     lat: list[float] = []
@@ -306,50 +354,76 @@ def throughput(stack: LiveStack, clients: int = 32, duration_s: float = 10.0) ->
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    return {"clients": clients, "completed": done[0], "req_per_s": round(done[0] / wall, 1),
-            "e2e_p50_ms": round(_pct(lat, 50) * 1e3, 2),
-            "e2e_p99_ms": round(_pct(lat, 99) * 1e3, 2)}
+    return {
+        "clients": clients,
+        "completed": done[0],
+        "req_per_s": round(done[0] / wall, 1),
+        "e2e_p50_ms": round(_pct(lat, 50) * 1e3, 2),
+        "e2e_p99_ms": round(_pct(lat, 99) * 1e3, 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--rate", type=float, default=50.0)
     p.add_argument("--duration", type=float, default=20.0)
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--workers", type=int, default=2, help="engine instances (one worker each)")
     p.add_argument("--json", default=None)
-    p.add_argument("--breakdown", action="store_true",
-                   help="also report the median of each hop (ledger, Redis request "
-                        "state and engine request logs joined per request)")
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also report the median of each hop (ledger, Redis request "
+        "state and engine request logs joined per request)",
+    )
     p.add_argument("--no-throughput", action="store_true")
-    p.add_argument("--admission", default="slomax",
-                   help="the API's admission policy (default slomax, as `tokenfleet api`; "
-                        "'none' admits everything)")
-    p.add_argument("--broker-url", default=None,
-                   help="Celery broker (default: the embedded Redis), e.g. "
-                        "amqp://guest:guest@127.0.0.1:5672//")
-    p.add_argument("--api-linger-s", type=float, default=None,
-                   help="the API server's linger on a keep-alive connection "
-                        "(LiveConfig.api_linger_s; 0 hands connections straight back)")
+    p.add_argument(
+        "--admission",
+        default="slomax",
+        help="the API's admission policy (default slomax, as `tokenfleet api`; "
+        "'none' admits everything)",
+    )
+    p.add_argument(
+        "--broker-url",
+        default=None,
+        help="Celery broker (default: the embedded Redis), e.g. "
+        "amqp://guest:guest@127.0.0.1:5672//",
+    )
+    p.add_argument(
+        "--api-linger-s",
+        type=float,
+        default=None,
+        help="the API server's linger on a keep-alive connection "
+        "(LiveConfig.api_linger_s; 0 hands connections straight back)",
+    )
     args = p.parse_args(argv)
-    from tokenfleet.service.testing import temp_data_dir
+    from tests.support.stores import temp_data_dir
 
     report: dict[str, Any] = {}
     with temp_data_dir("tokenfleet-overhead-") as d:
-        specs = [InstanceSpec("dc-a", f"a{i}", {"time_scale": 1e-4}, slots=64)
-                 for i in range(args.workers)]
+        specs = [
+            InstanceSpec("dc-a", f"a{i}", {"time_scale": 1e-4}, slots=64)
+            for i in range(args.workers)
+        ]
         log_dir = Path(d) / "engine-requests"
         log_dir.mkdir()
-        stack = LiveStack(data_dir=d, instances=specs, with_postgres=True, time_scale=1e-4,
-                          router="round_robin",
-                          engines_in_process=False, api_in_process=False,
-                          admission=args.admission, broker_url=args.broker_url,
-                          live_overrides={} if args.api_linger_s is None
-                          else {"api_linger_s": args.api_linger_s},
-                          engine_env={"TOKENFLEET_EMULATOR_REQUEST_LOG":
-                                      str(log_dir / "{instance}.jsonl")}
-                          if args.breakdown else {})
+        stack = LiveStack(
+            data_dir=d,
+            instances=specs,
+            with_postgres=True,
+            time_scale=1e-4,
+            router="round_robin",
+            engines_in_process=False,
+            api_in_process=False,
+            admission=args.admission,
+            broker_url=args.broker_url,
+            live_overrides={} if args.api_linger_s is None else {"api_linger_s": args.api_linger_s},
+            engine_env={"TOKENFLEET_EMULATOR_REQUEST_LOG": str(log_dir / "{instance}.jsonl")}
+            if args.breakdown
+            else {},
+        )
         stack.start()
         try:
             traces: list[dict[str, Any]] | None = [] if args.breakdown else None
@@ -369,5 +443,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-
-

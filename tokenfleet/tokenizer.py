@@ -1,6 +1,11 @@
-"""Approximate tokenizer and prefix-block hashing for the engine emulator.
+"""Approximate prompt tokenizer and prefix-block hashing.
 
-The emulator has no model vocabulary, so it uses a byte tokenizer: the UTF-8
+Shared by the live path (the API sizes a prompt and hashes its prefix blocks
+once per request with :func:`tokenize_chat`; a worker publishes approximate
+KV events), tenancy's quota estimates and the engine emulator, which counts
+and caches prompts the same way.
+
+There is no model vocabulary, so this is a byte tokenizer: the UTF-8
 prompt is cut into 4-byte pieces and each piece, read as a little-endian
 uint32 (the last one NUL-padded), is one token id. Four bytes per token is
 close to the English average of BPE tokenizers (~4 characters per token), it
@@ -21,7 +26,9 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from tokenfleet.core.types import BLOCK_SIZE_TOKENS
 
@@ -61,8 +68,9 @@ def approx_num_tokens(text: str) -> int:
     return -(-len(text.encode("utf-8")) // BYTES_PER_TOKEN)
 
 
-def block_hashes(stream: bytes, block_size_tokens: int = BLOCK_SIZE_TOKENS,
-                 parent: int | None = None) -> list[int]:
+def block_hashes(
+    stream: bytes, block_size_tokens: int = BLOCK_SIZE_TOKENS, parent: int | None = None
+) -> list[int]:
     """Chained 64-bit hashes of every *full* block of the token stream."""
     step = block_size_tokens * BYTES_PER_TOKEN
     full = len(stream) // step
@@ -70,7 +78,7 @@ def block_hashes(stream: bytes, block_size_tokens: int = BLOCK_SIZE_TOKENS,
     prev = (parent or 0).to_bytes(8, "little")
     blake = hashlib.blake2b
     for j in range(full):
-        digest = blake(prev + stream[j * step:(j + 1) * step], digest_size=8).digest()
+        digest = blake(prev + stream[j * step : (j + 1) * step], digest_size=8).digest()
         out.append(int.from_bytes(digest, "little"))
         prev = digest
     return out
@@ -110,8 +118,7 @@ def message_text(content: Any, index: int = 0) -> str:
                 texts.append(part)
             else:
                 raise ValueError(
-                    f"messages[{index}].content: only text parts are supported by the "
-                    "emulator"
+                    f"messages[{index}].content: only text parts are supported by the emulator"
                 )
         return "".join(texts)
     raise ValueError(f"messages[{index}].content must be a string or a list of parts")
@@ -122,17 +129,66 @@ def prompt_block_hashes(text: str, block_size_tokens: int = BLOCK_SIZE_TOKENS) -
     return tuple(block_hashes(encode_text(text), block_size_tokens))
 
 
-def chat_block_hashes(messages: Sequence[Any],
-                      block_size_tokens: int = BLOCK_SIZE_TOKENS) -> tuple[int, ...]:
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """One chat request's prompt, tokenized once: what every step needs of it."""
+
+    text: str
+    input_tokens: int
+    block_hashes: tuple[int, ...]
+
+
+def tokenize_chat(
+    messages: Sequence[Any], block_size_tokens: int = BLOCK_SIZE_TOKENS
+) -> ChatPrompt:
+    """Render, count and hash a chat prompt in one pass (``ValueError``: bad content)."""
+    text = render_chat(messages)
+    stream = encode_text(text)
+    return ChatPrompt(
+        text, len(stream) // BYTES_PER_TOKEN, tuple(block_hashes(stream, block_size_tokens))
+    )
+
+
+def chat_block_hashes(
+    messages: Sequence[Any], block_size_tokens: int = BLOCK_SIZE_TOKENS
+) -> tuple[int, ...]:
     return prompt_block_hashes(render_chat(messages), block_size_tokens)
 
 
 # Deterministic filler for generated text: one word per output token.
 FILLER_WORDS = (
-    "the", "fleet", "routes", "tokens", "across", "many", "engines", "while",
-    "cache", "blocks", "stay", "warm", "and", "every", "request", "finds",
-    "a", "quiet", "queue", "with", "enough", "memory", "to", "decode",
-    "quickly", "under", "load", "so", "latency", "remains", "low", "today",
+    "the",
+    "fleet",
+    "routes",
+    "tokens",
+    "across",
+    "many",
+    "engines",
+    "while",
+    "cache",
+    "blocks",
+    "stay",
+    "warm",
+    "and",
+    "every",
+    "request",
+    "finds",
+    "a",
+    "quiet",
+    "queue",
+    "with",
+    "enough",
+    "memory",
+    "to",
+    "decode",
+    "quickly",
+    "under",
+    "load",
+    "so",
+    "latency",
+    "remains",
+    "low",
+    "today",
 )
 
 

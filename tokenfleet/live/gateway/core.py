@@ -1,0 +1,139 @@
+"""The live driver of one API process: :class:`Gateway`.
+
+One request, as the chat view drives it::
+
+    req = gateway.validate(body, tenant=..., tier_hint=..., slo_class=...)  # validate.py
+    d = gateway.dispatch(req)                                             # dispatch.py
+    for ev in gateway.events(d): ...                                      # watch.py
+    gateway.cancel(d)  # only if the client went away
+
+Everything that can refuse a request raises a
+:class:`~tokenfleet.live.gateway.errors.GatewayError`; ``web/`` turns it into
+an OpenAI-shaped response. The work is split by concern into the bases of
+:class:`Gateway`: :class:`LiveView` (the Redis state it keeps fresh),
+:class:`Dispatcher`, :class:`Watcher` and :class:`Feedback`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import redis
+
+from tokenfleet.core.routing import ROUTERS
+from tokenfleet.core.tiers import SLOConfig
+from tokenfleet.live.config import LiveConfig
+from tokenfleet.live.dc_select import LiveDCSelector, load_topology
+from tokenfleet.live.gateway.dispatch import Dispatcher
+from tokenfleet.live.gateway.errors import StoreUnavailable
+from tokenfleet.live.gateway.feedback import Feedback
+from tokenfleet.live.gateway.refresh import LiveView
+from tokenfleet.live.gateway.validate import ChatRequest, validate_chat
+from tokenfleet.live.gateway.watch import Watcher
+from tokenfleet.live.redis_transport import TRANSPORT_PATH, PipelinePublisher, same_database
+from tokenfleet.live.state import LiveState
+
+
+def make_admission(name: str) -> Any:
+    """The admission policy named ``name`` (None for ``"none"``). The API runs SLOMax
+    without its own adaptation: beat's control loop sets its knobs for every replica."""
+    if not name or name == "none":
+        return None
+    from tokenfleet.core.admission import ADMISSION
+
+    if name == "slomax":
+        return ADMISSION.create(name, adaptive=False)
+    return ADMISSION.create(name)
+
+
+class Gateway(LiveView, Dispatcher, Watcher, Feedback):
+    """Validate, admit, route, publish and follow the requests of one API process.
+
+    ``admission``: a policy object or its name in
+    ``tokenfleet.core.admission.ADMISSION`` (``"none"``: admit everything).
+    ``redis_url``: the live state's URL; when the broker is that same Redis
+    (server and database) with the transport of
+    :mod:`tokenfleet.live.redis_transport`, a task's LPUSH goes into the
+    request-state pipeline (one round trip per dispatch).
+    """
+
+    def __init__(
+        self,
+        *,
+        state: LiveState,
+        celery: Any,
+        live: LiveConfig,
+        slo: SLOConfig | None = None,
+        ledger: Any = None,
+        admission: Any = None,
+        redis_url: str | None = None,
+    ) -> None:
+        self.state = state
+        self.celery = celery
+        joined = (
+            redis_url is not None
+            and celery.conf.broker_transport == TRANSPORT_PATH
+            and same_database(celery.conf.broker_url, redis_url)
+        )
+        self._publisher = PipelinePublisher(celery) if joined else None
+        if isinstance(admission, str):
+            admission = make_admission(admission)
+        self.live = live
+        self.slo = slo or SLOConfig()
+        self.ledger = ledger
+        self.admission = admission
+        self.router = ROUTERS.create(live.router, seed=live.router_seed)
+        self.router_lock = threading.Lock()
+        # FleetMind first (which DC), then the router inside it; both under router_lock
+        self.dc_selector: LiveDCSelector | None = None
+        if live.fleet_policy and live.fleet_policy != "off":
+            topo = load_topology(live.topology) if live.topology else None
+            self.dc_selector = LiveDCSelector(
+                live.fleet_policy, topology=topo, slo=self.slo, entry_dc=live.entry_dc
+            )
+        self._dc_views_at = -1.0
+        self._mean_tokens: dict[str, tuple[float, float]] = {}
+        #: tenant id -> regions its record allows (set by the tenancy layer; () = any)
+        self.tenant_regions = None
+        self.metrics: Any = None  # the API's metrics (web.metrics.ApiMetrics), if any
+        self._start_view()
+
+    def validate(
+        self, body: Any, *, tenant: str, tier_hint: str = "", slo_class: str | None = None
+    ) -> ChatRequest:
+        """``body`` (parsed JSON) as a :class:`ChatRequest`, checked against the
+        models the live instances serve; its prompt is tokenized here, once."""
+        try:
+            models = self.models()
+        except redis.RedisError as exc:
+            raise StoreUnavailable(
+                f"the live state store is unavailable ({exc.__class__.__name__}); retry shortly"
+            ) from None
+        return validate_chat(
+            body,
+            tenant=tenant,
+            models=models,
+            slo=self.slo,
+            tier_hint=tier_hint,
+            slo_class=slo_class,
+        )
+
+    def health(self) -> dict[str, Any]:
+        """Redis and the instances as ``/health`` reports them (raises RedisError)."""
+        self.state.r.ping()
+        infos = self.state.instances()
+        now = time.time()
+        healthy = {i.instance_id for i in infos if i.is_healthy(now, self.live.stale_after_s)}
+        return {
+            "healthy": sorted(healthy),
+            "instances": {
+                i.instance_id: {
+                    "dc": i.dc,
+                    "healthy": i.instance_id in healthy,
+                    "age_s": round(max(0.0, i.age_s(now)), 3),
+                }
+                for i in infos
+            },
+        }

@@ -1,0 +1,460 @@
+"""Send a validated request on its way: datacenter, admission, router, pin, publish.
+
+In order: FleetMind picks the datacenter (when DC selection is on), admission
+may narrow or refuse (SLOMax), the router picks the instance, a
+``prompt_cache_key`` pin may override it, and the expected cache hit decides
+between the instance's own queue and the datacenter's pool queue (late
+binding). Then one Redis round trip writes the request state, the queue
+depth, the accounting and counters and, when the broker is this Redis, the
+Celery message itself (:class:`~tokenfleet.live.jobs.ChatJob`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import redis
+from kombu.exceptions import KombuError
+
+from tokenfleet.core.tiers import SLOConfig
+from tokenfleet.core.types import PoolSnapshot, RequestInfo, RouteDecision
+from tokenfleet.errors import NoCandidateError
+from tokenfleet.live.config import LiveConfig
+from tokenfleet.live.dc_select import DCTicket
+from tokenfleet.live.gateway.errors import (
+    AtCapacity,
+    NoCapacity,
+    RegionNotAllowed,
+    StoreUnavailable,
+)
+from tokenfleet.live.gateway.validate import ChatRequest
+from tokenfleet.live.jobs import TASK_CHAT, ChatJob, send_chat_job
+from tokenfleet.live.queues import affinity_queue, pool_queue
+from tokenfleet.live.state import InstanceInfo, LiveState
+from tokenfleet.service.writer import RequestRecord
+
+log = logging.getLogger("tokenfleet.api")
+
+#: the fleet view is re-aggregated from the instance snapshots at most this often
+DC_VIEWS_REFRESH_S = 0.1
+#: a prompt_cache_key pins its conversation to an instance this long (seconds)
+PIN_TTL_S = 600
+
+
+@dataclass(slots=True)
+class Dispatched:
+    """A request on its way, as the gateway follows it until it ends."""
+
+    request: ChatRequest
+    job: ChatJob  # the attempt last published (re-sends start from it)
+    queue: str
+    instance: str  # routed instance ('' when the router had no opinion)
+    decision: RouteDecision | None
+    dispatch_s: float
+    affinity: bool
+    attempt: int = 1
+    redispatches: int = 0
+    first_token_s: float | None = None
+    #: instance of the first token whose policy feedback has not run yet
+    first_token_due: str | None = None
+    tokens: int = 0  # completion tokens relayed so far
+    state_checked_s: float = 0.0
+    dc_ticket: DCTicket | None = None  # the DC choice's accounting, settled at the end
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def ledger_record(info: RequestInfo, status: str, **columns: Any) -> RequestRecord:
+    """The ledger row of a request the API settles itself (rejected, timed out, ...)."""
+    base: dict[str, Any] = {
+        "request_id": info.request_id,
+        "tenant_id": info.tenant,
+        "tier": info.tier,
+        "model": info.model,
+        "status": status,
+        "arrival_ts": info.arrival_s,
+        "prompt_tokens": info.input_tokens,
+    }
+    base.update(columns)
+    return RequestRecord(**base)
+
+
+class Dispatcher:
+    """Part of :class:`~tokenfleet.live.gateway.Gateway`: admission, routing, publishing."""
+
+    state: LiveState
+    celery: Any
+    live: LiveConfig
+    slo: SLOConfig
+    ledger: Any
+    admission: Any
+    router: Any
+    router_lock: threading.Lock
+    dc_selector: Any
+    index: Any
+    index_lock: threading.Lock
+    accounting: Any
+    metrics: Any
+    tenant_regions: Callable[[str], Sequence[str]] | None
+    _publisher: Any
+    _dc_views_at: float
+    _depths: dict[str, int]
+    _depths_at: float
+    _mean_tokens: dict[str, tuple[float, float]]
+
+    if TYPE_CHECKING:  # from LiveView
+
+        def instances(self, max_age_s: float = ...) -> list[InstanceInfo]: ...
+        def _refresh_admission_knobs(self, max_age_s: float = ...) -> None: ...
+        def _refresh_depths(self) -> None: ...
+        def _refresh_fleet_plan(self, max_age_s: float = ...) -> None: ...
+
+    def dispatch(self, req: ChatRequest) -> Dispatched:
+        """Route and publish ``req``; raises a :class:`GatewayError` when it cannot."""
+        info = req.info
+        now = time.time()
+        try:
+            views = self.state.instance_views(
+                now, self.live.stale_after_s, self.instances(), self.accounting.get
+            )
+            views, dc_choice, allowed_dcs = self._pick_dc(req, views, now)
+            allowed = self._admit(req, views, now)
+            if allowed is not None:
+                views = [v for v in views if v.instance_id in allowed] or views
+            for i, v in enumerate(views):
+                v.index = i
+            decision = self._route(req, views, now)
+            target = next(v for v in views if v.instance_id == decision.instance_id)
+            target, sticky = self._sticky(req, views, target)
+            cached = (
+                decision.expected_cached_tokens if target.instance_id == decision.instance_id else 0
+            )
+            with self.index_lock:
+                cached = max(
+                    cached, self.index.match_instance(target.instance_id, info.block_hashes) * 16
+                )
+            cached = min(cached, info.input_tokens)
+            affinity = sticky or self._valuable(info, cached)
+            if affinity:
+                queue = affinity_queue(target.dc, target.instance_id, info.tier)
+            else:
+                queue = pool_queue(target.dc, info.tier)
+            admitted = time.time()
+            log.debug(
+                "route %s: %s -> %s (expected cached %d, %s)",
+                info.request_id,
+                decision.instance_id,
+                queue,
+                cached,
+                decision.reason,
+            )
+            job = ChatJob(
+                request_id=info.request_id,
+                attempt=1,
+                tenant=info.tenant,
+                tier=info.tier,
+                model=info.model,
+                body=req.body,
+                input_tokens=info.input_tokens,
+                max_tokens=info.max_tokens,
+                arrival_ts=info.arrival_s,
+                queue=queue,
+                admitted_ts=admitted,
+                accounted=target.instance_id if affinity else "",
+                dc=target.dc,
+                expected_cached=cached,
+                allowed_dcs=allowed_dcs,
+                deadline_ts=req.deadline_s,
+            )
+            # request state, queue depth, accounting, counters and (when the broker
+            # is this Redis) the task itself: one round trip, the state first, so a
+            # worker never takes a task whose state is missing (the id is a fresh
+            # uuid, so no existence check is needed)
+            try:
+                self._dispatch_writes(req, job, target, affinity, cached, dc_choice)
+            except KombuError as exc:
+                raise StoreUnavailable(
+                    f"the message broker is unavailable ({exc.__class__.__name__}); retry shortly"
+                ) from None
+            self._ledger(
+                ledger_record(info, "in_flight", admitted_ts=admitted, dc=target.dc, attempts=1)
+            )
+        except redis.RedisError as exc:
+            raise StoreUnavailable(
+                f"the live state store is unavailable ({exc.__class__.__name__}); retry shortly"
+            ) from None
+        self._published(info)
+        ticket = None
+        if dc_choice is not None and self.dc_selector is not None:
+            with self.router_lock:
+                try:
+                    ticket = self.dc_selector.dispatched(info, dc_choice[0])
+                except NoCandidateError:  # the pool vanished between choice and send
+                    ticket = None
+        # the router's choice: a pin elsewhere is corrected like late binding, at
+        # the first token (feedback: rebind)
+        return Dispatched(
+            request=req,
+            job=job,
+            queue=queue,
+            instance=decision.instance_id,
+            decision=decision,
+            dispatch_s=admitted,
+            affinity=affinity,
+            dc_ticket=ticket,
+        )
+
+    # -- admission ----------------------------------------------------------------------
+    def _admit(self, req: ChatRequest, views: list[Any], now: float) -> tuple[str, ...] | None:
+        """Admission policy at arrival: None = anywhere, else allowed instance ids."""
+        if self.admission is None:
+            return None
+        from tokenfleet.core.admission import (
+            ADMIT,
+            REJECT,
+            AdmissionSnapshot,
+            InstanceLoad,
+        )
+
+        self._refresh_admission_knobs()
+        loads = []
+        infos = {i.instance_id: i for i in self.instances()}
+        for v in views:
+            if not v.ready:
+                continue
+            load = InstanceLoad(view=v)
+            rbt = infos[v.instance_id].running_by_tier if v.instance_id in infos else {}
+            for tier, n in rbt.items():
+                load.tier(tier).inflight = n
+                load.tier(tier).reserved_kv_tokens = 0
+            loads.append(load)
+        dcs = {v.dc for v in views}
+        snap = AdmissionSnapshot(
+            now_s=now, instances=loads, queues=self._broker_queues(dcs, req.info)
+        )
+        with self.router_lock:
+            decision = self.admission.on_arrival(req.info, snap)
+        if decision.action == REJECT:
+            self._reject(
+                req, decision.reason, decision.retry_after_s, dcs.pop() if len(dcs) == 1 else None
+            )
+        if decision.action == ADMIT and decision.instance_ids:
+            return tuple(decision.instance_ids)
+        return None
+
+    def _broker_queues(self, dcs: set[str], info: RequestInfo) -> dict[str, Any]:
+        """What waits in the chosen DC's broker queues, per tier, as admission totals.
+
+        Counts come from the per-queue depth counters in Redis (the API adds
+        at publish, the worker that takes a task subtracts); prompt tokens are
+        the count times the mean prompt this API published to that tier (this
+        request's own size until it has published any).
+        """
+        from tokenfleet.core.admission import QueueTotals
+        from tokenfleet.live.gateway.refresh import QUEUE_DEPTHS_MAX_AGE_S
+
+        if time.monotonic() - self._depths_at > QUEUE_DEPTHS_MAX_AGE_S:
+            try:
+                self._refresh_depths()
+            except redis.RedisError:
+                self._depths, self._depths_at = {}, time.monotonic()
+        n_by_tier: dict[str, int] = {}
+        for queue, n in self._depths.items():
+            parts = queue.split(".")
+            if n > 0 and len(parts) in (2, 3) and parts[0] in dcs:
+                n_by_tier[parts[-1]] = n_by_tier.get(parts[-1], 0) + n
+        out = {}
+        for tier, n in n_by_tier.items():
+            mean_in, mean_out = self._mean_tokens.get(
+                tier, (float(info.input_tokens), float(info.max_tokens))
+            )
+            out[tier] = QueueTotals(tier, n, int(n * mean_in), int(n * (mean_in + mean_out)))
+        return out
+
+    def _published(self, info: RequestInfo) -> None:
+        """Running mean prompt and budget of what this API published, per tier."""
+        mean_in, mean_out = self._mean_tokens.get(
+            info.tier, (float(info.input_tokens), float(info.max_tokens))
+        )
+        a = 0.05
+        self._mean_tokens[info.tier] = (
+            mean_in + a * (info.input_tokens - mean_in),
+            mean_out + a * (info.max_tokens - mean_out),
+        )
+
+    def _reject(
+        self, req: ChatRequest, reason: str, retry_after_s: float | None, dc: str | None = None
+    ) -> None:
+        info = req.info
+        self._ledger(
+            ledger_record(info, "rejected", dc=dc, finished_ts=time.time(), error=reason[:500])
+        )
+        try:
+            self.state.count(**{f"rejected_{info.tier}": 1})
+        except redis.RedisError:
+            pass
+        if self.metrics is not None:
+            self.metrics.finished(info.tier, "rejected")
+        raise AtCapacity(
+            f"TokenFleet is at capacity for {info.tier} requests ({reason}); "
+            "retry after the indicated delay",
+            retry_after_s=retry_after_s if retry_after_s is not None else 1.0,
+        )
+
+    # -- datacenter choice (FleetMind) ------------------------------------------------------
+    def _tenant(self, tenant_id: str) -> Any:
+        assert self.dc_selector is not None
+        regions: Sequence[str] = ()
+        if self.tenant_regions is not None:
+            try:
+                regions = self.tenant_regions(tenant_id)
+            except Exception:  # noqa: BLE001 - tenancy store down: topology rules only
+                log.warning(
+                    "tenant %s: allowed regions unavailable; using the topology's", tenant_id
+                )
+        return self.dc_selector.tenant(tenant_id, regions)
+
+    def _pick_dc(
+        self, req: ChatRequest, views: list[Any], now: float
+    ) -> tuple[list[Any], tuple[Any, str | None] | None, tuple[str, ...]]:
+        """FleetMind picks the datacenter; the router then sees only its instances.
+
+        Returns the chosen DC's views, (decision, home) for the accounting and
+        the datacenters the tenant may be served in (``()``: any), or all views,
+        None and ``()`` when DC selection is off.
+        """
+        if self.dc_selector is None:
+            return views, None, ()
+        info = req.info
+        self._refresh_fleet_plan()
+        tenant = self._tenant(info.tenant)
+        with self.router_lock:
+            if now - self._dc_views_at >= DC_VIEWS_REFRESH_S or now < self._dc_views_at:
+                self.dc_selector.refresh(views, now)
+                self._dc_views_at = now
+            self.dc_selector.snap.now_s = now
+            why = ""
+            try:
+                decision, home = self.dc_selector.select(info, tenant)
+                ok = self.dc_selector.compliant_dcs(info, tenant)
+                allowed_dcs = () if len(ok) >= len(self.dc_selector.views) else tuple(sorted(ok))
+            except NoCandidateError as exc:
+                why = str(exc)
+                permitted = self.dc_selector.permitted_anywhere(info, tenant)
+        if why:
+            if not permitted:
+                raise RegionNotAllowed(
+                    f"tenant '{info.tenant}' may not use any datacenter that serves "
+                    f"`{info.model}` (its allowed regions or sites exclude them); ask the "
+                    "operator to widen the tenant's allowed regions",
+                    param="model",
+                )
+            raise NoCapacity(f"no datacenter can serve this request now ({why})")
+        if self.metrics is not None:
+            self.metrics.dc_decision(decision.dc, decision.reason)
+        chosen = [v for v in views if v.dc == decision.dc]
+        return chosen, (decision, home), allowed_dcs
+
+    # -- instance choice ----------------------------------------------------------------
+    def _route(self, req: ChatRequest, views: list[Any], now: float) -> RouteDecision:
+        try:
+            with self.router_lock:
+                decision: RouteDecision = self.router.route(
+                    req.info, PoolSnapshot(now_s=now, instances=views)
+                )
+                return decision
+        except NoCandidateError as exc:
+            raise NoCapacity(
+                f"no healthy engine instance can take this request now ({exc})"
+            ) from None
+
+    def _valuable(self, info: RequestInfo, cached_tokens: int) -> bool:
+        """A cache hit worth waiting for that instance (else: late binding)."""
+        return (
+            cached_tokens >= self.live.affinity_min_cached_tokens
+            and cached_tokens >= self.live.affinity_min_cached_fraction * info.input_tokens
+        )
+
+    def _sticky(self, req: ChatRequest, views: list[Any], target: Any) -> tuple[Any, bool]:
+        """``prompt_cache_key``: the client's own affinity hint. The first request
+        with a key pins it to the routed instance for ten minutes; later ones
+        go to that instance's own queue while it is healthy. Returns (the
+        instance to send to, whether to its own queue); a pinned instance the
+        DC choice or admission left out keeps its pin, and this request goes
+        where the router sent it, through the pool."""
+        key = req.info.prompt_cache_key
+        if not key:
+            return target, False
+        pinned_id = self.state.pin(req.info.tenant, key)
+        now = time.time()
+        if pinned_id is not None:
+            for i in self.instances():
+                if i.instance_id == pinned_id and i.is_healthy(now, self.live.stale_after_s):
+                    self.state.renew_pin(req.info.tenant, key, PIN_TTL_S)
+                    there = next((v for v in views if v.instance_id == pinned_id), None)
+                    return (there, True) if there is not None else (target, False)
+        self.state.set_pin(req.info.tenant, key, target.instance_id, PIN_TTL_S)
+        return target, True
+
+    # -- publishing -----------------------------------------------------------------------
+    def _dispatch_writes(
+        self,
+        req: ChatRequest,
+        job: ChatJob,
+        target: Any,
+        affinity: bool,
+        cached: int,
+        dc_choice: tuple[Any, str | None] | None,
+    ) -> None:
+        info = req.info
+        joined = self._publisher
+        booked: dict[str, int] = {}
+        with self.state.batch() as b:
+            b.create_request(
+                info.request_id,
+                job.queue,
+                self.live.request_state_ttl_s,
+                tier=info.tier,
+                instance=target.instance_id,
+            )
+            b.queued(job.queue, 1)
+            if affinity:
+                booked = b.account(target.instance_id, "on_dispatch", info, cached)
+            b.count(
+                **{f"arrived_{info.tier}": 1, f"dispatched_{'affinity' if affinity else 'pool'}": 1}
+            )
+            if dc_choice is not None and dc_choice[1] not in (None, target.dc):
+                # beat's planner needs each DC's spilled-in share (rollback rule)
+                b.count(**{f"spilled_in:{target.dc}": 1})
+            if joined is not None:
+                # a KombuError here leaves the batch unsent: nothing to undo
+                joined.publish(
+                    b.pipe, TASK_CHAT, [job.to_message()], job.task_id, job.queue, job.headers()
+                )
+        if booked:  # the pool's dispatches are booked by the worker that claims them
+            self.accounting.wrote(target.instance_id, booked)
+        if joined is not None:
+            return
+        try:
+            send_chat_job(self.celery.send_task, job)
+        except KombuError:
+            self.state.finish(info.request_id, "failed")
+            self.state.queued_incr(job.queue, -1)
+            raise
+
+    def _publish(self, job: ChatJob) -> None:
+        """Publish a re-send (its queue depth first)."""
+        self.state.queued_incr(job.queue)
+        send_chat_job(self.celery.send_task, job)
+
+    def _ledger(self, row: RequestRecord) -> None:
+        if self.ledger is None:
+            return
+        try:
+            self.ledger.record(row)
+        except Exception:
+            log.exception("ledger row not recorded")

@@ -1,0 +1,193 @@
+"""The gateway's copy of the live state, kept fresh off the request path.
+
+Two background threads per API process: one tails the KV event stream (fed by
+every worker) into the router and the local prefix index, so every API replica
+sees the same cache knowledge; the other re-reads the registered instances,
+the shared dispatch accounting, the broker queue depths, beat's admission
+knobs and FleetMind's spill shares at the periods below. The request path
+reads these copies and falls back to an inline read, at twice the age, when
+the thread lags or Redis was down.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import redis
+
+from tokenfleet.core.prefix_index import PrefixIndex
+from tokenfleet.core.types import KVEvent
+from tokenfleet.live.accounting import AccountingView
+from tokenfleet.live.config import LiveConfig
+from tokenfleet.live.state import InstanceInfo, LiveState
+
+log = logging.getLogger("tokenfleet.api")
+
+#: how often the registered instances are re-read from Redis
+INSTANCES_REFRESH_S = 0.1
+#: admission reads the broker queue depths from Redis at most this often
+QUEUE_DEPTHS_MAX_AGE_S = 0.05
+#: beat's admission knobs and FleetMind spill shares are re-read this often
+KNOBS_REFRESH_S = 1.0
+#: every instance's dispatch accounting is re-read this often (AccountingView)
+ACCOUNTING_REFRESH_S = 0.02
+
+
+class LiveView:
+    """Part of :class:`~tokenfleet.live.gateway.Gateway`: what it reads from Redis."""
+
+    state: LiveState
+    live: LiveConfig
+    router: Any
+    router_lock: threading.Lock
+    admission: Any
+    dc_selector: Any
+
+    def _start_view(self) -> None:
+        self.index = PrefixIndex(stride_blocks=1)
+        self.index_lock = threading.Lock()
+        self._infos: list[InstanceInfo] = []
+        self._infos_at = 0.0
+        self._infos_lock = threading.Lock()
+        self._knobs_at = 0.0
+        self._plan_at = 0.0
+        self._depths: dict[str, int] = {}
+        self._depths_at = -1.0
+        self.accounting = AccountingView(self.state.accounting, ACCOUNTING_REFRESH_S)
+        self._stop = threading.Event()
+        self._kv_thread = threading.Thread(target=self._kv_loop, name="kv-index", daemon=True)
+        self._kv_thread.start()
+        self._refresh_thread = threading.Thread(
+            target=self._refresh_loop, name="refresh", daemon=True
+        )
+        self._refresh_thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._kv_thread.join(timeout=2.0)
+        self._refresh_thread.join(timeout=2.0)
+
+    # -- shared prefix index ----------------------------------------------------------
+    def _kv_loop(self) -> None:
+        """Tail the KV event stream (fed by every worker) into the router and
+        the local index, so every API replica sees the same cache knowledge."""
+        last = "0-0"
+        while not self._stop.is_set():
+            try:
+                last, events = self.state.read_kv_events(last, block_ms=500)
+            except (redis.ConnectionError, redis.TimeoutError):
+                self._stop.wait(0.5)
+                continue
+            except Exception:
+                log.exception("KV event stream read failed")
+                self._stop.wait(1.0)
+                continue
+            if events:
+                self.apply_kv_events(events)
+
+    def apply_kv_events(self, events: list[KVEvent]) -> None:
+        with self.index_lock:
+            for ev in events:
+                if ev.kind == "stored":
+                    self.index.insert(ev.instance_id, ev.block_hashes)
+                elif ev.kind == "removed":
+                    self.index.remove(ev.instance_id, ev.block_hashes)
+                else:
+                    self.index.clear(ev.instance_id)
+        with self.router_lock:
+            for ev in events:
+                self.router.on_kv_event(ev)
+
+    # -- live topology ----------------------------------------------------------------
+    def instances(self, max_age_s: float = 2 * INSTANCES_REFRESH_S) -> list[InstanceInfo]:
+        """Registered instances, as of at most ``max_age_s`` ago (the refresh
+        thread keeps them fresh; reading here is the fallback when it lags)."""
+        now = time.monotonic()
+        with self._infos_lock:
+            if now - self._infos_at <= max_age_s:
+                return self._infos
+        return self._refresh_instances()
+
+    def _refresh_instances(self) -> list[InstanceInfo]:
+        now = time.monotonic()
+        infos = self.state.instances()
+        with self._infos_lock:
+            if now >= self._infos_at:
+                self._infos, self._infos_at = infos, now
+        return infos
+
+    def _refresh_loop(self) -> None:
+        """Keep what routing and admission read from Redis fresh, off the request
+        path: each of these reads is a round trip a request would otherwise pay
+        whenever its copy aged out (the dispatch accounting: on every request).
+        The request path still reads inline, at twice the age, if this thread
+        falls behind or Redis was down."""
+        due = {"instances": 0.0, "accounting": 0.0, "depths": 0.0, "knobs": 0.0}
+        while not self._stop.wait(0.01):  # finer than every period below
+            now = time.monotonic()
+            try:
+                if now >= due["instances"]:
+                    due["instances"] = now + INSTANCES_REFRESH_S
+                    self._refresh_instances()
+                if now >= due["accounting"]:
+                    due["accounting"] = now + ACCOUNTING_REFRESH_S
+                    self.accounting.refresh_if_used([i.instance_id for i in self.instances()])
+                if self.admission is not None and now >= due["depths"]:
+                    due["depths"] = now + QUEUE_DEPTHS_MAX_AGE_S / 2
+                    self._refresh_depths()
+                if now >= due["knobs"]:
+                    due["knobs"] = now + KNOBS_REFRESH_S / 2
+                    self._refresh_admission_knobs(max_age_s=0.0)
+                    self._refresh_fleet_plan(max_age_s=0.0)
+            except redis.RedisError:
+                continue  # requests see the outage themselves
+            except Exception:
+                log.exception("live-state refresh failed")
+
+    def live_instances(self) -> list[InstanceInfo]:
+        now = time.time()
+        return [i for i in self.instances() if i.is_live(now, self.live.stale_after_s)]
+
+    def models(self) -> dict[str, int]:
+        """Served model -> largest context length among live instances."""
+        out: dict[str, int] = {}
+        for i in self.live_instances():
+            out[i.model] = max(out.get(i.model, 0), i.max_model_len_tokens)
+        return out
+
+    # -- policy knobs written by beat ---------------------------------------------------
+    def _refresh_admission_knobs(self, max_age_s: float = KNOBS_REFRESH_S) -> None:
+        if self.admission is None:
+            return
+        now = time.monotonic()
+        if now - self._knobs_at < max_age_s:
+            return
+        self._knobs_at = now
+        try:
+            thr = self.state.thresholds()
+        except redis.RedisError:
+            return
+        for knob in ("batch_share", "long_share", "reject_factor"):
+            v = thr.get(knob)
+            if v is not None and hasattr(self.admission, knob):
+                setattr(self.admission, knob, v)
+
+    def _refresh_depths(self) -> None:
+        now = time.monotonic()
+        depths = self.state.queued()
+        self._depths, self._depths_at = depths, now
+
+    def _refresh_fleet_plan(self, max_age_s: float = KNOBS_REFRESH_S) -> None:
+        """The long cycle's spill shares (beat writes them to Redis)."""
+        now = time.monotonic()
+        if self.dc_selector is None or now - self._plan_at < max_age_s:
+            return
+        self._plan_at = now
+        try:
+            shares = self.state.spill_shares()
+        except redis.RedisError:
+            return
+        self.dc_selector.spill_share = shares

@@ -1,0 +1,247 @@
+"""Follow a dispatched request to its end: relay events, lost workers, timeouts.
+
+:meth:`Watcher.events` yields the request's relay events (tokens, end, error)
+from its Redis Stream. While it waits it checks, at most twice a lease period,
+that the request is still being served: a worker that died before the first
+token gets its request re-sent elsewhere (:mod:`tokenfleet.live.resend`, the
+same rule the workers use), one that died after it ends the stream with an
+error event, and a request queued for an instance that went away is re-sent
+to a live one. The request timeout and a client that went away settle it here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import redis
+from kombu.exceptions import KombuError
+
+from tokenfleet.live.config import LiveConfig
+from tokenfleet.live.gateway.dispatch import Dispatched, ledger_record
+from tokenfleet.live.jobs import ChatJob
+from tokenfleet.live.relay import RelayEvent, RelayReader
+from tokenfleet.live.resend import pick_resend_target
+from tokenfleet.live.state import InstanceInfo, LiveState
+from tokenfleet.service.writer import RequestRecord
+
+log = logging.getLogger("tokenfleet.api")
+
+
+class Watcher:
+    """Part of :class:`~tokenfleet.live.gateway.Gateway`: waiting for the answer."""
+
+    state: LiveState
+    live: LiveConfig
+    index: Any
+    index_lock: threading.Lock
+    metrics: Any
+
+    if TYPE_CHECKING:  # from LiveView, Dispatcher and Feedback
+
+        def instances(self, max_age_s: float = ...) -> list[InstanceInfo]: ...
+        def _publish(self, job: ChatJob) -> None: ...
+        def _ledger(self, row: RequestRecord) -> None: ...
+        def first_token_feedback(self, d: Dispatched) -> None: ...
+        def _settle_dc_choice(self, d: Dispatched, status: str) -> None: ...
+        def _on_complete(self, d: Dispatched, ev: RelayEvent) -> None: ...
+
+    def events(self, d: Dispatched) -> Iterator[RelayEvent]:
+        """Relay events of one request, with the lost-worker and timeout checks."""
+        reader = RelayReader(self.state, d.request.info.request_id, block_ms=250)
+        deadline = d.request.info.arrival_s + self.live.request_timeout_s
+        redis_down_since: list[float] = []
+
+        def on_idle() -> RelayEvent | None:
+            now = time.time()
+            if now > deadline:
+                return self._settle(
+                    d,
+                    "timed_out",
+                    504,
+                    f"request not finished within {self.live.request_timeout_s:.0f}s",
+                )
+            # the lost-worker check costs two Redis reads: at most twice a lease period
+            if now - d.state_checked_s < min(1.0, self.live.lease_ttl_s / 2):
+                return None
+            d.state_checked_s = now
+            try:
+                ev = self._watch(d, now)
+                redis_down_since.clear()
+                return ev
+            except (redis.ConnectionError, redis.TimeoutError):
+                if not redis_down_since:
+                    redis_down_since.append(now)
+                if now - redis_down_since[0] > max(5.0, 3 * self.live.lease_ttl_s):
+                    return RelayEvent(
+                        "err",
+                        message="lost contact with the live state store "
+                        "while waiting for this request; retry it",
+                        code=503,
+                        error_type="server_error",
+                    )
+                return None
+
+        for ev in reader.events(on_idle):
+            if ev.kind == "d" and d.first_token_s is None:
+                d.first_token_s = time.time()
+                d.first_token_due = ev.instance or d.instance
+            if ev.kind == "d":
+                d.tokens += ev.tokens
+            elif ev.kind == "retry":
+                d.attempt = max(d.attempt, ev.attempt)
+            elif ev.kind == "end":
+                self._on_complete(d, ev)
+            elif ev.kind == "err":
+                self._settle_dc_choice(d, "failed")
+            yield ev
+            # the policies learn from the first token once the caller has sent it
+            # on (it asks for the next event after writing the chunk)
+            self.first_token_feedback(d)
+
+    def _watch(self, d: Dispatched, now: float) -> RelayEvent | None:
+        """Detect a lost worker or a request stranded in a dead instance's queue."""
+        st = self.state.request_state(d.request.info.request_id)
+        status = st.get("status")
+        attempt = int(st.get("attempt", "1") or 1)
+        d.attempt = max(d.attempt, attempt)
+        if status == "running" and not self.state.lease_alive(d.request.info.request_id):
+            st = self.state.request_state(d.request.info.request_id)
+            if st.get("status") != "running":
+                return None
+            lost = st.get("instance", "")
+            if st.get("first_token") == "1":
+                return self._settle(
+                    d,
+                    "failed",
+                    502,
+                    "the worker serving this request was "
+                    "lost after streaming began; retry the request",
+                )
+            return self._resend(d, attempt, {lost}, f"worker of {lost} lost")
+        if status == "queued":
+            queue = st.get("queue", d.queue)
+            queued_at = float(st.get("queued_at", "0") or 0)
+            if now - queued_at < self.live.affinity_dead_after_s:
+                return None
+            if not self._queue_served(queue, now):
+                return self._resend(d, attempt, set(), f"no live worker consumes {queue}")
+        if status == "done" and st.get("final") in ("failed", "timed_out", "cancelled"):
+            # settled by someone who could not write to the stream (e.g. lost worker)
+            return RelayEvent(
+                "err", message=f"request {st.get('final')}", code=502, error_type="server_error"
+            )
+        return None
+
+    def _queue_served(self, queue: str, now: float) -> bool:
+        parts = queue.split(".")
+        for i in self.instances(max_age_s=0.5):
+            if not i.is_healthy(now, self.live.stale_after_s):
+                continue
+            if len(parts) == 3 and i.instance_id == parts[1] and i.dc == parts[0]:
+                return True
+            if len(parts) == 2 and i.dc == parts[0]:
+                return True
+        return False
+
+    def _resend(
+        self, d: Dispatched, attempt: int, exclude: set[str], why: str
+    ) -> RelayEvent | None:
+        """Publish the next attempt by the shared re-send rule (:mod:`tokenfleet.live.resend`)."""
+        info = d.request.info
+        now = time.time()
+        tried = set(d.job.tried) | exclude
+        views = self.state.instance_views(
+            now, self.live.stale_after_s, self.instances(max_age_s=0.0)
+        )
+        target = pick_resend_target(views, d.job, tried)
+        if target is None:
+            if attempt >= self.live.max_attempts:
+                return self._settle(d, "failed", 503, f"{why}; no other instance available")
+            return None  # wait for one to come back (or the request timeout)
+        new_attempt = self.state.redispatch(
+            info.request_id, attempt, self.live.max_attempts, target.queue
+        )
+        if new_attempt == -5:
+            return self._settle(d, "failed", 502, f"{why}; out of attempts")
+        if new_attempt < 0:
+            return None  # raced with a worker or another check: look again next tick
+        with self.index_lock:
+            cached = self.index.match_instance(target.instance_id, info.block_hashes) * 16
+        job = d.job.next_attempt(
+            new_attempt, target.queue, tried=tried, expected_cached=min(cached, info.input_tokens)
+        )
+        try:
+            self._publish(job)
+        except KombuError:
+            log.warning(
+                "request %s: broker unavailable for the re-send; the next check retries",
+                info.request_id,
+            )
+            self.state.set_request_status(info.request_id, "running")
+            return None
+        d.job = job
+        d.attempt = new_attempt
+        d.redispatches += 1
+        self.state.count(api_redispatches=1)
+        log.warning(
+            "request %s re-sent as attempt %d to %s: %s",
+            info.request_id,
+            new_attempt,
+            target.queue,
+            why,
+        )
+        return None
+
+    def _settle(self, d: Dispatched, status: str, code: int, message: str) -> RelayEvent | None:
+        info = d.request.info
+        won, _final = self.state.finish(info.request_id, status)
+        if not won:
+            return None  # the worker settled it first; its events are on the way
+        self.state.cancel(info.request_id)
+        self._ledger(
+            ledger_record(
+                info,
+                status,
+                finished_ts=time.time(),
+                first_token_ts=d.first_token_s,
+                instance=d.instance or None,
+                completion_tokens=d.tokens,
+                attempts=d.attempt,
+                error=message[:500],
+            )
+        )
+        if self.metrics is not None:
+            self.metrics.finished(info.tier, status)
+        self._settle_dc_choice(d, status)
+        return RelayEvent(
+            "err",
+            message=message,
+            code=code,
+            error_type="timeout" if code == 504 else "server_error",
+        )
+
+    def cancel(self, d: Dispatched) -> None:
+        """The client went away: stop the engine work and settle as cancelled."""
+        info = d.request.info
+        try:
+            self.state.cancel(info.request_id)
+            won, _ = self.state.finish(info.request_id, "cancelled")
+        except redis.RedisError:
+            return
+        if won:
+            self._ledger(
+                ledger_record(
+                    info,
+                    "cancelled",
+                    finished_ts=time.time(),
+                    first_token_ts=d.first_token_s,
+                    completion_tokens=d.tokens,
+                )
+            )
+            if self.metrics is not None:
+                self.metrics.finished(info.tier, "cancelled")
+        self._settle_dc_choice(d, "cancelled")
