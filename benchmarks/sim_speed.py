@@ -17,6 +17,7 @@ from tokenfleet.core.routing import ROUTERS
 from tokenfleet.core.tiers import SLOConfig
 from tokenfleet.engine.profiles import get_profile
 from tokenfleet.sim.cluster import PoolConfig, run_pool
+from tokenfleet.sim.runner import engines_publish_kv_events
 from tokenfleet.workloads.loader import load_workload
 from tokenfleet.workloads.scaling import scale_to_load
 
@@ -41,16 +42,21 @@ def main() -> int:
     load_s = time.perf_counter() - t0
     reqs = scale_to_load(reqs, args.load, profile, args.instances)
     print(f"trace: {len(reqs)} requests, loaded in {load_s:.2f} s")
-    print(f"{'policy':<20} {'wall_s':>8} {'sim_req_per_wall_s':>20} {'engine_steps':>12}")
+    print(
+        f"{'policy':<20} {'kv_events':>9} {'wall_s':>8} {'sim_req_per_wall_s':>20} "
+        f"{'engine_steps':>12}"
+    )
     for name in args.policy or ROUTERS.names():
         if name.startswith("_"):
             continue
-        cfg = PoolConfig(profile=profile, n_instances=args.instances, router=name)
+        # each peer as it ships (engine KV events for dynamo_kv), as `tokenfleet sim` runs it
+        events = engines_publish_kv_events(name)
+        cfg = PoolConfig(profile=profile, n_instances=args.instances, router=name, kv_events=events)
         t0 = time.perf_counter()
         records, pool = run_pool(reqs, cfg, SLOConfig())
         wall = time.perf_counter() - t0
         print(
-            f"{name:<20} {wall:>8.2f} {len(records) / wall:>20.0f} "
+            f"{name:<20} {'on' if events else 'off':>9} {wall:>8.2f} {len(records) / wall:>20.0f} "
             f"{sum(e.counters.steps for e in pool.engines):>12}",
             flush=True,
         )
