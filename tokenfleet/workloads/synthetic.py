@@ -125,6 +125,59 @@ def _sessions(
 
 
 # ---------------------------------------------------------------------------
+def _conversation(
+    rng: np.random.Generator,
+    tag: str,
+    message_label: str,
+    seed: int,
+    s: int,
+    start_s: float,
+    system: Segment,
+    mean_turns: float,
+    budget: int,
+    max_context_tokens: int,
+    tenant: str,
+    *,
+    message: Callable[[], int],
+    output: Callable[[], int],
+    gap: Callable[[int], float],
+) -> list[_Draft]:
+    """One session: turn k's prompt is the system prompt + every earlier
+    (message, answer) pair + message k, and each draft carries its answer so
+    the engine caches it for the next turn. Turns are geometric (mean
+    ``mean_turns``); the session ends before a prompt plus the output budget
+    would pass ``max_context_tokens``; ``gap(answer tokens)`` spaces the turns."""
+    turns = int(rng.geometric(1.0 / mean_turns))
+    segs: list[Segment] = [system]
+    used = system[1]
+    t = start_s
+    out: list[_Draft] = []
+    for k in range(turns):
+        msg = message()
+        true_out = output()
+        if used + msg + budget > max_context_tokens:
+            break
+        segs.append((content_id(f"{tag}-{message_label}", seed, s, k), msg))
+        used += msg
+        answer = engine_output_tokens(true_out, budget)
+        answer_seg = (content_id(f"{tag}-answer", seed, s, k), answer)
+        out.append(
+            _Draft(
+                t,
+                f"{tag}-{s}-{k}",
+                tuple(segs),
+                true_out,
+                tenant,
+                session=f"{tag}-{seed}-{s}",
+                answer=answer_seg,
+            )
+        )
+        segs.append(answer_seg)
+        used += answer
+        t += gap(answer)
+    return out
+
+
 @SYNTHETIC.register("chat")
 def chat(
     n_requests: int,
@@ -163,35 +216,22 @@ def chat(
 
     def session(s: int, start_s: float) -> list[_Draft]:
         k_sys = int(rng.choice(n_system_prompts, p=weights))
-        turns = int(rng.geometric(1.0 / mean_turns))
-        segs: list[Segment] = [(sys_ids[k_sys], sys_lens[k_sys])]
-        used = sys_lens[k_sys]
-        t = start_s
-        out: list[_Draft] = []
-        for k in range(turns):
-            user = _lognormal_int(rng, 80, 0.8, 4, 2000)
-            true_out = _lognormal_int(rng, 200, 0.9, 1, 4000)
-            if used + user + budget > max_context_tokens:
-                break
-            segs.append((content_id("chat-user", seed, s, k), user))
-            used += user
-            answer = engine_output_tokens(true_out, budget)
-            answer_seg = (content_id("chat-answer", seed, s, k), answer)
-            out.append(
-                _Draft(
-                    t,
-                    f"chat-{s}-{k}",
-                    tuple(segs),
-                    true_out,
-                    tenant,
-                    session=f"chat-{seed}-{s}",
-                    answer=answer_seg,
-                )
-            )
-            segs.append(answer_seg)
-            used += answer
-            t += 0.02 * answer + float(rng.exponential(think_time_s))
-        return out
+        return _conversation(
+            rng,
+            "chat",
+            "user",
+            seed,
+            s,
+            start_s,
+            (sys_ids[k_sys], sys_lens[k_sys]),
+            mean_turns,
+            budget,
+            max_context_tokens,
+            tenant,
+            message=lambda: _lognormal_int(rng, 80, 0.8, 4, 2000),
+            output=lambda: _lognormal_int(rng, 200, 0.9, 1, 4000),
+            gap=lambda answer: 0.02 * answer + float(rng.exponential(think_time_s)),
+        )
 
     warmup_s = 5 * mean_turns * (think_time_s + 0.02 * 200)
     drafts = _sessions(n_requests, rng, rate_rps / mean_turns, warmup_s, session)
@@ -240,40 +280,29 @@ def conversations(
     weights = np.array([1.0 / (k + 1) for k in range(n_apps)])
     weights /= weights.sum()
 
+    def gap(_answer: int) -> float:
+        if rng.random() < burst_share:
+            return float(rng.exponential(burst_gap_s))
+        return float(rng.lognormal(math.log(think_median_s), 1.2))
+
     def session(s: int, start_s: float) -> list[_Draft]:
         k_app = int(rng.choice(n_apps, p=weights))
-        turns = int(rng.geometric(1.0 / mean_turns))
-        segs: list[Segment] = [(app_ids[k_app], app_lens[k_app])]
-        used = app_lens[k_app]
-        t = start_s
-        out: list[_Draft] = []
-        for k in range(turns):
-            msg = _lognormal_int(rng, 150, 1.0, 4, 8000)
-            true_out = _lognormal_int(rng, 180, 0.9, 1, 4000)
-            if used + msg + budget > max_context_tokens:
-                break
-            segs.append((content_id("conv-msg", seed, s, k), msg))
-            used += msg
-            answer = engine_output_tokens(true_out, budget)
-            answer_seg = (content_id("conv-answer", seed, s, k), answer)
-            out.append(
-                _Draft(
-                    t,
-                    f"conv-{s}-{k}",
-                    tuple(segs),
-                    true_out,
-                    tenant,
-                    session=f"conv-{seed}-{s}",
-                    answer=answer_seg,
-                )
-            )
-            segs.append(answer_seg)
-            used += answer
-            if rng.random() < burst_share:
-                t += float(rng.exponential(burst_gap_s))
-            else:
-                t += float(rng.lognormal(math.log(think_median_s), 1.2))
-        return out
+        return _conversation(
+            rng,
+            "conv",
+            "msg",
+            seed,
+            s,
+            start_s,
+            (app_ids[k_app], app_lens[k_app]),
+            mean_turns,
+            budget,
+            max_context_tokens,
+            tenant,
+            message=lambda: _lognormal_int(rng, 150, 1.0, 4, 8000),
+            output=lambda: _lognormal_int(rng, 180, 0.9, 1, 4000),
+            gap=gap,
+        )
 
     mean_gap = burst_share * burst_gap_s + (1 - burst_share) * think_median_s * math.exp(0.72)
     drafts = _sessions(n_requests, rng, rate_rps / mean_turns, 3 * mean_turns * mean_gap, session)
