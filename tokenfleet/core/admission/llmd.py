@@ -29,49 +29,20 @@ long_context 1, batch -1 (the sheddable one).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from tokenfleet.core.admission.base import (
     ADMISSION,
     ADMIT,
     REJECT,
     AdmissionDecision,
     AdmissionSnapshot,
-    BaseAdmission,
 )
-from tokenfleet.core.admission.llmd_flow_control import DEFAULT_BANDS, pool_saturation
-from tokenfleet.core.tiers import SLOConfig
+from tokenfleet.core.admission.llmd_flow_control import LlmdSaturationAdmission
 from tokenfleet.core.types import RequestInfo
 
 
 @ADMISSION.register("llmd")
-class LlmdLegacyAdmission(BaseAdmission):
+class LlmdLegacyAdmission(LlmdSaturationAdmission):
     name = "llmd"
-
-    def __init__(
-        self,
-        *,
-        slo: SLOConfig | None = None,
-        bands: Mapping[str, int] | None = None,
-        queue_depth_threshold: int = 5,
-        kv_cache_util_threshold: float = 0.8,
-        metrics_staleness_s: float = 0.2,
-    ) -> None:
-        if queue_depth_threshold < 1 or not 0 < kv_cache_util_threshold <= 1:
-            raise ValueError("need queue_depth_threshold >= 1 and 0 < kv_cache_util_threshold <= 1")
-        self.slo = slo or SLOConfig()
-        self.bands = dict(bands or DEFAULT_BANDS)
-        self.queue_threshold = float(queue_depth_threshold)
-        self.kv_threshold = kv_cache_util_threshold
-        self.staleness_s = metrics_staleness_s
-
-    def sheddable(self, tier: str) -> bool:
-        return self.bands.get(tier, 0) < 0
-
-    def saturation(self, snap: AdmissionSnapshot) -> float:
-        return pool_saturation(
-            snap.instances, snap.now_s, self.queue_threshold, self.kv_threshold, self.staleness_s
-        )
 
     def on_arrival(self, request: RequestInfo, snap: AdmissionSnapshot) -> AdmissionDecision:
         if not self.sheddable(request.tier):

@@ -93,8 +93,38 @@ def pool_saturation(
     ) / len(insts)
 
 
+class LlmdSaturationAdmission(BaseAdmission):
+    """What both llm-d admissions share: the priority bands (a negative band is
+    sheddable) and the utilization detector's pool saturation."""
+
+    def __init__(
+        self,
+        *,
+        slo: SLOConfig | None = None,
+        bands: Mapping[str, int] | None = None,
+        queue_depth_threshold: int = 5,
+        kv_cache_util_threshold: float = 0.8,
+        metrics_staleness_s: float = 0.2,
+    ) -> None:
+        if queue_depth_threshold < 1 or not 0 < kv_cache_util_threshold <= 1:
+            raise ValueError("need queue_depth_threshold >= 1 and 0 < kv_cache_util_threshold <= 1")
+        self.slo = slo or SLOConfig()
+        self.bands = dict(bands or DEFAULT_BANDS)
+        self.queue_threshold = float(queue_depth_threshold)
+        self.kv_threshold = kv_cache_util_threshold
+        self.staleness_s = metrics_staleness_s
+
+    def sheddable(self, tier: str) -> bool:
+        return self.bands.get(tier, 0) < 0
+
+    def saturation(self, snap: AdmissionSnapshot) -> float:
+        return pool_saturation(
+            snap.instances, snap.now_s, self.queue_threshold, self.kv_threshold, self.staleness_s
+        )
+
+
 @ADMISSION.register("llmd_flow_control")
-class LlmdFlowControlAdmission(BaseAdmission):
+class LlmdFlowControlAdmission(LlmdSaturationAdmission):
     name = "llmd_flow_control"
 
     def __init__(
@@ -109,13 +139,13 @@ class LlmdFlowControlAdmission(BaseAdmission):
         usage_limit: float = 1.0,
         dispatch_tick_s: float = 0.001,
     ) -> None:
-        if queue_depth_threshold < 1 or not 0 < kv_cache_util_threshold <= 1:
-            raise ValueError("need queue_depth_threshold >= 1 and 0 < kv_cache_util_threshold <= 1")
-        self.slo = slo or SLOConfig()
-        self.bands = dict(bands or DEFAULT_BANDS)
-        self.queue_threshold = float(queue_depth_threshold)
-        self.kv_threshold = kv_cache_util_threshold
-        self.staleness_s = metrics_staleness_s
+        super().__init__(
+            slo=slo,
+            bands=bands,
+            queue_depth_threshold=queue_depth_threshold,
+            kv_cache_util_threshold=kv_cache_util_threshold,
+            metrics_staleness_s=metrics_staleness_s,
+        )
         # The detector's Filter headroom; kept for config compatibility, unused
         # here because the detector is not a scheduling filter by default.
         self.headroom = headroom
@@ -124,18 +154,10 @@ class LlmdFlowControlAdmission(BaseAdmission):
         self.dispatch_tick_s = dispatch_tick_s
         self._last_slot = -1
 
-    def saturation(self, snap: AdmissionSnapshot) -> float:
-        return pool_saturation(
-            snap.instances, snap.now_s, self.queue_threshold, self.kv_threshold, self.staleness_s
-        )
-
-    def _sheddable(self, tier: str) -> bool:
-        return self.bands.get(tier, 0) < 0
-
     def on_arrival(self, request: RequestInfo, snap: AdmissionSnapshot) -> AdmissionDecision:
         sat = self.saturation(snap)
         if sat >= self.usage_limit:
-            if self._sheddable(request.tier):
+            if self.sheddable(request.tier):
                 return AdmissionDecision(REJECT, reason=f"saturated ({sat:.2f}), sheddable band")
             return AdmissionDecision(QUEUE, reason=f"saturated ({sat:.2f})")
         if any(len(q) for q in snap.queues.values()):
