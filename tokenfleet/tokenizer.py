@@ -84,6 +84,28 @@ def block_hashes(
     return out
 
 
+def split_engine_blocks(engine_hashes: Sequence[int], engine_block_tokens: int) -> tuple[int, ...]:
+    """Router blocks (16 tokens) for an engine's bigger blocks.
+
+    TokenFleet's routers count cache in :data:`BLOCK_SIZE_TOKENS`-token
+    blocks; an engine with ``m`` times bigger blocks (vLLM's CPU backend
+    needs multiples of 32) caches and evicts ``m`` of them at once. Engine
+    block ``h`` becomes ``h`` followed by ``m - 1`` hashes derived from it,
+    the same way for a request's blocks and for the engine's KV events, so
+    both sides agree and a match counts the right number of tokens."""
+    m, rest = divmod(engine_block_tokens, BLOCK_SIZE_TOKENS)
+    if m <= 1 or rest:
+        return tuple(engine_hashes)
+    out: list[int] = []
+    blake = hashlib.blake2b
+    for h in engine_hashes:
+        out.append(h)
+        raw = (h & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
+        for i in range(1, m):
+            out.append(int.from_bytes(blake(raw + bytes((i,)), digest_size=8).digest(), "little"))
+    return tuple(out)
+
+
 def render_chat(messages: Sequence[Any]) -> str:
     """Flatten chat messages the way a template would: role tags + contents.
 

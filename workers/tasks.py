@@ -10,6 +10,7 @@ request's own row, and its bill, stay single).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -18,7 +19,8 @@ from typing import Any
 from celery.signals import task_received
 
 from tokenfleet.core.tiers import meets_slo
-from tokenfleet.core.types import KVEvent
+from tokenfleet.core.types import BLOCK_SIZE_TOKENS, KVEvent
+from tokenfleet.hf_tokenizer import HFChatTokenizer
 from tokenfleet.live.engine_client import EngineCall, EngineError, send_abort
 from tokenfleet.live.jobs import (
     PREFILL_HEADER,
@@ -327,6 +329,11 @@ def run_job_guarded(
         return "failed"
 
 
+@functools.cache
+def _model_tokenizer(path: str, block_size_tokens: int) -> HFChatTokenizer:
+    return HFChatTokenizer(path, block_size_tokens=block_size_tokens or BLOCK_SIZE_TOKENS)
+
+
 def _prefix_events(rt: WorkerRuntime, job: ChatJob) -> list[KVEvent]:
     """Approximate prefix knowledge for every API replica: once prefill is done
     this instance holds the prompt's blocks. None when the engine's own vLLM KV
@@ -335,7 +342,14 @@ def _prefix_events(rt: WorkerRuntime, job: ChatJob) -> list[KVEvent]:
     if rt.exact_kv_events or not messages:
         return []
     try:
-        hashes = chat_block_hashes(messages)
+        if rt.info.tokenizer:  # a real vLLM's model: hash as the API does
+            hashes = (
+                _model_tokenizer(rt.info.tokenizer, rt.info.block_size_tokens)
+                .tokenize_chat(messages)
+                .block_hashes
+            )
+        else:
+            hashes = chat_block_hashes(messages)
     except Exception:
         log.debug("approximate KV event not built", exc_info=True)
         return []

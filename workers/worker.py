@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from tokenfleet.engine.profiles import get_profile
 from tokenfleet.errors import ConfigError
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.queues import CONTROL_QUEUE
+from tokenfleet.live.scrape import cache_config
 from tokenfleet.live.state import InstanceInfo, LiveState
 from workers.pool import WakingThreadPool
 
@@ -68,10 +70,48 @@ class WorkerOptions:
     kv_events_endpoint: str | None = None
     loglevel: str = "INFO"
     control: bool = False
+    #: the served model's tokenizer directory ("": the engine's model root if
+    #: it is a local directory with a tokenizer, else the byte tokenizer)
+    tokenizer: str = ""
 
 
-def probe_engine(url: str, timeout_s: float = 30.0) -> tuple[str, int]:
-    """(served model, max_model_len) from the engine's ``/v1/models``; waits for it."""
+def model_tokenizer_dir(root: str) -> str:
+    """``root`` if it is a model directory with a Hugging Face tokenizer here."""
+    if root and os.path.isfile(os.path.join(root, "tokenizer.json")):
+        return os.path.abspath(root)
+    return ""
+
+
+def probe_block_size(url: str) -> int:
+    """The engine's KV block size in tokens from vLLM's ``cache_config_info``
+    (0: not exported, e.g. the emulator, whose blocks are the router's)."""
+    u = urlsplit(url)
+    try:
+        conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=5.0)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode("utf-8", "replace")
+        conn.close()
+    except (OSError, http.client.HTTPException):
+        return 0
+    cfg = cache_config(text)
+    algo = cfg.get("prefix_caching_hash_algo", "sha256")
+    if algo != "sha256":
+        log.warning(
+            "engine %s hashes prefix blocks with %s; TokenFleet computes vLLM's default "
+            "sha256, so exact cache matching will miss (start vLLM without "
+            "--prefix-caching-hash-algo)",
+            url,
+            algo,
+        )
+    try:
+        return int(cfg.get("block_size", "0"))
+    except ValueError:
+        return 0
+
+
+def probe_engine(url: str, timeout_s: float = 30.0) -> tuple[str, int, str]:
+    """(served model, max_model_len, model root) from the engine's ``/v1/models``;
+    waits for it. vLLM's ``root`` is the model path it loaded ("" if none)."""
     u = urlsplit(url)
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
@@ -84,7 +124,7 @@ def probe_engine(url: str, timeout_s: float = 30.0) -> tuple[str, int]:
             conn.close()
             if resp.status == 200 and body.get("data"):
                 m = body["data"][0]
-                return str(m["id"]), int(m.get("max_model_len") or 0)
+                return str(m["id"]), int(m.get("max_model_len") or 0), str(m.get("root") or "")
             last = RuntimeError(f"/v1/models answered {resp.status}")
         except (OSError, ValueError, http.client.HTTPException) as exc:
             last = exc
@@ -128,7 +168,9 @@ def run_worker(
     from workers.app import app, celery_settings
 
     live = live or LiveConfig.load()
-    model, max_len = probe_engine(opts.engine_url)
+    model, max_len, root = probe_engine(opts.engine_url)
+    tokenizer = opts.tokenizer or model_tokenizer_dir(root)
+    block_size = probe_block_size(opts.engine_url) if tokenizer else 0
     prof = get_profile(opts.profile)
     state = LiveState.from_url(redis_url, prefix=live.redis_prefix)
     info = InstanceInfo(
@@ -140,6 +182,8 @@ def run_worker(
         max_model_len_tokens=max_len or prof.model.max_model_len_tokens,
         kv_capacity_tokens=prof.kv_capacity_tokens,
         slots=opts.slots,
+        tokenizer=tokenizer,
+        block_size_tokens=block_size,
     )
     ledger = None
     if database_url:

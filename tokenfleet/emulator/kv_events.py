@@ -38,8 +38,9 @@ from typing import Any
 import msgpack
 import zmq
 
-from tokenfleet.core.types import KVEvent
+from tokenfleet.core.types import BLOCK_SIZE_TOKENS, KVEvent
 from tokenfleet.errors import ConfigError
+from tokenfleet.tokenizer import split_engine_blocks
 
 EVENT_FORMATS = ("map", "array")
 MEDIUM_GPU = "GPU"
@@ -115,10 +116,14 @@ def encode_batch(
 
 
 def _hashes(value: Any) -> tuple[int, ...]:
-    # vLLM may send a hash as bytes (sha256 block hashing); keep ints as they are.
+    # vLLM sends a hash as bytes when VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0; its
+    # int form (the default) is the digest's last 8 bytes (maybe_convert_block_hash)
     out: list[int] = []
     for h in value or ():
-        out.append(int.from_bytes(h, "big") if isinstance(h, (bytes, bytearray)) else int(h))
+        if isinstance(h, (bytes, bytearray)):
+            out.append(int.from_bytes(h, "big") & 0xFFFFFFFFFFFFFFFF)
+        else:
+            out.append(int(h))
     return tuple(out)
 
 
@@ -168,13 +173,21 @@ def decode_batch(payload: bytes) -> tuple[float, list[RawEvent]]:
     return float(ts), events
 
 
-def to_kv_events(instance_id: str, events: Sequence[RawEvent]) -> list[KVEvent]:
+def to_kv_events(
+    instance_id: str, events: Sequence[RawEvent], block_size_tokens: int = BLOCK_SIZE_TOKENS
+) -> list[KVEvent]:
+    """Router events; an engine's bigger blocks become several router blocks
+    (:func:`tokenfleet.tokenizer.split_engine_blocks`). ``BlockRemoved`` has no
+    block size: it is the engine's, from ``block_size_tokens`` or a
+    ``BlockStored`` earlier in the batch."""
     out: list[KVEvent] = []
+    size = block_size_tokens
     for e in events:
         if isinstance(e, BlockStored):
-            out.append(KVEvent(instance_id, "stored", e.block_hashes))
+            size = e.block_size or size
+            out.append(KVEvent(instance_id, "stored", split_engine_blocks(e.block_hashes, size)))
         elif isinstance(e, BlockRemoved):
-            out.append(KVEvent(instance_id, "removed", e.block_hashes))
+            out.append(KVEvent(instance_id, "removed", split_engine_blocks(e.block_hashes, size)))
         else:
             out.append(KVEvent(instance_id, "cleared", ()))
     return out
@@ -292,6 +305,8 @@ class KVEventSubscriber:
         self._last_seq: dict[bytes, int] = {}
         self.missed = 0
         self.batches = 0
+        #: the engine's block size, learnt from its BlockStored events
+        self.block_size_tokens = BLOCK_SIZE_TOKENS
 
     @property
     def last_endpoint(self) -> str:
@@ -319,7 +334,10 @@ class KVEventSubscriber:
             self.batches += 1
             _, events = decode_batch(payload)
             inst = self.instance_id or topic.decode("utf-8", "replace") or self.endpoint
-            out.extend(to_kv_events(inst, events))
+            for e in events:
+                if isinstance(e, BlockStored) and e.block_size:
+                    self.block_size_tokens = e.block_size
+            out.extend(to_kv_events(inst, events, self.block_size_tokens))
         return out
 
     def close(self) -> None:

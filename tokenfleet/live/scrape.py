@@ -70,6 +70,20 @@ def parse_metrics(text: str, now_s: float) -> ScrapedMetrics:
     )
 
 
+def cache_config(text: str) -> dict[str, str]:
+    """Labels of vLLM's ``vllm:cache_config_info`` gauge (``block_size``,
+    ``prefix_caching_hash_algo``, ...); {} when the engine does not export it."""
+    for line in text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            body = line[line.find("{") + 1 : line.rfind("}")]
+            out: dict[str, str] = {}
+            for part in body.split('",'):
+                key, _, value = part.partition("=")
+                out[key.strip()] = value.strip().strip('"')
+            return out
+    return {}
+
+
 @dataclass(slots=True)
 class ScrapeResult:
     metrics: ScrapedMetrics

@@ -106,6 +106,11 @@ class InstanceInfo:
     kv_capacity_tokens: int
     slots: int
     model_version: str = ""
+    #: the served model's tokenizer directory (a real vLLM serving a local
+    #: model: the API hashes prompts as it does); "" for the byte tokenizer
+    tokenizer: str = ""
+    #: the engine's KV block size (0: the router's 16 tokens)
+    block_size_tokens: int = 0
     metrics: ScrapedMetrics = field(default_factory=ScrapedMetrics)
     heartbeat_at_s: float = float("-inf")
     unhealthy_until_s: float = 0.0
@@ -125,6 +130,22 @@ class InstanceInfo:
             and self.metrics.healthy
             and now_s >= self.unhealthy_until_s
         )
+
+
+def _static_facts(info: InstanceInfo) -> dict[str, Any]:
+    """What a worker registers about its engine (rewritten with snapshots)."""
+    return {
+        "dc": info.dc,
+        "model": info.model,
+        "model_version": info.model_version,
+        "url": info.url,
+        "profile": info.profile,
+        "max_model_len": info.max_model_len_tokens,
+        "kv_capacity_tokens": info.kv_capacity_tokens,
+        "slots": info.slots,
+        "tokenizer": info.tokenizer,
+        "block_size": info.block_size_tokens,
+    }
 
 
 def _f(raw: Mapping[bytes, bytes], key: str, default: float = 0.0) -> float:
@@ -178,20 +199,7 @@ class LiveState:
         key = self.k("inst", info.instance_id)
         with self.r.pipeline() as pipe:
             pipe.sadd(self.k("instances"), info.instance_id)
-            pipe.hset(
-                key,
-                mapping={
-                    "dc": info.dc,
-                    "model": info.model,
-                    "model_version": info.model_version,
-                    "url": info.url,
-                    "profile": info.profile,
-                    "max_model_len": info.max_model_len_tokens,
-                    "kv_capacity_tokens": info.kv_capacity_tokens,
-                    "slots": info.slots,
-                    "heartbeat_at": time.time(),
-                },
-            )
+            pipe.hset(key, mapping={**_static_facts(info), "heartbeat_at": time.time()})
             pipe.execute()
 
     def publish_snapshot(
@@ -219,18 +227,7 @@ class LiveState:
         if info is None:
             self.r.hset(self.k("inst", instance_id), mapping=mapping)
             return
-        mapping.update(
-            {
-                "dc": info.dc,
-                "model": info.model,
-                "model_version": info.model_version,
-                "url": info.url,
-                "profile": info.profile,
-                "max_model_len": info.max_model_len_tokens,
-                "kv_capacity_tokens": info.kv_capacity_tokens,
-                "slots": info.slots,
-            }
-        )
+        mapping.update(_static_facts(info))
         with self.r.pipeline(transaction=False) as pipe:
             pipe.sadd(self.k("instances"), instance_id)
             pipe.hset(self.k("inst", instance_id), mapping=mapping)
@@ -281,6 +278,8 @@ class LiveState:
                     max_model_len_tokens=_i(raw, "max_model_len"),
                     kv_capacity_tokens=_i(raw, "kv_capacity_tokens"),
                     slots=_i(raw, "slots", 1),
+                    tokenizer=_s(raw, "tokenizer"),
+                    block_size_tokens=_i(raw, "block_size"),
                     metrics=m,
                     heartbeat_at_s=_f(raw, "heartbeat_at", float("-inf")),
                     unhealthy_until_s=_f(raw, "unhealthy_until"),

@@ -38,6 +38,14 @@ def register(subparsers: Any) -> None:
         help="most requests this worker runs on its engine at once (default 64)",
     )
     p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="the served model's directory (tokenizer.json, chat template): the API "
+        "hashes prompts as vLLM does, for exact prefix-cache routing (default: the "
+        "engine's model root when it is a local directory)",
+    )
+    p.add_argument(
         "--kv-events",
         default=None,
         metavar="ENDPOINT",
@@ -75,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         slots=args.slots,
         pool_mode=bool(args.pool),
         kv_events_endpoint=args.kv_events,
+        tokenizer=args.tokenizer or "",
         loglevel=args.loglevel.upper(),
         control=args.control,
     )

@@ -16,14 +16,17 @@ an OpenAI-shaped response. The work is split by concern into the bases of
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
 
 from tokenfleet.core.routing import ROUTERS
 from tokenfleet.core.tiers import SLOConfig
+from tokenfleet.core.types import BLOCK_SIZE_TOKENS
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.dc_select import LiveDCSelector, load_topology
 from tokenfleet.live.gateway.dispatch import Dispatcher
@@ -34,6 +37,7 @@ from tokenfleet.live.gateway.validate import ChatRequest, validate_chat
 from tokenfleet.live.gateway.watch import Watcher
 from tokenfleet.live.redis_transport import TRANSPORT_PATH, PipelinePublisher, same_database
 from tokenfleet.live.state import LiveState
+from tokenfleet.tokenizer import ChatPrompt, tokenize_chat
 
 
 def make_admission(name: str) -> Any:
@@ -46,6 +50,9 @@ def make_admission(name: str) -> Any:
     if name == "slomax":
         return ADMISSION.create(name, adaptive=False)
     return ADMISSION.create(name)
+
+
+log = logging.getLogger("tokenfleet.api")
 
 
 class Gateway(LiveView, Dispatcher, Watcher, Feedback):
@@ -98,6 +105,7 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
         #: tenant id -> regions its record allows (set by the tenancy layer; () = any)
         self.tenant_regions = None
         self.metrics: Any = None  # the API's metrics (web.metrics.ApiMetrics), if any
+        self._tokenizers: dict[str, Callable[[Sequence[Any]], ChatPrompt]] = {}
         self._start_view()
 
     def validate(
@@ -111,6 +119,7 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
             raise StoreUnavailable(
                 f"the live state store is unavailable ({exc.__class__.__name__}); retry shortly"
             ) from None
+        model = body.get("model") if isinstance(body, dict) else None
         return validate_chat(
             body,
             tenant=tenant,
@@ -118,7 +127,44 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
             slo=self.slo,
             tier_hint=tier_hint,
             slo_class=slo_class,
+            tokenize=self.tokenizer_for(model) if isinstance(model, str) else tokenize_chat,
         )
+
+    def tokenizer_for(self, model: str) -> Callable[[Sequence[Any]], ChatPrompt]:
+        """The tokenizer whose block hashes ``model``'s engines publish.
+
+        A worker in front of a real vLLM serving a local model directory
+        registers that directory; prompts for the model are then tokenized and
+        hashed as vLLM does (:mod:`tokenfleet.hf_tokenizer`), so the router's
+        exact cache tier matches the engine's KV events. Otherwise the
+        emulator's byte tokenizer."""
+        path, block = "", 0
+        for info in self.live_instances():
+            if info.model == model and info.tokenizer:
+                path, block = info.tokenizer, info.block_size_tokens
+                break
+        if not path:
+            return tokenize_chat
+        key = f"{path}@{block}"
+        tok = self._tokenizers.get(key)
+        if tok is None:
+            try:
+                from tokenfleet.hf_tokenizer import HFChatTokenizer
+
+                tok = HFChatTokenizer(
+                    path, block_size_tokens=block or BLOCK_SIZE_TOKENS
+                ).tokenize_chat
+            except (ImportError, OSError, ValueError) as exc:
+                log.warning(
+                    "model %s: cannot load its tokenizer from %s (%s); using the byte "
+                    "tokenizer, so exact cache matching with its engines is off",
+                    model,
+                    path,
+                    exc,
+                )
+                tok = tokenize_chat
+            self._tokenizers[key] = tok
+        return tok
 
     def health(self) -> dict[str, Any]:
         """Redis and the instances as ``/health`` reports them (raises RedisError)."""

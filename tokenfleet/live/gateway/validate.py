@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,7 +23,7 @@ from tokenfleet.live.gateway.errors import (
     ModelNotFound,
     NoCapacity,
 )
-from tokenfleet.tokenizer import tokenize_chat
+from tokenfleet.tokenizer import ChatPrompt, tokenize_chat
 
 TIER_HEADER = "X-TokenFleet-Tier"
 #: default output budget when the client gives none (vLLM uses all the context left)
@@ -70,8 +70,10 @@ def validate_chat(
     slo: SLOConfig,
     tier_hint: str = "",
     slo_class: str | None = None,
+    tokenize: Callable[[Sequence[Any]], ChatPrompt] = tokenize_chat,
 ) -> ChatRequest:
-    """Check ``body`` against the served ``models`` ({name: context length})."""
+    """Check ``body`` against the served ``models`` ({name: context length});
+    ``tokenize`` is the served model's (default: the emulator's byte tokenizer)."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     model = body.get("model")
@@ -125,7 +127,7 @@ def validate_chat(
             param="model",
         )
     try:
-        prompt = tokenize_chat(messages)
+        prompt = tokenize(messages)
     except ValueError as exc:
         raise InvalidRequest(str(exc), param="messages") from None
     input_tokens = prompt.input_tokens
