@@ -303,6 +303,48 @@ def test_same_request_id_is_one_row_merged(engine: sa.Engine, tmp_path: Path) ->
     assert finished is not None
 
 
+@pytest.mark.parametrize("one_batch", [False, True], ids=["upserts", "in-batch"])
+def test_final_status_precedence_whatever_the_write_order(
+    engine: sa.Engine, tmp_path: Path, one_batch: bool
+) -> None:
+    """Worker, API and reconciler may record one request's end in any order
+    (spill replays, a lost worker's buffer): the row converges to the status of
+    higher precedence, whole, and the loser only fills gaps."""
+    failed = dict(status="failed", completion_tokens=3, error="reconciled", instance=None)
+    done = dict(status="completed", completion_tokens=42, error=None, instance="i-1")
+    dup = dict(status="duplicate", completion_tokens=0, finished_ts=None, instance="i-9")
+    orders = {
+        10: [failed, done],
+        11: [done, failed],
+        12: [dup, dict(status="in_flight", completion_tokens=0, finished_ts=None)],
+        13: [done, dup],
+        14: [dict(status="cancelled", completion_tokens=5), failed],
+    }
+    with _writer(engine, tmp_path / "spill") as writer:
+        for i, rows in orders.items():
+            for cols in rows:
+                writer.record(_row(i, **cols))  # type: ignore[arg-type]
+                if not one_batch:
+                    assert writer.flush(10)
+        assert writer.flush(10)
+    with engine.connect() as conn:
+        got = {
+            int(r[0].split("-")[1]): tuple(r[1:])
+            for r in conn.execute(
+                sa.text(
+                    "SELECT request_id, status, completion_tokens, error, instance FROM requests"
+                )
+            ).all()
+        }
+    assert got == {
+        10: ("completed", 42, "reconciled", "i-1"),
+        11: ("completed", 42, "reconciled", "i-1"),
+        12: ("in_flight", 0, None, "i-9"),
+        13: ("completed", 42, None, "i-1"),
+        14: ("cancelled", 5, "reconciled", None),
+    }
+
+
 def test_postgres_outage_loses_nothing_and_duplicates_nothing(
     pg: EmbeddedPostgres, engine: sa.Engine, tmp_path: Path
 ) -> None:

@@ -25,10 +25,15 @@ which survives ``fork()``. Celery prefork workers must create their writer
 after the fork (``worker_process_init``) and close it on
 ``worker_process_shutdown``; one writer per process, shared by all threads.
 
-Merge rule when a ``request_id`` is seen again (retry, replay, lifecycle
-update): a non-final status (``in_flight``, ``duplicate``) never replaces a
-stored status; other columns take the new value, except that a NULL never
-erases a stored value and ``attempts`` keeps the maximum.
+Merge rule when a ``request_id`` is seen again (retry, replay, a second
+writer, lifecycle update): the status of higher precedence wins
+(:data:`STATUS_PRECEDENCE`: a served answer over a cancel over a failure over
+a refusal over ``in_flight`` over a ``duplicate`` delivery; equal ranks: the
+later write). The winning row's status and token counts are taken whole, its
+other non-NULL columns overwrite the stored ones, and the losing row only
+fills columns still NULL; ``attempts`` keeps the maximum. Several writers may
+therefore record the same end (worker, API, reconciler) in any order and the
+row converges to one final state.
 """
 
 from __future__ import annotations
@@ -59,6 +64,23 @@ log = logging.getLogger(__name__)
 
 TIMESTAMP_FIELDS = ("arrival_ts", "admitted_ts", "dispatched_ts", "first_token_ts", "finished_ts")
 NON_FINAL = frozenset({RequestStatus.IN_FLIGHT.value, RequestStatus.DUPLICATE.value})
+
+#: which status wins when two rows of one request meet (higher wins; ties: the
+#: later write). Tokens the engine produced outrank every verdict reached
+#: without them (a reconciler's "failed" must not erase a late spilled
+#: "completed"); a client's cancel outranks a failure seen after it left.
+STATUS_PRECEDENCE: dict[str, int] = {
+    RequestStatus.DUPLICATE.value: 0,
+    RequestStatus.IN_FLIGHT.value: 1,
+    RequestStatus.REJECTED.value: 2,
+    RequestStatus.FAILED.value: 3,
+    RequestStatus.TIMED_OUT.value: 3,
+    RequestStatus.CANCELLED.value: 4,
+    RequestStatus.SLO_MISSED.value: 5,
+    RequestStatus.COMPLETED.value: 5,
+}
+#: columns the winning row takes whole (a 0 token count is a real value)
+_WINNER_COLUMNS = ("status", "prompt_tokens", "cached_tokens", "completion_tokens")
 
 
 @dataclass(slots=True)
@@ -128,19 +150,15 @@ def normalize_row(row: RequestRecord | Mapping[str, Any]) -> dict[str, Any]:
 
 def merge_rows(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
     """The upsert's merge rule in Python, for two rows of one request_id in one batch."""
+    wins = STATUS_PRECEDENCE[new["status"]] >= STATUS_PRECEDENCE[old["status"]]
     merged = dict(old)
-    keep_status = new["status"] in NON_FINAL and old["status"] not in NON_FINAL
     for key, value in new.items():
         if key == "attempts":
             merged[key] = max(old.get(key) or 1, value or 1)
-        elif keep_status and key in (
-            "status",
-            "prompt_tokens",
-            "cached_tokens",
-            "completion_tokens",
-        ):
-            continue
-        elif value is not None:
+        elif key in _WINNER_COLUMNS:
+            if wins:
+                merged[key] = value
+        elif value is not None and (wins or old.get(key) is None):
             merged[key] = value
     return merged
 
@@ -578,9 +596,18 @@ def upsert_statement(dialect: str) -> Any:
     stmt = insert(table)
     ex = stmt.excluded
     cur = table.c
-    # constants inlined: expanding IN parameters are not allowed with executemany
-    non_final: list[Any] = [sa.literal_column(f"'{v}'") for v in sorted(NON_FINAL)]
-    keep = ex.status.in_(non_final) & cur.status.not_in(non_final)
+
+    def rank(col: Any) -> Any:
+        # constants inlined: one compiled statement for every executemany batch
+        return sa.case(
+            *(
+                (col == sa.literal_column(f"'{k}'"), sa.literal_column(str(v)))
+                for k, v in STATUS_PRECEDENCE.items()
+            ),
+            else_=sa.literal_column("0"),
+        )
+
+    wins = rank(ex.status) >= rank(cur.status)
     greatest = sa.func.greatest if dialect == "postgresql" else sa.func.max
     update: dict[str, Any] = {}
     for name in RECORD_FIELDS:
@@ -588,9 +615,12 @@ def upsert_statement(dialect: str) -> Any:
             continue
         if name == "attempts":
             update[name] = greatest(cur.attempts, ex.attempts)
-        elif name in ("status", "prompt_tokens", "cached_tokens", "completion_tokens"):
-            update[name] = sa.case((keep, cur[name]), else_=ex[name])
+        elif name in _WINNER_COLUMNS:
+            update[name] = sa.case((wins, ex[name]), else_=cur[name])
         else:
-            update[name] = sa.func.coalesce(ex[name], cur[name])
+            update[name] = sa.case(
+                (wins, sa.func.coalesce(ex[name], cur[name])),
+                else_=sa.func.coalesce(cur[name], ex[name]),
+            )
     update["updated_at"] = ex.updated_at
     return stmt.on_conflict_do_update(index_elements=[cur.request_id], set_=update)
