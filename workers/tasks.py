@@ -25,6 +25,7 @@ from tokenfleet.live.jobs import (
     TASK_CHAT,
     TASK_CONTROL,
     TASK_FLEET,
+    TASK_RECONCILE,
     ChatJob,
     send_chat_job,
 )
@@ -462,3 +463,10 @@ def fleet_cycle() -> dict[str, Any]:
     from workers.control import fleet_cycle as cycle
 
     return cycle()
+
+
+@app.task(name=TASK_RECONCILE, ignore_result=True, acks_late=False)
+def reconcile_ledger() -> dict[str, Any]:
+    from workers.control import reconcile_ledger as run
+
+    return run()
