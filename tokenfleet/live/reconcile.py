@@ -71,14 +71,16 @@ class _Stream:
 
 def _read_stream(state: LiveState, rid: str) -> _Stream:
     out = _Stream()
-    for eid, fields in state.r.xrange(state.stream_key(rid)):
-        kind = fields.get(b"k", b"").decode()
+    entries: list[tuple[bytes, dict[bytes, bytes]]] = state.r.xrange(state.stream_key(rid))  # type: ignore[assignment]
+    for eid, raw in entries:
+        fields = {k.decode(): v.decode("utf-8", "replace") for k, v in raw.items()}
+        kind = fields.get("k", "")
         if kind == "d":
-            out.tokens += int(fields.get(b"n", b"0") or 0)
+            out.tokens += int(fields.get("n") or 0)
             if out.first_token_ts is None:  # the entry id is its write time in ms
                 out.first_token_ts = int(eid.decode().split("-")[0]) / 1000.0
         elif kind == "end":
-            out.end = {k.decode(): v.decode() for k, v in fields.items()}
+            out.end = fields
             u = out.end.get("u")
             out.usage = json.loads(u) if u else None
     return out
