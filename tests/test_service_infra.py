@@ -399,6 +399,46 @@ def test_close_during_outage_spills_and_next_writer_replays(
         engine.dispose()
 
 
+def test_outage_spools_rows_to_disk_within_a_bound(
+    pg: EmbeddedPostgres, db_url: str, tmp_path: Path
+) -> None:
+    """Once a write fails, rows wait on disk, not in memory (a process killed
+    during the outage loses none), and the spool is bounded: rows over
+    ``max_spill_bytes`` are dropped and counted. The rest is written after."""
+    import time
+
+    spill = tmp_path / "spill"
+    pg.stop()
+    try:
+        writer = LedgerWriter(
+            db_url,
+            spill_dir=spill,
+            batch_size=10,
+            flush_interval_s=0.02,
+            retry_max_s=0.1,
+            max_spill_bytes=20_000,
+        )
+        writer.record_many(_row(i) for i in range(10))
+        deadline = time.monotonic() + 20
+        while writer.stats.healthy and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not writer.stats.healthy
+        writer.record_many(_row(i) for i in range(10, 200))
+        on_disk = sum(1 for f in spill.glob("ledger-*") for _ in f.open())
+        assert 0 < on_disk < 200 and on_disk + writer.stats.dropped == 200
+    finally:
+        pg.start()
+    try:
+        assert writer.flush(timeout=30)
+    finally:
+        writer.close(timeout=10)
+    engine = db.make_engine(db_url)
+    try:
+        assert _count(engine) == (on_disk, on_disk)
+    finally:
+        engine.dispose()
+
+
 def test_bad_row_is_dead_lettered_without_blocking_others(
     engine: sa.Engine, tmp_path: Path
 ) -> None:

@@ -8,8 +8,14 @@ batches of up to ``batch_size`` rows, or whatever is there every
 Delivery is at-least-once and the upsert is idempotent, which together give
 exactly one row per ``request_id``:
 
-* database down (connection refused, restart, failover): the batch goes back
-  to the front of the queue and is retried with exponential backoff;
+* database down (connection refused, restart, failover): the batch that
+  failed and every row waiting in memory go to a spill file, and so does
+  every new row until a write succeeds again (a process that dies during
+  the outage loses nothing); the thread retries with exponential backoff by
+  replaying the spill files;
+* spill files are bounded (``max_spill_bytes`` over the whole spill dir):
+  beyond it a row is dropped, counted (``stats.dropped``) and logged, so an
+  outage cannot fill the disk;
 * queue full (``max_buffer_rows``): new rows are appended to a spill file
   ``<data_dir>/spill/ledger-<pid>-<n>.jsonl.part``; once the database answers
   again the thread replays spill files, its own and those left behind by
@@ -185,6 +191,7 @@ class WriterStats:
     spilled: int = 0
     replayed: int = 0
     rejected: int = 0  # rows the database refused as data; see rejected-*.jsonl
+    dropped: int = 0  # rows that did not fit under max_spill_bytes (lost)
     merged_in_batch: int = 0  # same request_id twice within one batch
     last_error: str | None = None
     healthy: bool = True
@@ -238,6 +245,7 @@ class LedgerWriter:
         retry_initial_s: float = 0.05,
         retry_max_s: float = 5.0,
         spill_scan_interval_s: float = 5.0,
+        max_spill_bytes: int = 1 << 30,
         name: str = "ledger-writer",
     ) -> None:
         from tokenfleet.service.db import make_engine
@@ -252,6 +260,9 @@ class LedgerWriter:
         self.retry_initial_s = retry_initial_s
         self.retry_max_s = retry_max_s
         self.spill_scan_interval_s = spill_scan_interval_s
+        self.max_spill_bytes = max_spill_bytes
+        self._spill_dir_bytes = 0  # size of the spill dir as last measured, plus writes since
+        self._spill_dir_measured_at = float("-inf")
         self.stats = WriterStats()
 
         self._cond = threading.Condition()
@@ -290,7 +301,8 @@ class LedgerWriter:
             if self._closed:
                 raise RuntimeError("LedgerWriter is closed; create a new one")
             self.stats.recorded += 1
-            if len(self._buf) >= self.max_buffer_rows:
+            if len(self._buf) >= self.max_buffer_rows or not self.stats.healthy:
+                # full, or the database is away: straight to disk
                 self._spill_locked([data])
                 return
             self._buf.append(data)
@@ -306,7 +318,8 @@ class LedgerWriter:
     def pending(self) -> int:
         """Rows not yet confirmed written, counting this process's spill only."""
         with self._cond:
-            return len(self._buf) + len(self._inflight) + self._spill_rows_open
+            spilled = max(0, self.stats.spilled - self.stats.replayed)
+            return len(self._buf) + len(self._inflight) + spilled
 
     def flush(self, timeout: float | None = 10.0) -> bool:
         """Write everything queued and every spill file now; True if fully drained in time."""
@@ -360,15 +373,42 @@ class LedgerWriter:
         self.close()
 
     # ---- spill files ------------------------------------------------------------
+    def _spill_budget_locked(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit under ``max_spill_bytes`` (the dir's size is
+        re-measured at most once a second: other processes spill there too)."""
+        now = time.monotonic()
+        if now - self._spill_dir_measured_at > 1.0:
+            total = 0
+            for path in self.spill_dir.glob("ledger-*"):
+                with contextlib.suppress(OSError):
+                    total += path.stat().st_size
+            self._spill_dir_bytes = total
+            self._spill_dir_measured_at = now
+        if self._spill_dir_bytes + nbytes > self.max_spill_bytes:
+            return False
+        self._spill_dir_bytes += nbytes
+        return True
+
     def _spill_locked(self, rows: list[dict[str, Any]]) -> None:
+        lines = [json.dumps(row, default=_json_default) + "\n" for row in rows]
+        size = sum(len(line) for line in lines)
+        if not self._spill_budget_locked(size):
+            self.stats.dropped += len(rows)
+            log.error(
+                "ledger spill dir %s is over %d bytes: %d rows dropped (%d in all)",
+                self.spill_dir,
+                self.max_spill_bytes,
+                len(rows),
+                self.stats.dropped,
+            )
+            return
         if self._spill_fh is None:
             self._spill_path = (
                 self.spill_dir
                 / f"ledger-{os.getpid()}-{next(self._spill_seq)}-{time.time_ns()}.jsonl.part"
             )
             self._spill_fh = open(self._spill_path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across batches
-        for row in rows:
-            self._spill_fh.write(json.dumps(row, default=_json_default) + "\n")
+        self._spill_fh.writelines(lines)
         self._spill_fh.flush()
         self._spill_rows_open += len(rows)
         self.stats.spilled += len(rows)
@@ -499,8 +539,10 @@ class LedgerWriter:
                     if from_spill:
                         self._release_replay_locked()
                     else:
-                        self._buf.extendleft(reversed(batch))
-                        self._oldest_at = self._oldest_at or time.monotonic()
+                        # durable while the database is away (see the module doc)
+                        self._spill_locked(batch + list(self._buf))
+                        self._buf.clear()
+                        self._oldest_at = None
                     log.warning(
                         "ledger flush failed (%s); retrying in %.2fs",
                         self.stats.last_error.splitlines()[0] if self.stats.last_error else exc,
