@@ -354,13 +354,13 @@ def _on_engine_error(
     if exc.kind == "aborted":
         send_abort(rt.info.url, f"{rid}-{attempt}")
         if "cancelled" in str(exc):
-            won, _ = state.finish(rid, "cancelled", rt.worker_id)
+            won, final = state.finish(rid, "cancelled", rt.worker_id)
             _record(
                 rt,
                 _row(
                     job,
                     rt,
-                    "cancelled",
+                    "cancelled" if won else (final or "cancelled"),
                     dispatched_ts=dispatched,
                     first_token_ts=first_ts,
                     finished_ts=now,

@@ -12,6 +12,8 @@ merge into one row by ``request_id`` under the writer's precedence rule
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -20,7 +22,10 @@ from typing import Any
 from tokenfleet.live.gateway.dispatch import Dispatched, ledger_record
 from tokenfleet.live.gateway.validate import ChatRequest
 from tokenfleet.live.relay import RelayEvent
+from tokenfleet.live.state import LiveState
 from tokenfleet.service.writer import RequestRecord
+
+log = logging.getLogger("tokenfleet.api")
 
 
 def _float(raw: str | None) -> float | None:
@@ -109,3 +114,52 @@ def refusal_record(
         prompt_tokens=0,
         error=message[:500],
     )
+
+
+class PendingSettlements:
+    """Ends the API decided while Redis was down, settled there once it is back.
+
+    The API answered the client (an error, or the client left) and recorded
+    the row; but until the request is ``done`` in Redis a worker may still
+    claim a message of it that waited in the broker and run it again. A
+    daemon thread retries ``finish`` + the cancel flag every ``period_s``
+    until Redis answers, then exits (started again by the next :meth:`add`).
+    """
+
+    def __init__(self, state: LiveState, period_s: float = 0.5) -> None:
+        self.state = state
+        self.period_s = period_s
+        self._pending: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, request_id: str, status: str) -> None:
+        with self._lock:
+            self._pending[request_id] = status
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="tf-pending-settle", daemon=True
+                )
+                self._thread.start()
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.period_s)
+            with self._lock:
+                todo = dict(self._pending)
+            for rid, status in todo.items():
+                try:
+                    self.state.cancel(rid)
+                    self.state.finish(rid, status)
+                except Exception:  # noqa: BLE001 - still down: next period
+                    break
+                with self._lock:
+                    self._pending.pop(rid, None)
+            with self._lock:
+                if not self._pending:
+                    self._thread = None
+                    return

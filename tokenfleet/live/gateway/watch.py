@@ -25,7 +25,12 @@ from kombu.exceptions import KombuError
 
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.gateway.dispatch import Dispatched, ledger_record
-from tokenfleet.live.gateway.rows import end_record, error_record, settled
+from tokenfleet.live.gateway.rows import (
+    PendingSettlements,
+    end_record,
+    error_record,
+    settled,
+)
 from tokenfleet.live.jobs import ChatJob
 from tokenfleet.live.relay import RelayEvent, RelayReader
 from tokenfleet.live.resend import pick_resend_target
@@ -80,6 +85,7 @@ class Watcher:
                 if not redis_down_since:
                     redis_down_since.append(now)
                 if now - redis_down_since[0] > max(5.0, 3 * self.live.lease_ttl_s):
+                    self._settle_later(d.request.info.request_id, "failed")
                     return RelayEvent(
                         "err",
                         message="lost contact with the live state store "
@@ -242,8 +248,8 @@ class Watcher:
             self.state.cancel(info.request_id)
             won, _ = self.state.finish(info.request_id, "cancelled")
         except redis.RedisError:
-            # nobody can settle it in Redis now; the row still records the end
-            # (a worker that completes it later outranks this by precedence)
+            # settled in Redis once it is back; the row records the end now
+            self._settle_later(info.request_id, "cancelled")
             won = True
         if won:
             self._ledger(
@@ -269,3 +275,10 @@ class Watcher:
         row = end_record(d, ev, dc)
         if row is not None:
             self._ledger(row)
+
+    def _settle_later(self, request_id: str, status: str) -> None:
+        """Settle in Redis when it answers again (:class:`.rows.PendingSettlements`)."""
+        pending: PendingSettlements | None = getattr(self, "_pending_settlements", None)
+        if pending is None:
+            pending = self._pending_settlements = PendingSettlements(self.state)
+        pending.add(request_id, status)
