@@ -219,6 +219,36 @@ def _running_on(stack: LiveStack, instance: str, timeout_s: float = 10.0) -> Non
         time.sleep(0.05)
 
 
+def _restart_workers(stack: LiveStack, env: dict[str, str]) -> None:
+    assert stack.sup is not None
+    stack.env = env
+    for spec in stack.instances:
+        stack.sup.stop(f"worker-{spec.instance_id}")
+        stack.start_worker(spec)
+    stack.wait_ready(timeout_s=60)
+
+
+def test_rows_are_final_without_the_workers_own_rows(healthy: LiveStack, tmp_path: Any) -> None:
+    """What a worker killed before its writer flushed leaves: no row of its own.
+    Workers without a ledger here (no database URL, an empty data dir), so
+    every final row, with the worker's facts, comes from the API's copy."""
+    stack = healthy
+    saved = dict(stack.env)
+    blind = {k: v for k, v in saved.items() if k != "TOKENFLEET_DATABASE_URL"}
+    blind["TOKENFLEET_DATA_DIR"] = str(tmp_path)  # no embedded PostgreSQL recorded there
+    try:
+        _restart_workers(stack, blind)
+        t0, outcomes = _load_with_fault(stack, lambda: None)
+        report = _check_ledger(stack, t0, outcomes)
+        assert report["clients"] == {"ok": N_REQUESTS}, report
+        rows = stack.ledger_rows(f"arrival_ts >= to_timestamp({t0 - 1.0})")
+        for row in rows:
+            assert row["instance"] in ("a0", "b0") and row["dc"] in ("dc-a", "dc-b"), row
+            assert row["dispatched_ts"] and row["first_token_ts"] and row["finished_ts"], row
+    finally:
+        _restart_workers(stack, saved)
+
+
 def test_worker_kill9_every_request_one_final_row(healthy: LiveStack) -> None:
     stack = healthy
     assert stack.sup is not None

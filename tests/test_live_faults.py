@@ -318,6 +318,7 @@ def test_redis_restart_gives_503_then_recovers(healthy: LiveStack) -> None:
         assert r.status_code == 503, r.text
         assert 1 <= int(r.headers["Retry-After"]) <= 120
         assert r.json()["error"]["type"] == "server_error"
+        refused = r.headers["X-Request-Id"]  # errors name their request too
         h = requests.get(stack.url + "/health", timeout=10)
         assert h.status_code == 503 and "Retry-After" in h.headers
     finally:
@@ -337,3 +338,6 @@ def test_redis_restart_gives_503_then_recovers(healthy: LiveStack) -> None:
         time.sleep(0.5)
     assert last is not None and getattr(last, "status_code", None) == 200, last
     assert last.json()["usage"]["completion_tokens"] >= 1
+    # the refusal is a request the service did not serve: a rejected row
+    rows = stack.ledger_rows(f"request_id = '{refused}'", expect=bool)
+    assert [r["status"] for r in rows] == ["rejected"]
