@@ -227,6 +227,44 @@ def test_stopped_server_leaves_no_process(tmp_path: Path) -> None:
 
 
 # ---- migrations -------------------------------------------------------------------
+def test_revive_restarts_a_dead_embedded_redis_in_place_or_adopts_a_new_one(
+    tmp_path: Path,
+) -> None:
+    """What `tokenfleet up` does every second: a dead store comes back on the
+    same port (clients keep their URL); one restarted by someone else on the
+    data dir is adopted, not fought over."""
+    import signal
+
+    from tokenfleet.service.config import ServiceConfig
+
+    os.chmod(tmp_path, 0o755)
+    cfg: ServiceConfig = isolated_config(tmp_path, database_url="sqlite:///unused.db")
+    stack = ServiceStack(cfg)
+    stack.start()
+    try:
+        redis = stack.redis
+        assert redis is not None and stack.revive() == []
+        port, first = redis.port, redis.pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        redis._proc.wait(5)  # type: ignore[union-attr]  # dead, as `up` would find it
+        assert stack.revive() == ["redis"]
+        assert redis.port == port and redis.pid != first and redis.ping()
+        # killed again, and started by another process on the same data dir first
+        second = redis.pid
+        assert second is not None
+        os.kill(second, signal.SIGKILL)
+        redis._proc.wait(5)  # type: ignore[union-attr]
+        other = EmbeddedRedis(tmp_path, port=port).start()
+        assert other.pid not in (first, second)
+        assert stack.revive() == ["redis"]
+        assert redis.pid == other.pid and redis.port == port and redis.is_running()
+        assert stack.revive() == []
+    finally:
+        stack.stop()
+    assert not pid_alive(redis.pid)
+
+
 def test_db_upgrade_cli_creates_schema_from_any_cwd(
     pg: EmbeddedPostgres,
     tmp_path: Path,

@@ -283,7 +283,23 @@ class EmbeddedServer:
 
         Clients (connection pools, Celery, the env of child processes) hold its
         URL, so the port must not change: wait for the dead server's socket to
-        be released instead of picking another."""
+        be released instead of picking another. One that someone else already
+        started again there (recorded in the data dir, answering) is adopted."""
+        with _file_lock(self.lock_file):
+            state = self._read_state()
+            if (
+                state
+                and self._state_pid_is_ours(state)
+                and int(state["port"]) == self.port
+                and int(state["pid"]) != self.pid
+            ):
+                self._proc = None
+                self.pid = int(state["pid"])
+                if self.ping():
+                    log.warning(
+                        "embedded %s was restarted (pid %s); adopting it", self.name, self.pid
+                    )
+                    return self
         deadline = time.monotonic() + port_wait_s
         while self.port and not port_is_free(self.port, self.host):
             if time.monotonic() > deadline:
