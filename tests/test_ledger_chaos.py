@@ -198,6 +198,27 @@ def _check_ledger(stack: LiveStack, t0: float, outcomes: list[Outcome]) -> dict[
             assert row["status"] in allowed, (o, row["status"])
         else:
             assert row["status"] not in SERVED, (o, row["status"])
+    # the admin/beat figure counts every final row: nothing served is missing from it
+    from datetime import UTC, datetime
+
+    from tokenfleet.service import queries
+    from tokenfleet.service.db import make_engine
+
+    assert stack.database_url is not None
+    engine = make_engine(stack.database_url)
+    try:
+        (agg,) = queries.goodput(
+            engine,
+            since=datetime.fromtimestamp(t0 - 1.0, UTC),
+            until=datetime.fromtimestamp(time.time() + 1.0, UTC),
+            group_by="all",
+        )
+    finally:
+        engine.dispose()
+    completed = sum(1 for r in rows if r["status"] == "completed")
+    cancelled = sum(1 for r in rows if r["status"] == "cancelled")
+    assert agg.total == len(outcomes)
+    assert agg.attainment == pytest.approx(completed / (len(outcomes) - cancelled))
     kinds: dict[str, int] = {}
     for o in outcomes:
         kinds[o.kind] = kinds.get(o.kind, 0) + 1
@@ -290,6 +311,25 @@ def test_redis_restart_every_request_one_final_row(healthy: LiveStack) -> None:
     assert down.is_set()
     report = _check_ledger(stack, t0, outcomes)
     assert report["clients"].get("refused", 0) >= 1, "some requests met the outage"
+
+
+def test_redis_kill9_every_request_one_final_row(healthy: LiveStack) -> None:
+    """Redis killed (no snapshot of the requests in flight) and started again
+    3 s later: requests whose live state vanished are settled ``failed``."""
+    import os
+    import signal
+
+    stack = healthy
+
+    def fault() -> None:
+        pid = stack.redis.pid
+        os.kill(pid, signal.SIGKILL)
+        stack.redis._proc.wait(5)
+        time.sleep(3.0)
+        stack.redis.start()  # same port: every client reconnects to its URL
+
+    t0, outcomes = _load_with_fault(stack, fault)
+    _check_ledger(stack, t0, outcomes)
 
 
 def test_postgres_outage_every_request_one_final_row(healthy: LiveStack) -> None:
