@@ -191,12 +191,21 @@ def test_redelivered_task_is_recorded_as_duplicate_and_not_rerun(healthy: LiveSt
         "queue": queue,
     }
     celery = stack.app.extensions["tokenfleet.celery"]
+    state = stack.gateway.state
+    dups_before = state.counters().get("duplicates", 0)
     celery.send_task(
         "tokenfleet.chat", args=[job], task_id=f"{rid}.1", queue=queue, routing_key=queue
     )
-    dups = stack.ledger_rows(f"request_id LIKE '{rid}:dup:%'", expect=bool)
-    assert len(dups) == 1 and dups[0]["status"] == "duplicate"
-    again = stack.ledger_rows(f"request_id = '{rid}'")[0]
+    deadline = time.time() + 10
+    while time.time() < deadline and state.counters().get("duplicates", 0) == dups_before:
+        time.sleep(0.1)
+    assert state.counters().get("duplicates", 0) == dups_before + 1
+    # give a wrongly separate row time to show up (the worker flushes every 0.25 s)
+    rows = stack.ledger_rows(
+        f"request_id LIKE '{rid}%'", timeout_s=3, expect=lambda rows: len(rows) > 1
+    )
+    assert len(rows) == 1, "a redelivery is not a second request"
+    again = rows[0]
     assert (
         again["status"] == row["status"] and again["completion_tokens"] == row["completion_tokens"]
     ), "the bill is unchanged"
@@ -309,6 +318,7 @@ def test_redis_restart_gives_503_then_recovers(healthy: LiveStack) -> None:
         assert r.status_code == 503, r.text
         assert 1 <= int(r.headers["Retry-After"]) <= 120
         assert r.json()["error"]["type"] == "server_error"
+        refused = r.headers["X-Request-Id"]  # errors name their request too
         h = requests.get(stack.url + "/health", timeout=10)
         assert h.status_code == 503 and "Retry-After" in h.headers
     finally:
@@ -328,3 +338,6 @@ def test_redis_restart_gives_503_then_recovers(healthy: LiveStack) -> None:
         time.sleep(0.5)
     assert last is not None and getattr(last, "status_code", None) == 200, last
     assert last.json()["usage"]["completion_tokens"] >= 1
+    # the refusal is a request the service did not serve: a rejected row
+    rows = stack.ledger_rows(f"request_id = '{refused}'", expect=bool)
+    assert [r["status"] for r in rows] == ["rejected"]

@@ -156,6 +156,73 @@ def test_up_serves_the_openai_client_and_records_the_ledger(
     assert {row.dc for row in done} <= {"dc-east", "dc-west"}
 
 
+def _server_state(data_dir: Path, name: str) -> dict[str, object]:
+    try:
+        return dict(json.loads((data_dir / "run" / f"{name}.json").read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+@pytest.mark.slow
+def test_up_restarts_killed_embedded_stores_and_serves_again(
+    up: tuple[subprocess.Popen[str], str, Path],
+) -> None:
+    """kill -9 of the embedded Redis, then of PostgreSQL: `up` starts each again
+    on the same port and data dir, and the API, workers and beat reconnect (a
+    chat request is served, and recorded, without restarting anything else)."""
+    proc, text, data_dir = up
+    url = text.split("API:", 1)[1].split()[0]
+    c = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=30)
+    model = c.models.list().data[0].id
+    import sqlalchemy as sa
+
+    from tokenfleet.service.db import make_engine
+
+    for name in ("redis", "postgres"):
+        before = _server_state(data_dir, name)
+        assert before and _alive(int(str(before["pid"]))), before
+        os.kill(int(str(before["pid"])), signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        after: dict[str, object] = {}
+        while time.monotonic() < deadline:
+            after = _server_state(data_dir, name)
+            if after and after["pid"] != before["pid"] and _alive(int(str(after["pid"]))):
+                break
+            time.sleep(0.2)
+        assert after.get("pid") != before["pid"], f"{name} was not restarted"
+        assert after["port"] == before["port"], "clients keep the URL they have"
+        served = None
+        while time.monotonic() < deadline:
+            try:
+                served = c.chat.completions.create(
+                    model=model, max_tokens=3, messages=[{"role": "user", "content": name}]
+                )
+                break
+            except openai.APIError:
+                time.sleep(0.5)
+        assert served is not None, f"not serving again after the {name} restart"
+        rid = served.id.removeprefix("chatcmpl-")
+        engine = make_engine(
+            str(after["url"])
+            if name == "postgres"
+            else str(_server_state(data_dir, "postgres")["url"])
+        )
+        try:
+            row = None
+            while time.monotonic() < deadline and row is None:
+                with engine.connect() as conn:
+                    row = conn.execute(
+                        sa.text("SELECT status FROM requests WHERE request_id = :r"), {"r": rid}
+                    ).first()
+                if row is None or row.status == "in_flight":
+                    row = None
+                    time.sleep(0.3)
+        finally:
+            engine.dispose()
+        assert row is not None and row.status in ("completed", "slo_missed"), row
+    assert proc.poll() is None, "up itself kept running"
+
+
 def test_sigterm_stops_everything(up: tuple[subprocess.Popen[str], str, Path]) -> None:
     proc, _, _ = up
     kids = _descendants(proc.pid)

@@ -227,6 +227,44 @@ def test_stopped_server_leaves_no_process(tmp_path: Path) -> None:
 
 
 # ---- migrations -------------------------------------------------------------------
+def test_revive_restarts_a_dead_embedded_redis_in_place_or_adopts_a_new_one(
+    tmp_path: Path,
+) -> None:
+    """What `tokenfleet up` does every second: a dead store comes back on the
+    same port (clients keep their URL); one restarted by someone else on the
+    data dir is adopted, not fought over."""
+    import signal
+
+    from tokenfleet.service.config import ServiceConfig
+
+    os.chmod(tmp_path, 0o755)
+    cfg: ServiceConfig = isolated_config(tmp_path, database_url="sqlite:///unused.db")
+    stack = ServiceStack(cfg)
+    stack.start()
+    try:
+        redis = stack.redis
+        assert redis is not None and stack.revive() == []
+        port, first = redis.port, redis.pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        redis._proc.wait(5)  # type: ignore[union-attr]  # dead, as `up` would find it
+        assert stack.revive() == ["redis"]
+        assert redis.port == port and redis.pid != first and redis.ping()
+        # killed again, and started by another process on the same data dir first
+        second = redis.pid
+        assert second is not None
+        os.kill(second, signal.SIGKILL)
+        redis._proc.wait(5)  # type: ignore[union-attr]
+        other = EmbeddedRedis(tmp_path, port=port).start()
+        assert other.pid not in (first, second)
+        assert stack.revive() == ["redis"]
+        assert redis.pid == other.pid and redis.port == port and redis.is_running()
+        assert stack.revive() == []
+    finally:
+        stack.stop()
+    assert not pid_alive(redis.pid)
+
+
 def test_db_upgrade_cli_creates_schema_from_any_cwd(
     pg: EmbeddedPostgres,
     tmp_path: Path,
@@ -303,6 +341,48 @@ def test_same_request_id_is_one_row_merged(engine: sa.Engine, tmp_path: Path) ->
     assert finished is not None
 
 
+@pytest.mark.parametrize("one_batch", [False, True], ids=["upserts", "in-batch"])
+def test_final_status_precedence_whatever_the_write_order(
+    engine: sa.Engine, tmp_path: Path, one_batch: bool
+) -> None:
+    """Worker, API and reconciler may record one request's end in any order
+    (spill replays, a lost worker's buffer): the row converges to the status of
+    higher precedence, whole, and the loser only fills gaps."""
+    failed = dict(status="failed", completion_tokens=3, error="reconciled", instance=None)
+    done = dict(status="completed", completion_tokens=42, error=None, instance="i-1")
+    dup = dict(status="duplicate", completion_tokens=0, finished_ts=None, instance="i-9")
+    orders = {
+        10: [failed, done],
+        11: [done, failed],
+        12: [dup, dict(status="in_flight", completion_tokens=0, finished_ts=None)],
+        13: [done, dup],
+        14: [dict(status="cancelled", completion_tokens=5), failed],
+    }
+    with _writer(engine, tmp_path / "spill") as writer:
+        for i, rows in orders.items():
+            for cols in rows:
+                writer.record(_row(i, **cols))  # type: ignore[arg-type]
+                if not one_batch:
+                    assert writer.flush(10)
+        assert writer.flush(10)
+    with engine.connect() as conn:
+        got = {
+            int(r[0].split("-")[1]): tuple(r[1:])
+            for r in conn.execute(
+                sa.text(
+                    "SELECT request_id, status, completion_tokens, error, instance FROM requests"
+                )
+            ).all()
+        }
+    assert got == {
+        10: ("completed", 42, "reconciled", "i-1"),
+        11: ("completed", 42, "reconciled", "i-1"),
+        12: ("in_flight", 0, None, "i-9"),
+        13: ("completed", 42, None, "i-1"),
+        14: ("cancelled", 5, "reconciled", None),
+    }
+
+
 def test_postgres_outage_loses_nothing_and_duplicates_nothing(
     pg: EmbeddedPostgres, engine: sa.Engine, tmp_path: Path
 ) -> None:
@@ -353,6 +433,46 @@ def test_close_during_outage_spills_and_next_writer_replays(
     engine = db.make_engine(db_url)
     try:
         assert _count(engine) == (120, 120)
+    finally:
+        engine.dispose()
+
+
+def test_outage_spools_rows_to_disk_within_a_bound(
+    pg: EmbeddedPostgres, db_url: str, tmp_path: Path
+) -> None:
+    """Once a write fails, rows wait on disk, not in memory (a process killed
+    during the outage loses none), and the spool is bounded: rows over
+    ``max_spill_bytes`` are dropped and counted. The rest is written after."""
+    import time
+
+    spill = tmp_path / "spill"
+    pg.stop()
+    try:
+        writer = LedgerWriter(
+            db_url,
+            spill_dir=spill,
+            batch_size=10,
+            flush_interval_s=0.02,
+            retry_max_s=0.1,
+            max_spill_bytes=20_000,
+        )
+        writer.record_many(_row(i) for i in range(10))
+        deadline = time.monotonic() + 20
+        while writer.stats.healthy and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not writer.stats.healthy
+        writer.record_many(_row(i) for i in range(10, 200))
+        on_disk = sum(1 for f in spill.glob("ledger-*") for _ in f.open())
+        assert 0 < on_disk < 200 and on_disk + writer.stats.dropped == 200
+    finally:
+        pg.start()
+    try:
+        assert writer.flush(timeout=30)
+    finally:
+        writer.close(timeout=10)
+    engine = db.make_engine(db_url)
+    try:
+        assert _count(engine) == (on_disk, on_disk)
     finally:
         engine.dispose()
 

@@ -518,6 +518,15 @@ def test_api_admits_exactly_ten_of_fifty_concurrent_chats_and_revokes_in_a_secon
     svc.usage.flush()
     day = usage_for(svc.engine, "http-co")[0]
     assert day["requests"] == 10 and day["rejected"] == 40 and day["completion_tokens"] > 0
+    # each 429 is a request the service did not serve: one rejected ledger row,
+    # named by the X-Request-Id of its answer (attainment counts it)
+    refused = {r.headers["X-Request-Id"] for r in limited}
+    assert len(refused) == 40
+    rows = live.ledger_rows(
+        "tenant_id = 'http-co'",
+        expect=lambda rows: sum(r["status"] == "rejected" for r in rows) >= 40,
+    )
+    assert {r["request_id"] for r in rows if r["status"] == "rejected"} == refused
 
     # revocation: the API refuses the key within a second
     admin.set_quota(

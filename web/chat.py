@@ -6,7 +6,9 @@ tokenized once) -> charge the tenant's quota -> ``gateway.dispatch`` (Celery)
 answer or as server-sent events -> reconcile the quota with the usage. The
 worker writes the ledger row; nothing comes back up through this view but the
 stream. Refusals are raised (``GatewayError``, ``TenancyError``, ``ApiError``)
-and turned into OpenAI-shaped responses by ``web.create_app``'s handlers.
+and turned into OpenAI-shaped responses by ``web.create_app``'s handlers; a
+429 or 503 refusal also leaves a ``rejected`` ledger row (attainment counts
+it), and every answer, errors included, carries ``X-Request-Id``.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from flask import Blueprint, Response, current_app, request
+import redis
+from flask import Blueprint, Response, current_app, g, request
 
-from tokenfleet.live.gateway import TIER_HEADER, Dispatched, Gateway
+from tokenfleet.live.gateway import TIER_HEADER, ChatRequest, Dispatched, Gateway
+from tokenfleet.live.gateway.rows import REFUSAL_STATUSES, refusal_record
 from tokenfleet.live.relay import RelayEvent
 from web.errors import ApiError
 from web.quota import ChatQuota
@@ -52,15 +56,23 @@ def chat_completions() -> Response:
         request.headers.get("Authorization")
     )
     body = parse_json_body()
-    req = gw.validate(
-        body,
-        tenant=principal.tenant,
-        slo_class=principal.slo_class,
-        tier_hint=request.headers.get(TIER_HEADER, "") or "",
-    )
-    quota = ChatQuota.admit(current_app.extensions.get("tokenfleet.quota"), principal, req)
+    tier_hint = request.headers.get(TIER_HEADER, "") or ""
+    req: ChatRequest | None = None
     try:
-        d = gw.dispatch(req)
+        req = gw.validate(
+            body, tenant=principal.tenant, slo_class=principal.slo_class, tier_hint=tier_hint
+        )
+        g.tf_request_id = req.info.request_id
+        quota = ChatQuota.admit(current_app.extensions.get("tokenfleet.quota"), principal, req)
+    except Exception as exc:
+        _record_refusal(gw, principal.tenant, body, req, tier_hint, exc)
+        raise
+    try:
+        try:
+            d = gw.dispatch(req)
+        except Exception as exc:
+            _record_refusal(gw, principal.tenant, body, req, tier_hint, exc)
+            raise
         events = gw.events(d)
         if not req.stream:
             resp, usage = _complete(d, events)
@@ -83,6 +95,35 @@ def chat_completions() -> Response:
             "X-Request-Id": req.info.request_id,
         },
     )
+
+
+@chat_bp.after_request
+def _request_id_header(resp: Response) -> Response:
+    """Errors too name their request, so a client can find its ledger row."""
+    rid = g.get("tf_request_id")
+    if rid and "X-Request-Id" not in resp.headers:
+        resp.headers["X-Request-Id"] = rid
+    return resp
+
+
+def _record_refusal(
+    gw: Gateway, tenant: str, body: Any, req: ChatRequest | None, tier_hint: str, exc: Exception
+) -> None:
+    """A 429/503 refusal is a request the service did not serve: one ``rejected``
+    row (400-class errors are the client's mistakes, not requests)."""
+    status = 503 if isinstance(exc, redis.RedisError) else getattr(exc, "status", None)
+    if status not in REFUSAL_STATUSES:
+        return
+    row = refusal_record(
+        tenant=tenant,
+        body=body,
+        req=req,
+        tier_hint=tier_hint,
+        tiers=gw.slo.tiers,
+        message=str(getattr(exc, "message", None) or exc) or f"refused ({status})",
+    )
+    g.tf_request_id = row.request_id
+    gw.record(row)
 
 
 def _event_error(ev: RelayEvent | None) -> ApiError:

@@ -318,8 +318,30 @@ def _rtt_of(topo: Any) -> Any:
     return rtt
 
 
+def reconcile_ledger() -> dict[str, Any]:
+    """Settle ledger rows left ``in_flight`` that nothing serves any more
+    (:mod:`tokenfleet.live.reconcile`); a no-op without a ledger."""
+    ctx = _ctx()
+    if ctx.db_engine is None:
+        return {}
+    from tokenfleet.live.reconcile import reconcile
+
+    try:
+        report = reconcile(
+            ctx.db_engine,
+            ctx.state,
+            request_timeout_s=ctx.live.request_timeout_s,
+            grace_s=ctx.live.reconcile_grace_s,
+            stream_ttl_s=ctx.live.stream_ttl_s,
+        )
+    except Exception as exc:  # noqa: BLE001 - a store down: the next pass retries
+        log.warning("ledger reconciler skipped: %s", exc.__class__.__name__)
+        return {}
+    return {"examined": report.examined, "settled": report.settled}
+
+
 def beat_schedule(live: LiveConfig) -> dict[str, Any]:
-    from tokenfleet.live.jobs import TASK_CONTROL, TASK_FLEET
+    from tokenfleet.live.jobs import TASK_CONTROL, TASK_FLEET, TASK_RECONCILE
     from tokenfleet.live.queues import CONTROL_QUEUE
 
     opts = {
@@ -337,5 +359,10 @@ def beat_schedule(live: LiveConfig) -> dict[str, Any]:
             "task": TASK_FLEET,
             "schedule": timedelta(seconds=live.fleet_period_s),
             "options": {**opts, "expires": live.fleet_period_s},
+        },
+        "ledger-reconcile": {
+            "task": TASK_RECONCILE,
+            "schedule": timedelta(seconds=live.reconcile_period_s),
+            "options": {**opts, "expires": live.reconcile_period_s},
         },
     }

@@ -4,8 +4,9 @@
 engine and relays its tokens. Exactly-once against the engine comes from the
 Redis claim (``LiveState.claim``): a delivery for an attempt that finished,
 is running elsewhere or was superseded is acknowledged without calling the
-engine and recorded in the ledger as a ``duplicate`` row of its own (so the
-request's own row, and its bill, stay single).
+engine. It is folded into the request's own ledger row as a ``duplicate``
+record, the lowest status in the writer's precedence: it can only fill gaps,
+never add a second row for the request or change its status or bill.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-import uuid
 from typing import Any
 
 from celery.signals import task_received
@@ -27,6 +27,7 @@ from tokenfleet.live.jobs import (
     TASK_CHAT,
     TASK_CONTROL,
     TASK_FLEET,
+    TASK_RECONCILE,
     ChatJob,
     send_chat_job,
 )
@@ -85,17 +86,9 @@ def _record(rt: WorkerRuntime, row: RequestRecord) -> None:
 def _record_duplicate(rt: WorkerRuntime, job: ChatJob, why: str) -> str:
     rt.state.count(duplicates=1)
     log.info("duplicate delivery of %s attempt %s (%s): not run", job.request_id, job.attempt, why)
-    _record(
-        rt,
-        _row(
-            job,
-            rt,
-            "duplicate",
-            request_id=f"{job.request_id}:dup:{uuid.uuid4().hex[:8]}",
-            finished_ts=time.time(),
-            error=f"duplicate delivery ({why})",
-        ),
-    )
+    # the request's own row: an attempt that was delivered again, not a second
+    # request (placement NULL: where the real attempt ran is not here)
+    _record(rt, _row(job, rt, "duplicate", dc=None, instance=None, admitted_ts=None))
     return "duplicate"
 
 
@@ -249,6 +242,9 @@ def run_job(
                 "prompt_tokens_details": {"cached_tokens": cached},
             },
         )
+        # what the ledger row says, for the API's copy of it: a worker killed
+        # before its writer flushed must not leave the request unbilled
+        end.update({"s": status, "td": dispatched, "tf": first_ts, "te": finished, "ca": cached})
         # settle and append the end entry atomically: only the winner ends the stream
         won, final = state.finish(
             rid, status, rt.worker_id, end_event=end, stream_ttl_s=rt.live.stream_ttl_s
@@ -372,13 +368,13 @@ def _on_engine_error(
     if exc.kind == "aborted":
         send_abort(rt.info.url, f"{rid}-{attempt}")
         if "cancelled" in str(exc):
-            won, _ = state.finish(rid, "cancelled", rt.worker_id)
+            won, final = state.finish(rid, "cancelled", rt.worker_id)
             _record(
                 rt,
                 _row(
                     job,
                     rt,
-                    "cancelled",
+                    "cancelled" if won else (final or "cancelled"),
                     dispatched_ts=dispatched,
                     first_token_ts=first_ts,
                     finished_ts=now,
@@ -481,3 +477,10 @@ def fleet_cycle() -> dict[str, Any]:
     from workers.control import fleet_cycle as cycle
 
     return cycle()
+
+
+@app.task(name=TASK_RECONCILE, ignore_result=True, acks_late=False)
+def reconcile_ledger() -> dict[str, Any]:
+    from workers.control import reconcile_ledger as run
+
+    return run()

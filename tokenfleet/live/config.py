@@ -135,6 +135,20 @@ class LiveConfig:
             "Period of beat's long cycle (FleetMind spill shares and replica targets), seconds."
         ),
     )
+    reconcile_period_s: float = field(
+        default=10.0,
+        metadata=_doc(
+            "Period of beat's ledger reconciler: rows left `in_flight` whose request nobody"
+            " serves any more are settled, seconds."
+        ),
+    )
+    reconcile_grace_s: float = field(
+        default=15.0,
+        metadata=_doc(
+            "The reconciler judges only rows older than this, and settles a request whose"
+            " worker lease lapsed only after it stayed unowned this long, seconds."
+        ),
+    )
     stream_ttl_s: float = field(
         default=120.0,
         metadata=_doc(
@@ -196,6 +210,8 @@ class LiveConfig:
             "control_period_s",
             "fleet_period_s",
             "request_timeout_s",
+            "reconcile_period_s",
+            "reconcile_grace_s",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"'{name}' must be > 0 seconds, got {getattr(self, name)}")

@@ -24,6 +24,7 @@ from tokenfleet.service.writer import RequestRecord
 TASK_CHAT = "tokenfleet.chat"
 TASK_CONTROL = "tokenfleet.control_tick"
 TASK_FLEET = "tokenfleet.fleet_cycle"
+TASK_RECONCILE = "tokenfleet.reconcile_ledger"
 
 #: message header with the uncached prompt tokens the request will prefill, so a
 #: worker can weigh a message on receipt without decoding its body

@@ -37,6 +37,10 @@ class RelayEvent:
     error_type: str = ""
     attempt: int = 0
     instance: str = ""
+    #: ``end``: the worker's ledger facts (``s`` status, ``td``/``tf``/``te``
+    #: dispatched/first token/finished epoch s, ``ca`` cached tokens), so the
+    #: API can record the row too when the worker dies before its writer flushes
+    ledger: dict[str, str] | None = None
 
 
 def _decode(fields: dict[bytes, bytes]) -> RelayEvent:
@@ -55,6 +59,12 @@ def _decode(fields: dict[bytes, bytes]) -> RelayEvent:
             finish_reason=fields.get(b"f", b"stop").decode(),
             usage=json.loads(u) if u else None,
             instance=fields.get(b"i", b"").decode(),
+            ledger={
+                k: fields[k.encode()].decode()
+                for k in ("s", "td", "tf", "te", "ca")
+                if k.encode() in fields
+            }
+            or None,
         )
     if kind == "err":
         return RelayEvent(

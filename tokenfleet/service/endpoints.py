@@ -165,6 +165,19 @@ class ServiceStack:
             upgrade(database_url)
         return self.endpoints
 
+    def revive(self) -> list[str]:
+        """Restart the embedded servers this stack started that died (same port
+        and data dir, so every client reconnects to the URL it has); names
+        restarted. ``tokenfleet up`` calls it every second."""
+        revived = []
+        for server in (self.redis, self.postgres):
+            if server is None or not server.owned or server.is_running():
+                continue
+            log.warning("embedded %s (pid %s) died; restarting it", server.name, server.pid)
+            server.restart()
+            revived.append(server.name)
+        return revived
+
     def stop(self) -> None:
         """Stop what we started, database last-but-one: Redis first, then PostgreSQL."""
         if self.redis is not None:

@@ -168,6 +168,13 @@ class RequestRow(Base):
         sa.Index("ix_requests_tenant_arrival", "tenant_id", "arrival_ts"),
         sa.Index("ix_requests_tier_arrival", "tier", "arrival_ts"),
         sa.Index("ix_requests_dc_arrival", "dc", "arrival_ts"),
+        # rows not final yet, for the ledger reconciler (migration 0003)
+        sa.Index(
+            "ix_requests_open_arrival",
+            "arrival_ts",
+            postgresql_where=sa.text("status IN ('in_flight', 'duplicate')"),
+            sqlite_where=sa.text("status IN ('in_flight', 'duplicate')"),
+        ),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)

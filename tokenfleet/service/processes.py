@@ -278,6 +278,45 @@ class EmbeddedServer:
             self._start_new()
         return self
 
+    def restart(self, port_wait_s: float = 30.0) -> Self:
+        """Start a server that died again, on the same port and data dir.
+
+        Clients (connection pools, Celery, the env of child processes) hold its
+        URL, so the port must not change: wait for the dead server's socket to
+        be released instead of picking another. One that someone else already
+        started again there (recorded in the data dir, answering) is adopted."""
+        with _file_lock(self.lock_file):
+            state = self._read_state()
+            if (
+                state
+                and self._state_pid_is_ours(state)
+                and int(state["port"]) == self.port
+                and int(state["pid"]) != self.pid
+            ):
+                self._proc = None
+                self.pid = int(state["pid"])
+                if self.ping():
+                    log.warning(
+                        "embedded %s was restarted (pid %s); adopting it", self.name, self.pid
+                    )
+                    return self
+        deadline = time.monotonic() + port_wait_s
+        while self.port and not port_is_free(self.port, self.host):
+            if time.monotonic() > deadline:
+                raise TokenFleetError(
+                    f"port {self.port} of embedded {self.name} still taken after "
+                    f"{port_wait_s:.0f}s; cannot restart it in place"
+                )
+            time.sleep(0.1)
+        if self._proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=0)  # reap the dead one
+        self._proc = None
+        self.pid = None
+        with _file_lock(self.lock_file):
+            self._start_new()
+        return self
+
     def _choose_port(self) -> int:
         if self.port and port_is_free(self.port, self.host):
             return self.port

@@ -8,8 +8,14 @@ batches of up to ``batch_size`` rows, or whatever is there every
 Delivery is at-least-once and the upsert is idempotent, which together give
 exactly one row per ``request_id``:
 
-* database down (connection refused, restart, failover): the batch goes back
-  to the front of the queue and is retried with exponential backoff;
+* database down (connection refused, restart, failover): the batch that
+  failed and every row waiting in memory go to a spill file, and so does
+  every new row until a write succeeds again (a process that dies during
+  the outage loses nothing); the thread retries with exponential backoff by
+  replaying the spill files;
+* spill files are bounded (``max_spill_bytes`` over the whole spill dir):
+  beyond it a row is dropped, counted (``stats.dropped``) and logged, so an
+  outage cannot fill the disk;
 * queue full (``max_buffer_rows``): new rows are appended to a spill file
   ``<data_dir>/spill/ledger-<pid>-<n>.jsonl.part``; once the database answers
   again the thread replays spill files, its own and those left behind by
@@ -25,10 +31,15 @@ which survives ``fork()``. Celery prefork workers must create their writer
 after the fork (``worker_process_init``) and close it on
 ``worker_process_shutdown``; one writer per process, shared by all threads.
 
-Merge rule when a ``request_id`` is seen again (retry, replay, lifecycle
-update): a non-final status (``in_flight``, ``duplicate``) never replaces a
-stored status; other columns take the new value, except that a NULL never
-erases a stored value and ``attempts`` keeps the maximum.
+Merge rule when a ``request_id`` is seen again (retry, replay, a second
+writer, lifecycle update): the status of higher precedence wins
+(:data:`STATUS_PRECEDENCE`: a served answer over a cancel over a failure over
+a refusal over ``in_flight`` over a ``duplicate`` delivery; equal ranks: the
+later write). The winning row's status and token counts are taken whole, its
+other non-NULL columns overwrite the stored ones, and the losing row only
+fills columns still NULL; ``attempts`` keeps the maximum. Several writers may
+therefore record the same end (worker, API, reconciler) in any order and the
+row converges to one final state.
 """
 
 from __future__ import annotations
@@ -59,6 +70,23 @@ log = logging.getLogger(__name__)
 
 TIMESTAMP_FIELDS = ("arrival_ts", "admitted_ts", "dispatched_ts", "first_token_ts", "finished_ts")
 NON_FINAL = frozenset({RequestStatus.IN_FLIGHT.value, RequestStatus.DUPLICATE.value})
+
+#: which status wins when two rows of one request meet (higher wins; ties: the
+#: later write). Tokens the engine produced outrank every verdict reached
+#: without them (a reconciler's "failed" must not erase a late spilled
+#: "completed"); a client's cancel outranks a failure seen after it left.
+STATUS_PRECEDENCE: dict[str, int] = {
+    RequestStatus.DUPLICATE.value: 0,
+    RequestStatus.IN_FLIGHT.value: 1,
+    RequestStatus.REJECTED.value: 2,
+    RequestStatus.FAILED.value: 3,
+    RequestStatus.TIMED_OUT.value: 3,
+    RequestStatus.CANCELLED.value: 4,
+    RequestStatus.SLO_MISSED.value: 5,
+    RequestStatus.COMPLETED.value: 5,
+}
+#: columns the winning row takes whole (a 0 token count is a real value)
+_WINNER_COLUMNS = ("status", "prompt_tokens", "cached_tokens", "completion_tokens")
 
 
 @dataclass(slots=True)
@@ -128,19 +156,15 @@ def normalize_row(row: RequestRecord | Mapping[str, Any]) -> dict[str, Any]:
 
 def merge_rows(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
     """The upsert's merge rule in Python, for two rows of one request_id in one batch."""
+    wins = STATUS_PRECEDENCE[new["status"]] >= STATUS_PRECEDENCE[old["status"]]
     merged = dict(old)
-    keep_status = new["status"] in NON_FINAL and old["status"] not in NON_FINAL
     for key, value in new.items():
         if key == "attempts":
             merged[key] = max(old.get(key) or 1, value or 1)
-        elif keep_status and key in (
-            "status",
-            "prompt_tokens",
-            "cached_tokens",
-            "completion_tokens",
-        ):
-            continue
-        elif value is not None:
+        elif key in _WINNER_COLUMNS:
+            if wins:
+                merged[key] = value
+        elif value is not None and (wins or old.get(key) is None):
             merged[key] = value
     return merged
 
@@ -167,6 +191,7 @@ class WriterStats:
     spilled: int = 0
     replayed: int = 0
     rejected: int = 0  # rows the database refused as data; see rejected-*.jsonl
+    dropped: int = 0  # rows that did not fit under max_spill_bytes (lost)
     merged_in_batch: int = 0  # same request_id twice within one batch
     last_error: str | None = None
     healthy: bool = True
@@ -220,6 +245,7 @@ class LedgerWriter:
         retry_initial_s: float = 0.05,
         retry_max_s: float = 5.0,
         spill_scan_interval_s: float = 5.0,
+        max_spill_bytes: int = 1 << 30,
         name: str = "ledger-writer",
     ) -> None:
         from tokenfleet.service.db import make_engine
@@ -234,6 +260,9 @@ class LedgerWriter:
         self.retry_initial_s = retry_initial_s
         self.retry_max_s = retry_max_s
         self.spill_scan_interval_s = spill_scan_interval_s
+        self.max_spill_bytes = max_spill_bytes
+        self._spill_dir_bytes = 0  # size of the spill dir as last measured, plus writes since
+        self._spill_dir_measured_at = float("-inf")
         self.stats = WriterStats()
 
         self._cond = threading.Condition()
@@ -272,7 +301,8 @@ class LedgerWriter:
             if self._closed:
                 raise RuntimeError("LedgerWriter is closed; create a new one")
             self.stats.recorded += 1
-            if len(self._buf) >= self.max_buffer_rows:
+            if len(self._buf) >= self.max_buffer_rows or not self.stats.healthy:
+                # full, or the database is away: straight to disk
                 self._spill_locked([data])
                 return
             self._buf.append(data)
@@ -288,7 +318,8 @@ class LedgerWriter:
     def pending(self) -> int:
         """Rows not yet confirmed written, counting this process's spill only."""
         with self._cond:
-            return len(self._buf) + len(self._inflight) + self._spill_rows_open
+            spilled = max(0, self.stats.spilled - self.stats.replayed)
+            return len(self._buf) + len(self._inflight) + spilled
 
     def flush(self, timeout: float | None = 10.0) -> bool:
         """Write everything queued and every spill file now; True if fully drained in time."""
@@ -342,15 +373,42 @@ class LedgerWriter:
         self.close()
 
     # ---- spill files ------------------------------------------------------------
+    def _spill_budget_locked(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit under ``max_spill_bytes`` (the dir's size is
+        re-measured at most once a second: other processes spill there too)."""
+        now = time.monotonic()
+        if now - self._spill_dir_measured_at > 1.0:
+            total = 0
+            for path in self.spill_dir.glob("ledger-*"):
+                with contextlib.suppress(OSError):
+                    total += path.stat().st_size
+            self._spill_dir_bytes = total
+            self._spill_dir_measured_at = now
+        if self._spill_dir_bytes + nbytes > self.max_spill_bytes:
+            return False
+        self._spill_dir_bytes += nbytes
+        return True
+
     def _spill_locked(self, rows: list[dict[str, Any]]) -> None:
+        lines = [json.dumps(row, default=_json_default) + "\n" for row in rows]
+        size = sum(len(line) for line in lines)
+        if not self._spill_budget_locked(size):
+            self.stats.dropped += len(rows)
+            log.error(
+                "ledger spill dir %s is over %d bytes: %d rows dropped (%d in all)",
+                self.spill_dir,
+                self.max_spill_bytes,
+                len(rows),
+                self.stats.dropped,
+            )
+            return
         if self._spill_fh is None:
             self._spill_path = (
                 self.spill_dir
                 / f"ledger-{os.getpid()}-{next(self._spill_seq)}-{time.time_ns()}.jsonl.part"
             )
             self._spill_fh = open(self._spill_path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across batches
-        for row in rows:
-            self._spill_fh.write(json.dumps(row, default=_json_default) + "\n")
+        self._spill_fh.writelines(lines)
         self._spill_fh.flush()
         self._spill_rows_open += len(rows)
         self.stats.spilled += len(rows)
@@ -481,8 +539,10 @@ class LedgerWriter:
                     if from_spill:
                         self._release_replay_locked()
                     else:
-                        self._buf.extendleft(reversed(batch))
-                        self._oldest_at = self._oldest_at or time.monotonic()
+                        # durable while the database is away (see the module doc)
+                        self._spill_locked(batch + list(self._buf))
+                        self._buf.clear()
+                        self._oldest_at = None
                     log.warning(
                         "ledger flush failed (%s); retrying in %.2fs",
                         self.stats.last_error.splitlines()[0] if self.stats.last_error else exc,
@@ -578,9 +638,18 @@ def upsert_statement(dialect: str) -> Any:
     stmt = insert(table)
     ex = stmt.excluded
     cur = table.c
-    # constants inlined: expanding IN parameters are not allowed with executemany
-    non_final: list[Any] = [sa.literal_column(f"'{v}'") for v in sorted(NON_FINAL)]
-    keep = ex.status.in_(non_final) & cur.status.not_in(non_final)
+
+    def rank(col: Any) -> Any:
+        # constants inlined: one compiled statement for every executemany batch
+        return sa.case(
+            *(
+                (col == sa.literal_column(f"'{k}'"), sa.literal_column(str(v)))
+                for k, v in STATUS_PRECEDENCE.items()
+            ),
+            else_=sa.literal_column("0"),
+        )
+
+    wins = rank(ex.status) >= rank(cur.status)
     greatest = sa.func.greatest if dialect == "postgresql" else sa.func.max
     update: dict[str, Any] = {}
     for name in RECORD_FIELDS:
@@ -588,9 +657,12 @@ def upsert_statement(dialect: str) -> Any:
             continue
         if name == "attempts":
             update[name] = greatest(cur.attempts, ex.attempts)
-        elif name in ("status", "prompt_tokens", "cached_tokens", "completion_tokens"):
-            update[name] = sa.case((keep, cur[name]), else_=ex[name])
+        elif name in _WINNER_COLUMNS:
+            update[name] = sa.case((wins, ex[name]), else_=cur[name])
         else:
-            update[name] = sa.func.coalesce(ex[name], cur[name])
+            update[name] = sa.case(
+                (wins, sa.func.coalesce(ex[name], cur[name])),
+                else_=sa.func.coalesce(cur[name], ex[name]),
+            )
     update["updated_at"] = ex.updated_at
     return stmt.on_conflict_do_update(index_elements=[cur.request_id], set_=update)

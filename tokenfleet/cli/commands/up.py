@@ -5,7 +5,8 @@ migrations applied) unless ``TOKENFLEET_REDIS_URL`` / ``TOKENFLEET_DATABASE_URL`
 point at external ones, then a two-datacenter topology of emulated engines
 with one worker each, beat, and the API. Ctrl-C or SIGTERM stops everything
 in order (API, beat, workers, engines, then the stores) and leaves no process
-behind; a child that crashes meanwhile is restarted.
+behind; a child that crashes meanwhile is restarted, and so is an embedded
+store that dies (same port and data dir: the others reconnect by themselves).
 """
 
 from __future__ import annotations
@@ -254,7 +255,20 @@ def run(args: argparse.Namespace) -> int:
             max_per_dc=args.max_instances_per_dc,
         )
         next_plan_check = 0.0
+        next_store_check = 0.0
         while not stopping["flag"]:
+            if time.monotonic() >= next_store_check:
+                next_store_check = time.monotonic() + 1.0
+                try:
+                    for name in stack.revive():
+                        print(
+                            f"tokenfleet up: embedded {name} died and was restarted on the "
+                            "same port; every process reconnects to it",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                except TokenFleetError as exc:
+                    print(f"tokenfleet up: {exc}; retrying", file=sys.stderr, flush=True)
             for name in sup.poll():
                 print(
                     f"tokenfleet up: {name} died and was restarted (see "

@@ -37,6 +37,7 @@ from tokenfleet.live.gateway.validate import ChatRequest, validate_chat
 from tokenfleet.live.gateway.watch import Watcher
 from tokenfleet.live.redis_transport import TRANSPORT_PATH, PipelinePublisher, same_database
 from tokenfleet.live.state import LiveState
+from tokenfleet.service.writer import RequestRecord
 from tokenfleet.tokenizer import ChatPrompt, tokenize_chat
 
 
@@ -165,6 +166,10 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
                 tok = tokenize_chat
             self._tokenizers[key] = tok
         return tok
+
+    def record(self, row: RequestRecord) -> None:
+        """Queue a ledger row (never blocks; without a ledger, nothing)."""
+        self._ledger(row)
 
     def health(self) -> dict[str, Any]:
         """Redis and the instances as ``/health`` reports them (raises RedisError)."""

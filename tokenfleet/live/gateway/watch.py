@@ -7,6 +7,9 @@ token gets its request re-sent elsewhere (:mod:`tokenfleet.live.resend`, the
 same rule the workers use), one that died after it ends the stream with an
 error event, and a request queued for an instance that went away is re-sent
 to a live one. The request timeout and a client that went away settle it here.
+Every end it relays is also recorded in the ledger (:mod:`.rows`), so a
+request keeps its final row when the worker that served it dies before its
+ledger writer flushed, or when the end is the API's own verdict.
 """
 
 from __future__ import annotations
@@ -22,6 +25,12 @@ from kombu.exceptions import KombuError
 
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.gateway.dispatch import Dispatched, ledger_record
+from tokenfleet.live.gateway.rows import (
+    PendingSettlements,
+    end_record,
+    error_record,
+    settled,
+)
 from tokenfleet.live.jobs import ChatJob
 from tokenfleet.live.relay import RelayEvent, RelayReader
 from tokenfleet.live.resend import pick_resend_target
@@ -76,12 +85,14 @@ class Watcher:
                 if not redis_down_since:
                     redis_down_since.append(now)
                 if now - redis_down_since[0] > max(5.0, 3 * self.live.lease_ttl_s):
+                    self._settle_later(d.request.info.request_id, "failed")
                     return RelayEvent(
                         "err",
                         message="lost contact with the live state store "
                         "while waiting for this request; retry it",
                         code=503,
                         error_type="server_error",
+                        ledger=settled("failed"),
                     )
                 return None
 
@@ -95,8 +106,10 @@ class Watcher:
                 d.attempt = max(d.attempt, ev.attempt)
             elif ev.kind == "end":
                 self._on_complete(d, ev)
+                self._ledger_end(d, ev)
             elif ev.kind == "err":
                 self._settle_dc_choice(d, "failed")
+                self._ledger(error_record(d, ev))
             yield ev
             # the policies learn from the first token once the caller has sent it
             # on (it asks for the next event after writing the chunk)
@@ -106,6 +119,16 @@ class Watcher:
         """Detect a lost worker or a request stranded in a dead instance's queue."""
         st = self.state.request_state(d.request.info.request_id)
         status = st.get("status")
+        if not st:
+            # Redis came back without this request's state (restarted from an
+            # older snapshot): nothing will settle it, so end it now
+            missing = d.extra.setdefault("state_missing_s", now)
+            if now - missing > self.live.lease_ttl_s:
+                return self._settle(
+                    d, "failed", 503, "the live state of this request was lost; retry it"
+                )
+            return None
+        d.extra.pop("state_missing_s", None)
         attempt = int(st.get("attempt", "1") or 1)
         d.attempt = max(d.attempt, attempt)
         if status == "running" and not self.state.lease_alive(d.request.info.request_id):
@@ -132,7 +155,11 @@ class Watcher:
         if status == "done" and st.get("final") in ("failed", "timed_out", "cancelled"):
             # settled by someone who could not write to the stream (e.g. lost worker)
             return RelayEvent(
-                "err", message=f"request {st.get('final')}", code=502, error_type="server_error"
+                "err",
+                message=f"request {st.get('final')}",
+                code=502,
+                error_type="server_error",
+                ledger=settled(st.get("final") or "failed"),
             )
         return None
 
@@ -202,18 +229,7 @@ class Watcher:
         if not won:
             return None  # the worker settled it first; its events are on the way
         self.state.cancel(info.request_id)
-        self._ledger(
-            ledger_record(
-                info,
-                status,
-                finished_ts=time.time(),
-                first_token_ts=d.first_token_s,
-                instance=d.instance or None,
-                completion_tokens=d.tokens,
-                attempts=d.attempt,
-                error=message[:500],
-            )
-        )
+        # the row: recorded by events() with every error it relays
         if self.metrics is not None:
             self.metrics.finished(info.tier, status)
         self._settle_dc_choice(d, status)
@@ -222,6 +238,7 @@ class Watcher:
             message=message,
             code=code,
             error_type="timeout" if code == 504 else "server_error",
+            ledger=settled(status),
         )
 
     def cancel(self, d: Dispatched) -> None:
@@ -231,7 +248,9 @@ class Watcher:
             self.state.cancel(info.request_id)
             won, _ = self.state.finish(info.request_id, "cancelled")
         except redis.RedisError:
-            return
+            # settled in Redis once it is back; the row records the end now
+            self._settle_later(info.request_id, "cancelled")
+            won = True
         if won:
             self._ledger(
                 ledger_record(
@@ -245,3 +264,21 @@ class Watcher:
             if self.metrics is not None:
                 self.metrics.finished(info.tier, "cancelled")
         self._settle_dc_choice(d, "cancelled")
+
+    def _ledger_end(self, d: Dispatched, ev: RelayEvent) -> None:
+        """The API's copy of the worker's final row (see :mod:`.rows`)."""
+        try:
+            infos = self.instances(max_age_s=60.0)
+        except redis.RedisError:
+            infos = []
+        dc = next((i.dc for i in infos if i.instance_id == ev.instance), None)
+        row = end_record(d, ev, dc)
+        if row is not None:
+            self._ledger(row)
+
+    def _settle_later(self, request_id: str, status: str) -> None:
+        """Settle in Redis when it answers again (:class:`.rows.PendingSettlements`)."""
+        pending: PendingSettlements | None = getattr(self, "_pending_settlements", None)
+        if pending is None:
+            pending = self._pending_settlements = PendingSettlements(self.state)
+        pending.add(request_id, status)
