@@ -144,6 +144,29 @@ def test_non_stream_chat_reports_usage_and_forced_length(server: EmulatorServer)
     assert body["usage"]["completion_tokens"] == 12
 
 
+def test_tokenize_detokenize_and_render_speak_vllms_shapes(server: EmulatorServer) -> None:
+    """What real routers and benchmark clients call besides completions
+    (vllm-router's kv_aware policy renders and tokenizes prompts itself)."""
+    messages = [{"role": "user", "content": "count these tokens, please"}]
+    tok = requests.post(server.url + "/tokenize", json={"model": MODEL, "messages": messages})
+    assert tok.status_code == 200
+    body = tok.json()
+    used = chat(server.url, "count these tokens, please", max_tokens=2).json()["usage"]
+    assert body["count"] == len(body["tokens"]) == used["prompt_tokens"]
+    assert body["max_model_len"] > body["count"]
+    plain = requests.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "hello"})
+    back = requests.post(server.url + "/detokenize", json={"tokens": plain.json()["tokens"]})
+    assert back.json() == {"prompt": "hello"}
+    rendered = requests.post(
+        server.url + "/v1/chat/completions/render",
+        json={"model": MODEL, "messages": messages, "max_tokens": 9},
+    ).json()
+    assert rendered["token_ids"] == body["tokens"]
+    assert rendered["sampling_params"]["max_tokens"] == 9
+    bad = requests.post(server.url + "/detokenize", json={"tokens": ["x"]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
 def test_default_output_lengths_are_seeded_and_capped() -> None:
     def lengths(seed: int) -> list[int]:
         with EmulatorServer(PROFILE, time_scale=0.01, seed=seed) as srv:

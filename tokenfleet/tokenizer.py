@@ -52,6 +52,14 @@ def encode_token_ids(token_ids: Iterable[int]) -> bytes:
     return array("I", ids).tobytes() if ids else b""
 
 
+def decode_token_ids(ids: Sequence[Any]) -> str:
+    """Text of token ids (``/detokenize``); ``ValueError`` for a non-id."""
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= _MAX_TOKEN_ID:
+            raise ValueError(f"token id {t!r} is outside 0..{_MAX_TOKEN_ID}")
+    return array("I", ids).tobytes().rstrip(b"\0").decode("utf-8", "replace")
+
+
 def token_ids(stream: bytes) -> array[int]:
     """Token ids of a byte stream produced by :func:`encode_text`."""
     out = array("I")

@@ -80,7 +80,7 @@ def _int_field(body: Mapping[str, Any], name: str, minimum: int) -> int | None:
     return value
 
 
-def _prompt_stream(body: Mapping[str, Any], chat: bool) -> bytes:
+def prompt_stream(body: Mapping[str, Any], chat: bool) -> bytes:
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -128,7 +128,7 @@ def parse_request(
     n = _int_field(body, "n", 1)
     if n is not None and n != 1:
         raise ApiError(400, "the emulator supports only n=1", "n")
-    stream_prompt = _prompt_stream(body, chat)
+    stream_prompt = prompt_stream(body, chat)
     input_tokens = num_tokens(stream_prompt)
     if input_tokens == 0:
         raise ApiError(400, "the prompt is empty", "messages" if chat else "prompt")

@@ -39,12 +39,13 @@ from tokenfleet.emulator.openai_api import (
     chunk_body,
     completion_body,
     parse_request,
+    prompt_stream,
     usage,
     usage_chunk,
 )
 from tokenfleet.engine.profiles import EngineProfile, get_profile
 from tokenfleet.errors import CapacityError, ConfigError
-from tokenfleet.tokenizer import block_hashes, filler_word
+from tokenfleet.tokenizer import block_hashes, decode_token_ids, filler_word, token_ids
 
 #: exit status when ``crash_after_s`` fires
 CRASH_EXIT_CODE = 1
@@ -499,6 +500,12 @@ class _Handler(BaseHTTPRequestHandler):
                 self._completion(chat=True)
             elif path == "/v1/completions":
                 self._completion(chat=False)
+            elif path == "/tokenize":
+                self._tokenize()
+            elif path == "/detokenize":
+                self._detokenize()
+            elif path in ("/v1/chat/completions/render", "/v1/completions/render"):
+                self._render(chat=path.startswith("/v1/chat"))
             elif path == "/abort_request":
                 self._abort()
             elif path == "/reset_prefix_cache":
@@ -537,6 +544,52 @@ class _Handler(BaseHTTPRequestHandler):
                 )
             n = sum(1 for r in rids if loop.abort(r))
         self._send_json(200, {"aborted": n})
+
+    def _tokenize(self) -> None:
+        """vLLM's ``POST /tokenize``: a ``prompt`` or chat ``messages`` -> token ids."""
+        body = self._read_json()
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        chat = "messages" in body
+        ids = list(token_ids(prompt_stream(body, chat)))
+        self._send_json(
+            200,
+            {
+                "count": len(ids),
+                "max_model_len": self.app.max_model_len_tokens,
+                "tokens": ids,
+                "token_strs": None,
+            },
+        )
+
+    def _detokenize(self) -> None:
+        """vLLM's ``POST /detokenize``: ``tokens`` -> ``prompt`` text."""
+        body = self._read_json()
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list):
+            raise ApiError(400, "'tokens' must be a list of token ids", "tokens")
+        try:
+            text = decode_token_ids(tokens)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "tokens") from None
+        self._send_json(200, {"prompt": text})
+
+    def _render(self, chat: bool) -> None:
+        """vLLM's render endpoints (``--enable-scale-out``): the request as the
+        engine would run it, token ids and sampling limits, without running it."""
+        body = self._read_json()
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        parsed = self.app.parse(body, headers, chat)
+        self._send_json(
+            200,
+            {
+                "request_id": self.headers.get("X-Request-Id") or uuid.uuid4().hex,
+                "token_ids": list(token_ids(parsed.prompt_stream)),
+                "sampling_params": {"max_tokens": parsed.max_tokens},
+                "model": parsed.model or self.app.model_name,
+                "stream": parsed.stream,
+            },
+        )
 
     def _completion(self, chat: bool) -> None:
         app = self.app
