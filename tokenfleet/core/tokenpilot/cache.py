@@ -77,7 +77,9 @@ def _depths(
 class PrefixKnowledge:
     """Per-router cache beliefs; see the module docstring for the three tiers."""
 
-    def __init__(self, stride_blocks: int = 32, speculative_ttl_s: float = 30.0) -> None:
+    def __init__(
+        self, stride_blocks: int = 32, speculative_ttl_s: float = 30.0, event_grace_s: float = 2.0
+    ) -> None:
         if stride_blocks < 1:
             raise ValueError("stride_blocks must be >= 1")
         self.stride_blocks = stride_blocks
@@ -86,6 +88,9 @@ class PrefixKnowledge:
         self._spec: dict[int, dict[str, int]] = {}  # probe hash -> instance -> refs
         self._spec_live: dict[int, tuple[str, tuple[int, ...]]] = {}  # ticket -> entry
         self._spec_expiry: deque[tuple[float, int]] = deque()
+        # entries whose prefill is done, kept until the engine's events arrive
+        self._spec_grace: deque[tuple[float, int]] = deque()
+        self.event_grace_s = event_grace_s
         self._ticket = 0
         self._exact: dict[int, set[str]] = {}
         self._exact_blocks: dict[str, set[int]] = {}
@@ -156,9 +161,20 @@ class PrefixKnowledge:
 
     def expire(self, now_s: float) -> None:
         """Drop speculation nobody confirmed (lost events, very long queues)."""
-        q = self._spec_expiry
-        while q and q[0][0] <= now_s:
-            self.unspeculate(q.popleft()[1])
+        for q in (self._spec_expiry, self._spec_grace):
+            while q and q[0][0] <= now_s:
+                self.unspeculate(q.popleft()[1])
+
+    def release(self, ticket: int, instance_id: str, now_s: float) -> None:
+        """The request's prefill is done: drop its speculative entry. For an
+        instance whose engine reports KV events, keep it ``event_grace_s``
+        longer: its BlockStored events travel another path (engine -> worker
+        -> shared stream) and may arrive after the first token does."""
+        if instance_id in self.exact_instances and self.event_grace_s > 0.0:
+            if ticket in self._spec_live:
+                self._spec_grace.append((now_s + self.event_grace_s, ticket))
+            return
+        self.unspeculate(ticket)
 
     def confirm(self, instance_id: str, probes: Sequence[int]) -> None:
         """The prefill finished: the prefix is now really cached there."""
@@ -176,6 +192,7 @@ class PrefixKnowledge:
 
     def removed(self, instance_id: str, block_hashes: Iterable[int]) -> None:
         self.exact_instances.add(instance_id)
+        self._end_grace(instance_id)
         mine = self._exact_blocks.setdefault(instance_id, set())
         for h in block_hashes:
             if h in mine:
@@ -185,6 +202,19 @@ class PrefixKnowledge:
                     holders.discard(instance_id)
                     if not holders:
                         del self._exact[h]
+
+    def _end_grace(self, instance_id: str) -> None:
+        """The engine reported an eviction: its own events speak for it now."""
+        if not self._spec_grace:
+            return
+        keep: deque[tuple[float, int]] = deque()
+        for at, ticket in self._spec_grace:
+            entry = self._spec_live.get(ticket)
+            if entry is not None and entry[0] == instance_id:
+                self.unspeculate(ticket)
+            elif entry is not None:
+                keep.append((at, ticket))
+        self._spec_grace = keep
 
     def cleared(self, instance_id: str) -> None:
         self.exact_instances.add(instance_id)
