@@ -21,28 +21,10 @@ from flask import Blueprint, Response, current_app, request
 from tokenfleet.live.gateway import TIER_HEADER, Dispatched, Gateway
 from tokenfleet.live.relay import RelayEvent
 from web.errors import ApiError
+from web.limits import read_json
 from web.quota import ChatQuota
 
 chat_bp = Blueprint("openai", __name__, url_prefix="/v1")
-
-
-def parse_json_body() -> Any:
-    raw = request.get_data(cache=False)
-    if not raw:
-        raise ApiError(
-            400,
-            "We could not parse the JSON body of your request: the body is "
-            "empty. Send a JSON object.",
-            code="invalid_json",
-        )
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(
-            400,
-            f"We could not parse the JSON body of your request ({exc}). Send valid JSON.",
-            code="invalid_json",
-        ) from None
 
 
 @chat_bp.post("/chat/completions")
@@ -51,7 +33,7 @@ def chat_completions() -> Response:
     principal = current_app.extensions["tokenfleet.auth"].authenticate(
         request.headers.get("Authorization")
     )
-    body = parse_json_body()
+    body = read_json()
     req = gw.validate(
         body,
         tenant=principal.tenant,
