@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from flask import Flask, Response, request
+from flask import Flask, Response
 from sqlalchemy import exc as sa_exc
 from werkzeug.exceptions import HTTPException
 
@@ -161,9 +161,9 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
         status = err.code or 500
         metrics.error(status)
         if status == 413:  # a body cut off while it was read (web.limits)
-            from web.limits import too_large
+            from web.limits import body_cap, too_large
 
-            return too_large(request.max_content_length or 0).response()
+            return too_large(body_cap()).response()
         code = {404: "not_found", 405: "method_not_allowed"}.get(status)
         return ApiError(status, err.description or err.name, code=code).response()
 

@@ -20,10 +20,12 @@ from typing import Any
 
 from flask import Flask, current_app, request
 from werkzeug.exceptions import RequestEntityTooLarge
+from werkzeug.wsgi import LimitedStream
 
 from tokenfleet.live.config import LiveConfig
 from web.errors import ApiError
 
+_CAP_KEY = "tokenfleet.body_cap"
 #: multipart framing (boundaries, part headers, the purpose field) on top of the file
 MULTIPART_OVERHEAD_BYTES = 1024 * 1024
 
@@ -69,13 +71,28 @@ def _cap_body() -> None:
 def cap_body(max_bytes: int, what: str = "request body") -> None:
     """Refuse this request's body if it is larger than ``max_bytes`` (413).
 
-    With a ``Content-Length`` the check is immediate, before a byte is read;
-    without one, reading stops with a 413 once ``max_bytes`` have arrived.
+    With a ``Content-Length`` the check is immediate, before a byte is read.
+    Without one (chunked), reading stops one byte past ``max_bytes``
+    (werkzeug's ``max_content_length`` stops quietly at its limit, so it is set
+    one byte higher) and :func:`body_over_cap` tells the reader.
     """
-    request.max_content_length = max_bytes
+    request.environ[_CAP_KEY] = max_bytes
+    request.max_content_length = max_bytes + 1
     size = request.content_length
     if size is not None and size > max_bytes:
         raise too_large(max_bytes, what, size)
+
+
+def body_cap() -> int:
+    """The cap :func:`cap_body` set for this request (else the app's JSON body limit)."""
+    cap = request.environ.get(_CAP_KEY)
+    return int(cap) if cap is not None else limits().max_body_bytes
+
+
+def body_over_cap() -> bool:
+    """Whether what was read of a body without Content-Length went past its cap."""
+    stream = request.stream
+    return isinstance(stream, LimitedStream) and stream.tell() > body_cap()
 
 
 def too_large(max_bytes: int, what: str = "request body", size: int | None = None) -> ApiError:
@@ -98,10 +115,13 @@ def too_large(max_bytes: int, what: str = "request body", size: int | None = Non
 def read_json(*, empty_ok: bool = False) -> Any:
     """The request's JSON body, within the size and depth limits; raises a 400/413 ApiError."""
     lim = limits()
+    cap = body_cap()
     try:
         raw = request.get_data(cache=False)
     except RequestEntityTooLarge:
-        raise too_large(request.max_content_length or lim.max_body_bytes) from None
+        raise too_large(cap) from None
+    if len(raw) > cap:
+        raise too_large(cap)
     if not raw:
         if empty_ok:
             return None

@@ -23,7 +23,14 @@ from tokenfleet.tenancy.quota import BUDGETS
 from tokenfleet.tenancy.usage import usage_for
 from web.batch_api.services import TenancyServices
 from web.errors import ApiError
-from web.limits import MULTIPART_OVERHEAD_BYTES, cap_body, limits, read_json, too_large
+from web.limits import (
+    MULTIPART_OVERHEAD_BYTES,
+    body_over_cap,
+    cap_body,
+    limits,
+    read_json,
+    too_large,
+)
 
 batch_bp = Blueprint("batch_api", __name__, url_prefix="/v1")
 
@@ -143,8 +150,10 @@ def create_file() -> Response:
     try:
         purpose = request.form.get("purpose")
         upload = request.files.get("file")
-    except RequestEntityTooLarge:  # a chunked body that went past the cap
+    except RequestEntityTooLarge:
         raise too_large(lim.max_upload_bytes, "file") from None
+    if body_over_cap():  # a chunked body cut off at the cap: its form is incomplete
+        raise too_large(lim.max_upload_bytes, "file")
     if purpose not in UPLOAD_PURPOSES:
         return error(
             400,
