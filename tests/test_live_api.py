@@ -533,3 +533,12 @@ def test_401_is_one_message_everywhere_and_a_disabled_tenant_is_403(stack: LiveS
     assert r.json()["error"]["code"] == "tenant_disabled" and "off-co" in r.text
     with pytest.raises(openai.PermissionDeniedError):
         openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0).models.list()
+
+
+def test_oversized_headers_are_refused_by_the_server(stack: LiveStack) -> None:
+    r = requests.get(
+        stack.url + "/v1/models",
+        headers={"Authorization": "Bearer " + "k" * 100_000},
+        timeout=10,
+    )
+    assert r.status_code in (413, 431), r.status_code  # cheroot's "too large", not buffered
