@@ -115,6 +115,8 @@ def too_large(max_bytes: int, what: str = "request body", size: int | None = Non
 def read_json(*, empty_ok: bool = False) -> Any:
     """The request's JSON body, within the size and depth limits; raises a 400/413 ApiError."""
     lim = limits()
+    if _CAP_KEY not in request.environ:  # an app without install(): cap it here
+        cap_body(lim.max_body_bytes)
     cap = body_cap()
     try:
         raw = request.get_data(cache=False)

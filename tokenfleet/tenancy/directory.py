@@ -190,6 +190,7 @@ class TenantDirectory:
         self.clock = clock
         #: lookups answered from stale memory because PostgreSQL was unreachable
         self.stale_served = 0
+        self._warned_at = -1e18
         self._lock = threading.Lock()
         self._keys: _Memo[str | None] = _Memo(max_entries)
         self._tenants: _Memo[TenantContext | None] = _Memo(max_entries)
@@ -229,11 +230,13 @@ class TenantDirectory:
         if not found or self.stale_s <= 0:
             raise exc
         self.stale_served += 1
-        log.warning(
-            "database unreachable (%s); serving a cached lookup up to %.0f s old",
-            exc.__class__.__name__,
-            self.stale_s,
-        )
+        if now - self._warned_at >= 10.0:  # one line per 10 s, not one per request
+            self._warned_at = now
+            log.warning(
+                "database unreachable (%s); serving cached keys and tenants up to %.0f s old",
+                exc.__class__.__name__,
+                self.stale_s,
+            )
         return value
 
     def _tenant_of_key(self, digest: str) -> str | None:
