@@ -11,7 +11,8 @@ process (so its RSS is the API's alone), then:
    read), the same body chunked (cut off at ``max_body_bytes``), and a 300 MB
    file upload with its ``Content-Length``.
 
-It prints the API's RSS (MiB) before and after each step, and after a pause.
+It prints the API's RSS (MiB) before and after each step, its peak during
+each body, and its RSS after a pause.
 Not a timing benchmark: the numbers are memory, so the machine's load does not
 change them much. ``--repo DIR`` runs the API from another checkout (e.g. an
 export of an older commit) for a before/after comparison::
@@ -44,6 +45,34 @@ def rss_mib(pid: int) -> float:
     import psutil
 
     return round(psutil.Process(pid).memory_info().rss / MiB, 1)
+
+
+class PeakRss:
+    """The highest RSS of ``pid`` while the ``with`` block runs (sampled every 20 ms):
+    what the API held at worst, which the RSS after a step does not show (large
+    buffers go back to the OS when freed)."""
+
+    def __init__(self, pid: int) -> None:
+        import threading
+
+        self.pid = pid
+        self.peak_mib = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak_mib = max(self.peak_mib, rss_mib(self.pid))
+            self._stop.wait(0.02)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_mib = max(self.peak_mib, rss_mib(self.pid))
 
 
 def wait_up(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
@@ -201,15 +230,21 @@ def main(argv: list[str] | None = None) -> int:
             out["short_keys"] = random_keys(url, args.keys, 40)
             out["rss_after_short_keys_mib"] = rss_mib(proc.pid)
             out["keys_s"] = round(time.monotonic() - t0, 1)
-            out["declared_body_status"] = declared_body(
-                url, "/v1/chat/completions", size, "application/json", key
-            )
+            with PeakRss(proc.pid) as peak:
+                out["declared_body_status"] = declared_body(
+                    url, "/v1/chat/completions", size, "application/json", key
+                )
+            out["peak_during_declared_body_mib"] = peak.peak_mib
             out["rss_after_declared_body_mib"] = rss_mib(proc.pid)
-            out["chunked_body"] = chunked_body(url, size, key)
+            with PeakRss(proc.pid) as peak:
+                out["chunked_body"] = chunked_body(url, size, key)
+            out["peak_during_chunked_body_mib"] = peak.peak_mib
             out["rss_after_chunked_body_mib"] = rss_mib(proc.pid)
-            out["upload_status"] = declared_body(
-                url, "/v1/files", size, "multipart/form-data; boundary=x", key
-            )
+            with PeakRss(proc.pid) as peak:
+                out["upload_status"] = declared_body(
+                    url, "/v1/files", size, "multipart/form-data; boundary=x", key
+                )
+            out["peak_during_upload_mib"] = peak.peak_mib
             out["rss_after_upload_mib"] = rss_mib(proc.pid)
             time.sleep(args.pause_s)
             out[f"rss_after_{args.pause_s:g}s_pause_mib"] = rss_mib(proc.pid)
