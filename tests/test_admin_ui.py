@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -212,11 +213,149 @@ def test_password_change_ends_sessions_and_logins_are_rate_limited(app: Flask) -
         ).status_code
         for i in range(12)
     ]
-    assert codes.count(401) == 12
+    # five free tries, then the back-off refuses without checking the password
+    assert codes == [401] * 5 + [429] * 7
     r = attacker.post(
         "/admin/login", data={"username": "root", "password": "another-password", "csrf_token": tok}
     )
-    assert r.status_code == 401 and b"too many attempts" in r.data
+    assert r.status_code == 429 and b"too many failed logins" in r.data
+    assert int(r.headers["Retry-After"]) >= 1
+
+
+def _set_cookie(resp: Any) -> str:
+    cookies = [v for k, v in resp.headers.items() if k == "Set-Cookie" and "session=" in v]
+    assert len(cookies) == 1, resp.headers
+    return cookies[0]
+
+
+def _login_response(client: FlaskClient, **kwargs: Any) -> Any:
+    tok = csrf(client)
+    r = client.post(
+        "/admin/login",
+        data={"username": "root", "password": PASSWORD, "csrf_token": tok},
+        **kwargs,
+    )
+    assert r.status_code == 302, r.data[:300]
+    return r
+
+
+def test_session_cookie_is_httponly_lax_12h_and_secure_over_https(app: Flask) -> None:
+    from email.utils import parsedate_to_datetime
+
+    plain = _set_cookie(_login_response(app.test_client()))
+    attrs = {a.strip().split("=")[0].lower(): a.strip() for a in plain.split(";")}
+    assert "httponly" in attrs and attrs["samesite"] == "SameSite=Lax"
+    assert "secure" not in attrs, "plain http: a Secure cookie would never come back"
+    expires = parsedate_to_datetime(attrs["expires"].split("=", 1)[1])
+    lifetime_h = (expires - datetime.now(UTC)).total_seconds() / 3600
+    assert 11.9 < lifetime_h <= 12.0, lifetime_h  # Flask's own default is 31 days
+    proxied = _login_response(app.test_client(), headers={"X-Forwarded-Proto": "https"})
+    assert "; Secure" in _set_cookie(proxied)
+    direct = _login_response(app.test_client(), base_url="https://localhost")
+    assert "; Secure" in _set_cookie(direct)
+
+
+def test_a_cookie_replayed_after_logout_is_refused(app: Flask) -> None:
+    c = app.test_client()
+    tok = login(c)
+    stolen = c.get_cookie("session")
+    assert stolen is not None
+    assert c.post("/admin/logout", data={"csrf_token": tok}).status_code == 302
+    replay = app.test_client()
+    replay.set_cookie("session", stolen.value)
+    r = replay.get("/admin/tenants")
+    assert r.status_code == 302 and "/admin/login" in r.location
+    # another, still logged-in session is not affected
+    other = app.test_client()
+    login(other)
+    assert other.get("/admin/tenants").status_code == 200
+
+
+def test_failed_logins_are_audited_and_shown_in_the_audit_log(app: Flask) -> None:
+    c = app.test_client()
+    c.environ_base["REMOTE_ADDR"] = "10.1.2.3"
+    tok = csrf(c)
+    r = c.post(
+        "/admin/login", data={"username": "root", "password": "wrong-one", "csrf_token": tok}
+    )
+    assert r.status_code == 401
+    assert ("anonymous@10.1.2.3", "admin.login_failed") in audit_actions(app)
+    rows = tenants.audit_log(app.extensions["tokenfleet.tenancy"].engine, limit=10)
+    failed = next(r for r in rows if r["action"] == "admin.login_failed")
+    assert failed["payload"]["username"] == "root" and failed["payload"]["addr"] == "10.1.2.3"
+    assert "wrong-one" not in json.dumps(failed["payload"])
+    login(c)
+    page = c.get("/admin/audit").data.decode()
+    assert "admin.login_failed" in page and "anonymous@10.1.2.3" in page
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _try(client: FlaskClient, password: str, user: str = "root") -> Any:
+    tok = csrf(client)
+    return client.post(
+        "/admin/login", data={"username": user, "password": password, "csrf_token": tok}
+    )
+
+
+def test_login_backoff_doubles_per_account_and_address_and_spares_other_addresses(
+    app: Flask,
+) -> None:
+    from web.admin.auth import Backoff, LoginThrottle
+
+    svc = app.extensions["tokenfleet.tenancy"]
+    clock = _Clock()
+    # lower thresholds than the defaults (5 and 20) keep the scrypt checks few
+    app.extensions["tokenfleet.admin.throttle"] = LoginThrottle(
+        svc.redis, svc.directory.prefix, pair=Backoff(free=2), address=Backoff(free=6), clock=clock
+    )
+    noisy = app.test_client()
+    noisy.environ_base["REMOTE_ADDR"] = "10.0.0.66"
+    assert [_try(noisy, f"guess{i}").status_code for i in range(2)] == [401] * 2
+    waits = []
+    for _ in range(3):
+        r = _try(noisy, "still-wrong")
+        assert r.status_code == 429, r.data[:200]
+        waits.append(int(r.headers["Retry-After"]))
+        clock.now += waits[-1]  # wait exactly the back-off, then fail once more
+        assert _try(noisy, "still-wrong").status_code == 401
+    assert waits == [1, 2, 4], waits  # exponential, not a fixed window
+    # the admin behind another address logs in at once
+    admin = app.test_client()
+    admin.environ_base["REMOTE_ADDR"] = "10.0.0.7"
+    assert _try(admin, PASSWORD).status_code == 302
+    # the noisy address (5 failures so far) is slowed down for every account it tries
+    clock.now += 10_000
+    assert _try(noisy, "x", user="user0").status_code == 401
+    r = _try(noisy, "x", user="user-new")
+    assert r.status_code == 429, "6 failures from one address: back-off on any account"
+    assert _try(admin, PASSWORD).status_code == 302
+
+
+def test_distributed_guessing_backs_off_the_account_not_one_address(app: Flask) -> None:
+    from web.admin.auth import Backoff, LoginThrottle
+
+    svc = app.extensions["tokenfleet.tenancy"]
+    clock = _Clock()
+    app.extensions["tokenfleet.admin.throttle"] = LoginThrottle(
+        svc.redis, svc.directory.prefix, account=Backoff(free=3, max_s=60.0), clock=clock
+    )
+    for i in range(3):
+        c = app.test_client()
+        c.environ_base["REMOTE_ADDR"] = f"10.9.0.{i}"
+        assert _try(c, "wrong").status_code == 401
+    fresh = app.test_client()
+    fresh.environ_base["REMOTE_ADDR"] = "10.9.1.1"
+    r = _try(fresh, PASSWORD)
+    assert r.status_code == 429 and int(r.headers["Retry-After"]) == 1
+    clock.now += 1
+    assert _try(fresh, PASSWORD).status_code == 302
 
 
 # ---- real Chromium against the live stack ---------------------------------------------------

@@ -328,3 +328,217 @@ def test_client_disconnect_cancels_and_records_it(stack: LiveStack) -> None:
     assert (rows[0]["completion_tokens"] or 0) < 4000
     # the first token's feedback ran once, though the client left right after it
     assert _ttft_observed(stack) == before + 1
+
+
+# ---- input limits (issue #16) and compatibility (issue #18) ---------------------------------
+def _chat(stack: LiveStack, body: dict[str, Any], key: str = API_KEY) -> requests.Response:
+    return requests.post(
+        stack.url + "/v1/chat/completions",
+        json=body,
+        timeout=30,
+        headers={"Authorization": f"Bearer {key}"},
+    )
+
+
+def _raw_request(stack: LiveStack, head: bytes, body: bytes = b"") -> tuple[int, dict[str, Any]]:
+    """Send ``head`` (and ``body``), then read the answer without sending the rest."""
+    import http.client
+    import socket
+
+    port = int(stack.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head + body)
+        resp = http.client.HTTPResponse(sock)
+        resp.begin()
+        return resp.status, json.loads(resp.read())
+
+
+def test_a_body_over_the_limit_is_refused_from_its_content_length(stack: LiveStack) -> None:
+    declared = 300 * 1024 * 1024
+    for path, ctype in (
+        ("/v1/chat/completions", "application/json"),
+        ("/v1/files", "multipart/form-data; boundary=x"),
+    ):
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+            f"Content-Type: {ctype}\r\nContent-Length: {declared}\r\n\r\n"
+        ).encode()
+        # only 1 KiB of the 300 MB is ever sent: the answer cannot wait for the rest
+        status, body = _raw_request(stack, head, b"{" + b" " * 1023)
+        err = body["error"]
+        assert status == 413, body
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["code"] == "request_too_large" and err["type"] == "invalid_request_error"
+        assert f"{declared:,} bytes" in err["message"]
+
+
+def test_a_chunked_body_is_cut_off_with_413_once_past_the_limit(stack: LiveStack) -> None:
+    limits = stack.app.extensions["tokenfleet.limits"]
+    saved = (limits.max_body_bytes, limits.max_upload_bytes)
+    limits.max_body_bytes = limits.max_upload_bytes = 64 * 1024
+    try:
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: Transfer-Encoding: chunked
+            yield b'{"model": "m", "messages": [{"role": "user", "content": "'
+            for _ in range(64):  # 4 MiB if it were all read
+                yield b"x" * 65536
+            yield b'"}]}'
+
+        r = requests.post(
+            stack.url + "/v1/chat/completions",
+            data=chunks(),
+            timeout=30,
+            headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+        )
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["code"] == "request_too_large"
+
+        # a chunked upload past max_upload_bytes (+ 1 MiB of multipart framing): 413
+        # naming the file, not "purpose must be one of batch (got None)"
+        def multipart() -> Iterator[bytes]:
+            yield (
+                b'--b\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"'
+                b"\r\nContent-Type: application/octet-stream\r\n\r\n"
+            )
+            for _ in range(64):  # 2 MiB
+                yield b'{"a": 1}\n' * 3277
+            yield b'\r\n--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch'
+            yield b"\r\n--b--\r\n"
+
+        r = requests.post(
+            stack.url + "/v1/files",
+            data=multipart(),
+            timeout=30,
+            headers={
+                "Authorization": f"Bearer {API_KEY}",
+                "Content-Type": "multipart/form-data; boundary=b",
+            },
+        )
+        assert r.status_code == 413, r.text
+        err = r.json()["error"]
+        assert err["param"] == "file" and err["code"] == "request_too_large"
+        assert "split the file" in err["message"]
+    finally:
+        limits.max_body_bytes, limits.max_upload_bytes = saved
+
+
+def test_deeply_nested_json_is_a_400_not_a_500(stack: LiveStack) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    for depth in (10_000, 100):  # past the parser's recursion; parsed but over the limit
+        for path in ("/v1/chat/completions", "/v1/batches"):
+            r = requests.post(
+                stack.url + path, data=b"[" * depth + b"]" * depth, headers=headers, timeout=30
+            )
+            assert r.status_code == 400, (path, depth, r.text)
+            err = r.json()["error"]
+            assert err["code"] == "invalid_json" and "nested deeper than 64" in err["message"]
+
+
+@pytest.mark.parametrize(
+    "extra, param, code",
+    [
+        ({"temperature": 5}, "temperature", "invalid_value"),
+        ({"temperature": "hot"}, "temperature", None),
+        ({"top_p": 1.5}, "top_p", "invalid_value"),
+        ({"presence_penalty": -3}, "presence_penalty", "invalid_value"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", None),
+        ({"logit_bias": {"50256": 200}}, "logit_bias", None),
+        ({"service_tier": "priority"}, "service_tier", "invalid_value"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", None),
+        ({"response_format": {"type": "json_object"}}, "response_format", None),
+        ({"logprobs": True}, "logprobs", None),
+        ({"frobnicate": 1}, "frobnicate", "unknown_parameter"),
+    ],
+)
+def test_unsupported_or_invalid_parameters_are_400_naming_the_field(
+    stack: LiveStack, extra: dict[str, Any], param: str, code: str | None
+) -> None:
+    body = {"model": stack.model, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+    r = _chat(stack, {**body, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"]
+    assert err["code"] == (code or err["code"])
+    if param in ("tools", "response_format", "logprobs"):
+        assert err["code"] == "unsupported_parameter"
+
+
+def test_off_values_and_documented_pass_through_fields_are_accepted(stack: LiveStack) -> None:
+    r = _chat(
+        stack,
+        {
+            "model": stack.model,
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": "x"}],
+            "temperature": 0,
+            "top_p": 1,
+            "tools": [],
+            "tool_choice": "none",
+            "response_format": {"type": "text"},
+            "logprobs": False,
+            "store": False,
+            "metadata": {"run": "ci"},
+            "safety_identifier": "u-42",
+            "service_tier": "auto",
+        },
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_models_retrieve_works_with_the_slash_encoded(stack: LiveStack) -> None:
+    assert "/" in stack.model  # meta-llama/Llama-3.1-8B-Instruct
+    m = stack.client().models.retrieve(stack.model)  # the client sends meta-llama%2F...
+    assert m.id == stack.model
+    for path in (stack.model, stack.model.replace("/", "%2F")):
+        r = requests.get(
+            f"{stack.url}/v1/models/{path}",
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=10,
+        )
+        assert r.status_code == 200 and r.json()["id"] == stack.model, (path, r.text)
+
+
+def test_401_is_one_message_everywhere_and_a_disabled_tenant_is_403(stack: LiveStack) -> None:
+    from tokenfleet.tenancy import admin
+
+    svc = stack.app.extensions["tokenfleet.tenancy"]
+    admin.create_tenant(svc.engine, "off-co", actor="test", cache=svc.directory)
+    key, _ = admin.create_key(svc.engine, "off-co", actor="test", cache=svc.directory)
+    long_key = "tf-" + "k" * 6000
+    messages = set()
+    for path, method in (
+        ("/v1/chat/completions", "post"),
+        ("/v1/models", "get"),
+        ("/v1/files", "get"),
+        ("/v1/batches", "get"),
+    ):
+        for auth in (None, "Basic abc", "Bearer tf-unknown-key", f"Bearer {long_key}"):
+            headers = {"Authorization": auth} if auth else {}
+            r = requests.request(method, stack.url + path, headers=headers, timeout=10, json={})
+            assert r.status_code == 401, (path, auth, r.text)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+            messages.add(r.json()["error"]["message"])
+    assert len(messages) == 1, messages
+    # an over-long key is refused before any lookup: nothing was cached for it
+    from tokenfleet.service.ledger import hash_api_key
+
+    assert svc.redis.exists(svc.directory._key_entry(hash_api_key(long_key))) == 0
+    assert svc.redis.exists(svc.directory._key_entry(hash_api_key("tf-unknown-key"))) == 1
+
+    body = {"model": stack.model, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+    assert _chat(stack, body, key).status_code == 200
+    admin.update_tenant(svc.engine, "off-co", actor="test", disabled=True, cache=svc.directory)
+    r = _chat(stack, body, key)
+    assert r.status_code == 403, r.text
+    assert r.json()["error"]["code"] == "tenant_disabled" and "off-co" in r.text
+    with pytest.raises(openai.PermissionDeniedError):
+        openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0).models.list()
+
+
+def test_oversized_headers_are_refused_by_the_server(stack: LiveStack) -> None:
+    r = requests.get(
+        stack.url + "/v1/models",
+        headers={"Authorization": "Bearer " + "k" * 100_000},
+        timeout=10,
+    )
+    assert r.status_code in (413, 431), r.status_code  # cheroot's "too large", not buffered

@@ -31,9 +31,9 @@ def long_prompt() -> str:
 
 @pytest.fixture(scope="module")
 def stack(live_stack: Any) -> Iterator[LiveStack]:
-    # Tenant quotas (web.batch_api) look keys up in PostgreSQL when their cache
-    # lapses, which turns a database outage into 503s; the live path itself must
-    # keep serving, which is what this file checks, so they are off here.
+    # Tenant quotas are off: this file checks that the live path itself keeps
+    # serving through faults (keys from the database are served from the API's
+    # last-known-good cache during a PostgreSQL outage, tested below).
     # DC selection off: the router alternates over both instances, so each fault
     # below meets traffic (FleetMind would learn to avoid a failing DC instead).
     # Its own PostgreSQL (not the session's): a test below stops and restarts it.
@@ -276,8 +276,16 @@ def test_engine_stall_is_detected_within_two_scrapes_and_retried(healthy: LiveSt
 
 
 def test_postgres_outage_loses_no_ledger_rows(healthy: LiveStack) -> None:
+    from tokenfleet.tenancy import admin
+
     stack = healthy
     c = stack.client()
+    # a tenant whose key lives in the database, used once before the outage
+    svc = stack.app.extensions["tokenfleet.tenancy"]
+    admin.create_tenant(svc.engine, "db-tenant", actor="test", cache=svc.directory)
+    db_key, _ = admin.create_key(svc.engine, "db-tenant", actor="test", cache=svc.directory)
+    db_client = openai.OpenAI(base_url=stack.url + "/v1", api_key=db_key, max_retries=0)
+    db_client.models.list()
     stack.postgres.stop()
     try:
         ids = []
@@ -288,6 +296,25 @@ def test_postgres_outage_loses_no_ledger_rows(healthy: LiveStack) -> None:
                 messages=[{"role": "user", "content": f"while the database is down {i}"}],
             )
             ids.append(resp.id.removeprefix("chatcmpl-"))
+        # its Redis copies expire during a long outage: the API's memory still vouches
+        # for the key (auth_stale_s), so the tenant is served, not refused
+        prefix = svc.directory.prefix
+        svc.redis.delete(
+            *svc.redis.keys(f"{prefix}:apikey:*"), *svc.redis.keys(f"{prefix}:tenant:*")
+        )
+        time.sleep(svc.directory.local_ttl_s + 0.05)  # past the local freshness
+        resp = db_client.chat.completions.create(
+            model=stack.model,
+            max_tokens=3,
+            messages=[{"role": "user", "content": "a database tenant during the outage"}],
+        )
+        ids.append(resp.id.removeprefix("chatcmpl-"))
+        assert svc.directory.stale_served >= 1
+        with pytest.raises(openai.APIStatusError) as unknown:  # never seen: cannot be vouched for
+            openai.OpenAI(
+                base_url=stack.url + "/v1", api_key="tf-never-seen", max_retries=0
+            ).models.list()
+        assert unknown.value.status_code == 503
     finally:
         stack.postgres.start()
     rows = stack.ledger_rows(

@@ -284,6 +284,65 @@ def test_quota_change_and_disable_reach_warm_caches_within_one_second(
     assert warm.authenticate(key) is None
 
 
+def test_auth_cache_is_bounded_unknown_keys_included(engine: sa.Engine, rc: Any) -> None:
+    directory = TenantDirectory(engine, rc, prefix="bound", max_entries=20)
+    admin.create_tenant(engine, "bounded", actor="test")
+    key, _ = admin.create_key(engine, "bounded", actor="test")
+    assert directory.authenticate(key) is not None
+    for i in range(60):  # a client guessing keys
+        assert directory.authenticate(f"tf-guess-{i}") is None
+    assert len(directory._keys) == 20 and len(directory._tenants) == 1
+    assert directory.authenticate(key) is not None  # evicted, looked up again
+
+
+def test_cached_keys_keep_working_while_postgres_is_unreachable(engine: sa.Engine, rc: Any) -> None:
+    from web.auth import Authenticator
+
+    now = [1000.0]
+    directory = TenantDirectory(engine, rc, prefix="pgdown", stale_s=600.0, clock=lambda: now[0])
+    admin.create_tenant(engine, "pgdown", actor="test")
+    key, _ = admin.create_key(engine, "pgdown", actor="test")
+    auth = Authenticator({}, directory)
+    assert auth.authenticate(f"Bearer {key}").tenant == "pgdown"
+    # the database goes away (nothing listens on that port) and the Redis copies expire
+    dead = make_engine("postgresql://postgres@127.0.0.1:9/tokenfleet")
+    directory.engine = dead
+    rc.delete(*rc.keys("pgdown:*"))
+    now[0] += 300  # local entries are long past their 0.5 s freshness
+    try:
+        assert auth.authenticate(f"Bearer {key}").tenant == "pgdown"
+        assert directory.stale_served == 2  # the key and its tenant, from memory
+        with pytest.raises(sa.exc.OperationalError):  # never seen here: 503 at the API
+            directory.authenticate("tf-never-seen-before")
+        now[0] += 301  # past the stale window: no longer vouched for
+        with pytest.raises(sa.exc.OperationalError):
+            directory.authenticate(key)
+    finally:
+        dead.dispose()
+        directory.engine = engine
+
+
+def test_an_implicit_max_tokens_reserves_what_the_budget_has_left() -> None:
+    from tokenfleet.tenancy.quota import QuotaState
+    from web.quota import MIN_IMPLICIT_RESERVE, implicit_reservation
+
+    def state(tokens_left: float | None, used: int = 0) -> Any:
+        return lambda: QuotaState(None, tokens_left, 0, used)
+
+    def fail() -> Any:
+        raise AssertionError("no Redis round trip without token limits")
+
+    assert implicit_reservation(fail, QuotaLimits(requests_per_minute=5), 10, 4096) == 4096
+    tpm = QuotaLimits(tokens_per_minute=2000)
+    assert implicit_reservation(state(2000.0), tpm, 5, 4096) == 1995  # "Hello!" fits
+    assert implicit_reservation(state(505.0), tpm, 5, 4096) == 500
+    assert implicit_reservation(state(0.0), tpm, 5, 4096) == MIN_IMPLICIT_RESERVE
+    assert implicit_reservation(state(2000.0), tpm, 1995, 4096) == 5  # never "too large"
+    daily = QuotaLimits(daily_token_budget=10_000)
+    assert implicit_reservation(state(None, used=9_000), daily, 100, 4096) == 900
+    assert implicit_reservation(state(None), daily, 100, 300) == 300  # context left
+
+
 def test_api_authenticates_and_gate_checks_models_and_answers_openai_errors(
     engine: sa.Engine, rc: Any
 ) -> None:
@@ -545,3 +604,32 @@ def test_api_admits_exactly_ten_of_fifty_concurrent_chats_and_revokes_in_a_secon
     while (code := post(0).status_code) != 401:
         assert code == 200 and time.monotonic() - t0 < 1.0, "revoked key still served after 1 s"
     assert time.monotonic() - t0 < 1.0
+
+
+def test_a_request_without_max_tokens_fits_a_small_budget_and_says_why_it_does_not(
+    live: Any,
+) -> None:
+    import requests
+
+    svc = live.app.extensions["tokenfleet.tenancy"]
+    admin.create_tenant(svc.engine, "small-co", actor="test", cache=svc.directory)
+    admin.set_quota(
+        svc.engine,
+        "small-co",
+        "interactive",
+        {"tokens_per_minute": 2000},
+        actor="test",
+        cache=svc.directory,
+    )
+    key, _ = admin.create_key(svc.engine, "small-co", actor="test", cache=svc.directory)
+    url = live.url + "/v1/chat/completions"
+    headers = {"Authorization": f"Bearer {key}"}
+    hello = {"model": live.model, "messages": [{"role": "user", "content": "Hello!"}]}
+    r = requests.post(url, json=hello, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text  # 4,096 reserved used to make this a 400
+    big = {"model": live.model, "messages": [{"role": "user", "content": "word " * 3000}]}
+    r = requests.post(url, json=big, headers=headers, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "request_exceeds_quota"
+    assert "set no max_tokens" in err["message"] and "set max_tokens" in err["message"]

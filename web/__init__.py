@@ -54,6 +54,7 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     live: LiveConfig = cfg.get("LIVE") or LiveConfig.load()
     app = Flask("tokenfleet")
     app.config.update(cfg)
+    app.config["LIVE"] = live  # read by web.batch_api and web.admin
     app.json.sort_keys = False  # type: ignore[attr-defined]
 
     from workers.app import create_celery
@@ -84,9 +85,12 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     keys = live.seed_keys()
     keys.update(cfg.get("API_KEYS") or {})
     app.extensions["tokenfleet"] = gw
-    app.extensions["tokenfleet.auth"] = Authenticator(keys)
+    app.extensions["tokenfleet.auth"] = Authenticator(keys, max_key_chars=live.max_api_key_chars)
     app.extensions["tokenfleet.metrics"] = metrics
     app.extensions["tokenfleet.celery"] = celery
+    from web import limits
+
+    limits.install(app, live)  # body size and JSON depth caps (413 / 400)
 
     from web.chat import chat_bp
     from web.routes import models_bp, ops_bp
@@ -156,6 +160,10 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     def _http_error(err: HTTPException) -> Response:
         status = err.code or 500
         metrics.error(status)
+        if status == 413:  # a body cut off while it was read (web.limits)
+            from web.limits import body_cap, too_large
+
+            return too_large(body_cap()).response()
         code = {404: "not_found", 405: "method_not_allowed"}.get(status)
         return ApiError(status, err.description or err.name, code=code).response()
 

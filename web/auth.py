@@ -30,44 +30,65 @@ class Principal:
     context: TenantContext | None = None
 
 
+#: the one 401 message of every endpoint: a client cannot tell a missing, malformed,
+#: unknown or revoked key apart (and so cannot probe which keys exist)
+INVALID_KEY_MESSAGE = (
+    "Invalid or missing API key. Send it in the Authorization header as "
+    "'Bearer YOUR_KEY'; ask your TokenFleet operator for a key (`tokenfleet up` "
+    "prints a demo key)."
+)
+#: TokenFleet keys are 46 characters; anything far longer is not a key
+MAX_KEY_CHARS = 256
+
+
+def invalid_key() -> ApiError:
+    return ApiError(401, INVALID_KEY_MESSAGE, code="invalid_api_key")
+
+
+def tenant_disabled(tenant: str) -> ApiError:
+    return ApiError(
+        403,
+        f"Tenant '{tenant}' is disabled, so its API keys are refused. Ask your TokenFleet "
+        "operator to enable it (admin UI, or `tokenfleet tenants`).",
+        code="tenant_disabled",
+    )
+
+
 class Authenticator:
-    def __init__(self, seed_keys: dict[str, str], directory: Any = None) -> None:
+    def __init__(
+        self,
+        seed_keys: dict[str, str],
+        directory: Any = None,
+        *,
+        max_key_chars: int = MAX_KEY_CHARS,
+    ) -> None:
         self.seed = dict(seed_keys)
         self.directory = directory
+        self.max_key_chars = max_key_chars
 
     def authenticate(self, header: str | None) -> Principal:
-        """From an ``Authorization`` header value; raises a 401 :class:`ApiError`."""
+        """From an ``Authorization`` header value; raises a 401 :class:`ApiError`
+        (no, malformed, unknown or revoked key) or a 403 (the tenant is disabled)."""
         if not header:
-            raise ApiError(
-                401,
-                "You didn't provide an API key. Provide it in the "
-                "Authorization header as 'Bearer YOUR_KEY'.",
-                code="invalid_api_key",
-            )
+            raise invalid_key()
         scheme, _, key = header.strip().partition(" ")
         key = key.strip()
-        if scheme.lower() != "bearer" or not key:
-            raise ApiError(
-                401,
-                "Malformed Authorization header; use 'Bearer YOUR_KEY'.",
-                code="invalid_api_key",
-            )
+        # too long: refused before any hashing, cache or database lookup
+        if scheme.lower() != "bearer" or not key or len(key) > self.max_key_chars:
+            raise invalid_key()
         tenant = self.seed.get(key)
         if tenant is not None:
             known = self._seed_tenant(tenant)
-            if known is None or not known.disabled:
-                return Principal(tenant, None, known or TenantContext(id=tenant, name=tenant))
-        elif self.directory is not None:
-            ctx = self.directory.authenticate(key)
+            if known is not None and known.disabled:
+                raise tenant_disabled(tenant)
+            return Principal(tenant, None, known or TenantContext(id=tenant, name=tenant))
+        if self.directory is not None:
+            ctx = self.directory.lookup(key)
             if ctx is not None:
+                if ctx.disabled:
+                    raise tenant_disabled(ctx.id)
                 return Principal(ctx.id, ctx.slo_class, ctx)
-        shown = key[:6] + "..." if len(key) > 8 else "***"
-        raise ApiError(
-            401,
-            f"Incorrect API key provided: {shown}. Ask your TokenFleet "
-            "operator for a key (`tokenfleet up` prints a demo key).",
-            code="invalid_api_key",
-        )
+        raise invalid_key()
 
     def _seed_tenant(self, tenant: str) -> TenantContext | None:
         """The tenancy record of a seed key's tenant (its quotas; disabled or not).

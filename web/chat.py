@@ -25,28 +25,10 @@ from tokenfleet.live.gateway import TIER_HEADER, ChatRequest, Dispatched, Gatewa
 from tokenfleet.live.gateway.rows import REFUSAL_STATUSES, refusal_record
 from tokenfleet.live.relay import RelayEvent
 from web.errors import ApiError
+from web.limits import read_json
 from web.quota import ChatQuota
 
 chat_bp = Blueprint("openai", __name__, url_prefix="/v1")
-
-
-def parse_json_body() -> Any:
-    raw = request.get_data(cache=False)
-    if not raw:
-        raise ApiError(
-            400,
-            "We could not parse the JSON body of your request: the body is "
-            "empty. Send a JSON object.",
-            code="invalid_json",
-        )
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(
-            400,
-            f"We could not parse the JSON body of your request ({exc}). Send valid JSON.",
-            code="invalid_json",
-        ) from None
 
 
 @chat_bp.post("/chat/completions")
@@ -55,7 +37,7 @@ def chat_completions() -> Response:
     principal = current_app.extensions["tokenfleet.auth"].authenticate(
         request.headers.get("Authorization")
     )
-    body = parse_json_body()
+    body = read_json()
     tier_hint = request.headers.get(TIER_HEADER, "") or ""
     req: ChatRequest | None = None
     try:

@@ -99,11 +99,33 @@ _REQUEST = {
             "description": "'flex' runs the request in the batch tier.",
         },
         "n": {"type": "integer", "enum": [1]},
-        "temperature": {"type": "number"},
-        "top_p": {"type": "number"},
-        "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+        "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+        "stop": {
+            "oneOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+            ]
+        },
         "seed": {"type": "integer"},
+        "logit_bias": {
+            "type": "object",
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        },
+        "safety_identifier": {"type": "string"},
+        "metadata": {
+            "type": "object",
+            "maxProperties": 16,
+            "additionalProperties": {"type": "string"},
+            "description": "Accepted and ignored (no OpenAI-side storage here).",
+        },
+        "store": {"type": "boolean", "description": "Accepted and ignored."},
     },
+    "description": "Fields not listed here get 400 (unknown_parameter); tools, "
+    "response_format other than text, logprobs and the other features TokenFleet does "
+    "not implement get 400 unsupported_parameter (docs/live.md).",
 }
 
 _COMPLETION = {
@@ -208,9 +230,14 @@ def document() -> dict[str, Any]:
                                 "text/event-stream": {"schema": {"type": "string"}},
                             },
                         },
-                        "400": _err("Malformed JSON, missing/invalid field, prompt too long."),
-                        "401": _err("Missing or invalid API key."),
+                        "400": _err(
+                            "Malformed or too deeply nested JSON, missing/invalid/unknown/"
+                            "unsupported field, prompt too long."
+                        ),
+                        "401": _err("Missing, invalid or revoked API key."),
+                        "403": _err("The key's tenant is disabled."),
                         "404": _err("Unknown model."),
+                        "413": _err("The body is larger than max_body_bytes."),
                         "429": _err("Admission rejected the request (at capacity).", True),
                         "502": _err("All attempts failed on the engines."),
                         "503": _err("No capacity or a backing store is down.", True),
@@ -224,7 +251,7 @@ def document() -> dict[str, Any]:
                     "security": auth,
                     "responses": {
                         "200": {"description": "Model list."},
-                        "401": _err("Missing or invalid API key."),
+                        "401": _err("Missing, invalid or revoked API key."),
                     },
                 }
             },

@@ -8,6 +8,14 @@ dispatched; a refusal is a :class:`~tokenfleet.tenancy.gate.TenancyError`
 the view calls :meth:`ChatQuota.finish` with the answer's usage (``None``:
 the answer was cut off, the reservation stands) or :meth:`ChatQuota.refund`
 (the request did not run).
+
+A request without ``max_tokens`` does not reserve the gateway's whole default
+(4,096) against a small budget: it reserves at most what the tokens-per-minute
+bucket and the daily budget have left after the prompt (at least
+:data:`MIN_IMPLICIT_RESERVE` tokens, never more than the budget can ever
+grant), and the completion's real usage is trued up when it ends (the
+quota's release charges any excess). Refusals of such a request say that the
+reservation was implicit and how to set ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -15,8 +23,12 @@ from __future__ import annotations
 from typing import Any
 
 from tokenfleet.live.gateway import ChatRequest
-from tokenfleet.tenancy.gate import Admission
+from tokenfleet.tenancy.gate import Admission, TenancyError
+from tokenfleet.tenancy.quota import CODE_DAILY, CODE_TOO_LARGE, CODE_TPM, QuotaLimits
 from web.auth import Principal
+
+#: the smallest implicit reservation: a request never waits for less than this
+MIN_IMPLICIT_RESERVE = 16
 
 
 class ChatQuota:
@@ -30,13 +42,26 @@ class ChatQuota:
         or ``CHAT_QUOTAS`` off)."""
         if tenancy is None or principal.context is None:
             return cls()
-        adm = tenancy.gate.admit(
-            principal.context,
-            req.budget,
-            model=req.model,
-            prompt_tokens=req.info.input_tokens,
-            max_tokens=req.info.max_tokens,
-        )
+        ctx = principal.context
+        prompt = req.info.input_tokens
+        reserve = req.info.max_tokens
+        if req.max_tokens_implicit:
+            limits = ctx.quotas.for_budget(req.budget)
+            reserve = implicit_reservation(
+                lambda: tenancy.quotas.state(ctx.id, req.budget, limits), limits, prompt, reserve
+            )
+        try:
+            adm = tenancy.gate.admit(
+                ctx, req.budget, model=req.model, prompt_tokens=prompt, max_tokens=reserve
+            )
+        except TenancyError as err:
+            if req.max_tokens_implicit and err.code in (CODE_TPM, CODE_DAILY, CODE_TOO_LARGE):
+                err.message += (
+                    f". This request set no max_tokens, so {reserve} tokens were reserved for "
+                    f"its answer on top of its {prompt}-token prompt; set max_tokens (or "
+                    "max_completion_tokens) to the longest answer you need to reserve less"
+                )
+            raise
         return cls(tenancy.gate, adm)
 
     def finish(self, usage: dict[str, Any] | None) -> None:
@@ -59,3 +84,27 @@ class ChatQuota:
         """The request did not run: give the whole reservation back."""
         if self.admission is not None and self.gate is not None:
             self.gate.finish(self.admission, completion_tokens=0, prompt_tokens=0, ran=False)
+
+
+def implicit_reservation(state: Any, limits: QuotaLimits, prompt: int, default: int) -> int:
+    """Output tokens to reserve for a request that set no ``max_tokens``.
+
+    ``default`` (the gateway's, bounded by the context left) capped by what the
+    token budgets have left after the prompt, read with ``state()`` (one Redis
+    round trip, only for budgets with token limits). At least
+    :data:`MIN_IMPLICIT_RESERVE`, so an empty bucket makes the request wait a
+    little (429 with Retry-After) rather than be admitted for nothing; never more
+    than a full budget minus the prompt, so it is not refused as too large.
+    """
+    tpm, daily = limits.tokens_per_minute, limits.daily_token_budget
+    if tpm is None and daily is None:
+        return default
+    st = state()
+    reserve = default
+    if tpm is not None:
+        left = int(st.tokens_left or 0) - prompt
+        reserve = min(reserve, max(MIN_IMPLICIT_RESERVE, left), max(1, tpm - prompt))
+    if daily is not None:
+        left = daily - int(st.daily_tokens_used) - prompt
+        reserve = min(reserve, max(MIN_IMPLICIT_RESERVE, left), max(1, daily - prompt))
+    return max(1, reserve)

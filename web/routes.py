@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from typing import Any
+from urllib.parse import unquote
 
 import redis
 from flask import Blueprint, Response, current_app, request
@@ -65,6 +66,10 @@ def list_models() -> Response:
 @models_bp.get("/models/<path:model>")
 def get_model(model: str) -> Response:
     models = _models()
+    if model not in models and "%" in model:
+        # the official client sends "meta-llama%2FLlama-3.1-8B-Instruct" (it quotes the
+        # slash) and the server keeps %2F encoded in the path: both forms name one model
+        model = unquote(model)
     if model not in models:
         raise ApiError(
             404, f"The model `{model}` does not exist.", param="model", code="model_not_found"

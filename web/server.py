@@ -49,6 +49,10 @@ log = logging.getLogger("tokenfleet.api")
 #: timeout of load balancers, so the balancer, not us, closes idle connections
 KEEPALIVE_S = 65
 
+#: largest request line + headers cheroot reads (its default is no limit, so a
+#: client could make it buffer any amount); real requests use a few KiB
+MAX_HEADER_BYTES = 64 * 1024
+
 #: seconds a pool thread waits on the connection it just served for the next
 #: request before handing it back to the selector (0 disables); the live
 #: service takes it from ``LiveConfig.api_linger_s``
@@ -138,6 +142,7 @@ class ApiServer:
             shutdown_timeout=2,
         )
         self._server.linger_s = linger_s
+        self._server.max_request_header_size = MAX_HEADER_BYTES  # 413 beyond
         self._server.gateway = _OneWriteGateway
         # bind now, so a taken port fails here and port 0 resolves at once
         self._server.prepare()

@@ -178,6 +178,57 @@ class LiveConfig:
             "the next request (0: hand it straight back to cheroot's selector)."
         ),
     )
+    max_body_bytes: int = field(
+        default=50 * 1024 * 1024,
+        metadata=_doc(
+            "Largest request body the API reads (JSON endpoints), bytes; larger ones get 413 "
+            "before they are read (Content-Length) or as soon as they pass it (chunked). 50 MiB "
+            "is OpenAI's documented payload limit of one request."
+        ),
+    )
+    max_upload_bytes: int = field(
+        default=200 * 1024 * 1024,
+        metadata=_doc(
+            "Largest file accepted by POST /v1/files, bytes (OpenAI's limit for batch input "
+            "files, 200 MB); the multipart body may be 1 MiB larger."
+        ),
+    )
+    max_json_depth: int = field(
+        default=64,
+        metadata=_doc("Deepest nesting of arrays/objects in a JSON body; deeper gets 400."),
+    )
+    max_api_key_chars: int = field(
+        default=256,
+        metadata=_doc(
+            "Longer bearer keys are refused (401) before any lookup; TokenFleet keys are 46 "
+            "characters."
+        ),
+    )
+    auth_cache_entries: int = field(
+        default=10_000,
+        metadata=_doc(
+            "API keys (known or not) and tenants each API process remembers, least recently "
+            "used first out, so random keys cannot grow its memory."
+        ),
+    )
+    auth_stale_s: float = field(
+        default=900.0,
+        metadata=_doc(
+            "While PostgreSQL is unreachable, keys and tenants this process looked up in the last "
+            "auth_stale_s seconds keep working from its memory (0: refuse them, 503)."
+        ),
+    )
+    admin_session_lifetime_s: float = field(
+        default=12 * 3600.0,
+        metadata=_doc("Lifetime of an admin UI login, seconds (the cookie and the server side)."),
+    )
+    admin_cookie_secure: str = field(
+        default="auto",
+        metadata=_doc(
+            'Secure flag of the admin session cookie: "auto" (set when the request came over '
+            'https, directly or per X-Forwarded-Proto), "true" or "false".'
+        ),
+    )
     #: admission policy in tokenfleet.core.admission.ADMISSION ("none" admits everything)
     admission: str = field(
         default="slomax",
@@ -217,6 +268,22 @@ class LiveConfig:
                 raise ConfigError(f"'{name}' must be > 0 seconds, got {getattr(self, name)}")
         if self.max_attempts < 1:
             raise ConfigError("'max_attempts' must be >= 1")
+        for name in (
+            "max_body_bytes",
+            "max_upload_bytes",
+            "max_json_depth",
+            "max_api_key_chars",
+            "auth_cache_entries",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"'{name}' must be >= 1, got {getattr(self, name)}")
+        if self.auth_stale_s < 0 or self.admin_session_lifetime_s <= 0:
+            raise ConfigError("'auth_stale_s' must be >= 0 and 'admin_session_lifetime_s' > 0")
+        if self.admin_cookie_secure not in ("auto", "true", "false"):
+            raise ConfigError(
+                "'admin_cookie_secure' must be auto, true or false, got "
+                f"{self.admin_cookie_secure!r}"
+            )
         if self.stale_after_s < 2 * self.scrape_interval_s:
             raise ConfigError("'stale_after_s' must be at least two scrape intervals")
 

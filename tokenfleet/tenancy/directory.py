@@ -9,15 +9,27 @@ within half a second without any cross-process messaging.
 
 Only SHA-256 digests of keys are used as cache keys; plaintext keys never
 reach Redis or the database.
+
+The local memory is bounded (``max_entries`` keys and as many tenants,
+least recently used out first), unknown keys included, so a client sending
+random keys cannot grow an API process. It also keeps each answer as the
+*last known good* for ``stale_s``: while PostgreSQL is unreachable a key or
+tenant looked up in that window keeps working from memory (a key this
+process never saw gets 503). Revocations need the database, so none can be
+missed during the outage, except one committed less than ``local_ttl_s``
+before the database went away.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -28,6 +40,43 @@ from tokenfleet.tenancy.models import TenantQuota
 from tokenfleet.tenancy.quota import BUDGETS, QuotaLimits, TenantQuotas
 
 _MISSING = "-"
+log = logging.getLogger("tokenfleet.tenancy")
+#: database errors that mean "unreachable" (not a bad query): served from stale memory
+_DB_DOWN: tuple[type[Exception], ...] = (sa.exc.OperationalError, sa.exc.InterfaceError)
+V = TypeVar("V")
+
+
+class _Memo(Generic[V]):
+    """A bounded LRU of lookups: fresh for ``fresh_s``, kept as last known good for
+    ``stale_s``; not thread-safe (the directory holds its lock around it)."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self._d: OrderedDict[str, tuple[float, float, V]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def get(self, key: str, now: float) -> tuple[bool, bool, V | None]:
+        """(found, fresh, value); an entry past its stale deadline is dropped."""
+        hit = self._d.get(key)
+        if hit is None:
+            return False, False, None
+        fresh_until, stale_until, value = hit
+        if now > stale_until and now > fresh_until:
+            del self._d[key]
+            return False, False, None
+        self._d.move_to_end(key)
+        return True, now < fresh_until, value
+
+    def put(self, key: str, value: V, fresh_until: float, stale_until: float) -> None:
+        self._d[key] = (fresh_until, stale_until, value)
+        self._d.move_to_end(key)
+        while len(self._d) > self.max_entries:
+            self._d.popitem(last=False)
+
+    def pop(self, key: str) -> None:
+        self._d.pop(key, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +175,9 @@ class TenantDirectory:
         prefix: str = "tf",
         local_ttl_s: float = 0.5,
         redis_ttl_s: float = 60.0,
+        max_entries: int = 10_000,
+        stale_s: float = 900.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if local_ttl_s > 1.0:
             raise ValueError("local_ttl_s above 1 s would break the revocation guarantee")
@@ -134,9 +186,14 @@ class TenantDirectory:
         self.prefix = prefix
         self.local_ttl_s = local_ttl_s
         self.redis_ttl_ms = int(redis_ttl_s * 1000)
+        self.stale_s = stale_s
+        self.clock = clock
+        #: lookups answered from stale memory because PostgreSQL was unreachable
+        self.stale_served = 0
+        self._warned_at = -1e18
         self._lock = threading.Lock()
-        self._keys: dict[str, tuple[float, str | None]] = {}
-        self._tenants: dict[str, tuple[float, TenantContext | None]] = {}
+        self._keys: _Memo[str | None] = _Memo(max_entries)
+        self._tenants: _Memo[TenantContext | None] = _Memo(max_entries)
 
     # ---- cache keys --------------------------------------------------------
     def _key_entry(self, digest: str) -> str:
@@ -148,60 +205,89 @@ class TenantDirectory:
     # ---- reads -----------------------------------------------------------------
     def authenticate(self, plaintext: str) -> TenantContext | None:
         """The active tenant owning this key, else None (unknown, revoked, disabled)."""
+        ctx = self.lookup(plaintext)
+        if ctx is None or ctx.disabled:
+            return None
+        return ctx
+
+    def lookup(self, plaintext: str) -> TenantContext | None:
+        """The tenant owning this key, disabled or not (None: unknown or revoked key)."""
         if not plaintext:
             return None
         tenant_id = self._tenant_of_key(hash_api_key(plaintext))
         if tenant_id is None:
             return None
-        ctx = self.tenant(tenant_id)
-        if ctx is None or ctx.disabled:
-            return None
-        return ctx
+        return self.tenant(tenant_id)
+
+    def _remember(self, memo: _Memo[Any], key: str, value: Any, now: float) -> None:
+        with self._lock:
+            memo.put(key, value, now + self.local_ttl_s, now + max(self.stale_s, 0.0))
+
+    def _stale(self, memo: _Memo[Any], key: str, now: float, exc: Exception) -> Any:
+        """The last known good answer while the database is down, else re-raise."""
+        with self._lock:
+            found, _, value = memo.get(key, now)
+        if not found or self.stale_s <= 0:
+            raise exc
+        self.stale_served += 1
+        if now - self._warned_at >= 10.0:  # one line per 10 s, not one per request
+            self._warned_at = now
+            log.warning(
+                "database unreachable (%s); serving cached keys and tenants up to %.0f s old",
+                exc.__class__.__name__,
+                self.stale_s,
+            )
+        return value
 
     def _tenant_of_key(self, digest: str) -> str | None:
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
-            hit = self._keys.get(digest)
-        if hit is not None and hit[0] > now:
-            return hit[1]
+            found, fresh, tid = self._keys.get(digest, now)
+        if found and fresh:
+            return tid
         raw = self.redis.get(self._key_entry(digest))
         if raw is not None:
-            tid: str | None = None if raw == _MISSING.encode() else raw.decode()
+            tid = None if raw == _MISSING.encode() else raw.decode()
         else:
-            with self.engine.connect() as conn:
-                tid = conn.execute(
-                    sa.select(ApiKey.tenant_id).where(
-                        ApiKey.key_sha256 == digest, ApiKey.revoked_at.is_(None)
-                    )
-                ).scalar_one_or_none()
+            try:
+                with self.engine.connect() as conn:
+                    tid = conn.execute(
+                        sa.select(ApiKey.tenant_id).where(
+                            ApiKey.key_sha256 == digest, ApiKey.revoked_at.is_(None)
+                        )
+                    ).scalar_one_or_none()
+            except _DB_DOWN as exc:
+                stale: str | None = self._stale(self._keys, digest, now, exc)
+                return stale
             # unknown keys are cached briefly too: a guessing client cannot hammer PostgreSQL
             self.redis.set(
                 self._key_entry(digest), tid or _MISSING, px=self.redis_ttl_ms if tid else 5000
             )
-        with self._lock:
-            self._keys[digest] = (now + self.local_ttl_s, tid)
+        self._remember(self._keys, digest, tid, now)
         return tid
 
     def tenant(self, tenant_id: str) -> TenantContext | None:
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
-            hit = self._tenants.get(tenant_id)
-        if hit is not None and hit[0] > now:
-            return hit[1]
+            found, fresh, ctx = self._tenants.get(tenant_id, now)
+        if found and fresh:
+            return ctx
         raw = self.redis.get(self._tenant_entry(tenant_id))
-        ctx: TenantContext | None
         if raw is not None:
             ctx = None if raw == _MISSING.encode() else TenantContext.from_json(raw)
         else:
-            with session_scope(self.engine) as session:
-                ctx = load_tenant(session, tenant_id)
+            try:
+                with session_scope(self.engine) as session:
+                    ctx = load_tenant(session, tenant_id)
+            except _DB_DOWN as exc:
+                stale: TenantContext | None = self._stale(self._tenants, tenant_id, now, exc)
+                return stale
             self.redis.set(
                 self._tenant_entry(tenant_id),
                 ctx.to_json() if ctx else _MISSING,
                 px=self.redis_ttl_ms if ctx else 5000,
             )
-        with self._lock:
-            self._tenants[tenant_id] = (now + self.local_ttl_s, ctx)
+        self._remember(self._tenants, tenant_id, ctx, now)
         return ctx
 
     # ---- invalidation (called after the database commit) -------------------------
@@ -210,9 +296,9 @@ class TenantDirectory:
             self.redis.delete(*[self._key_entry(d) for d in digests])
         with self._lock:
             for d in digests:
-                self._keys.pop(d, None)
+                self._keys.pop(d)
 
     def forget_tenant(self, tenant_id: str) -> None:
         self.redis.delete(self._tenant_entry(tenant_id))
         with self._lock:
-            self._tenants.pop(tenant_id, None)
+            self._tenants.pop(tenant_id)

@@ -7,7 +7,14 @@ tenancy services built there). Config keys:
   created on first use);
 * ``ADMIN_USER`` / ``ADMIN_PASSWORD`` (or ``TOKENFLEET_ADMIN_USER`` /
   ``TOKENFLEET_ADMIN_PASSWORD``): create that admin at start if it does not
-  exist yet; otherwise use ``tokenfleet admin-user NAME``.
+  exist yet; otherwise use ``tokenfleet admin-user NAME``;
+* ``LIVE`` (a :class:`~tokenfleet.live.config.LiveConfig`):
+  ``admin_session_lifetime_s`` (default 12 h) and ``admin_cookie_secure``
+  (``auto``: ``Secure`` when the request came over https).
+
+The session cookie's attributes are set here, not with ``config.setdefault``:
+Flask defines those keys already (31 days, no SameSite), so a default would
+never apply.
 """
 
 from __future__ import annotations
@@ -17,8 +24,10 @@ import os
 from datetime import timedelta
 from typing import Any
 
-from flask import Flask, Request
+from flask import Flask, Request, has_request_context, request
 from flask.sessions import SecureCookieSession, SecureCookieSessionInterface
+
+from tokenfleet.live.config import LiveConfig
 
 log = logging.getLogger("tokenfleet.admin")
 
@@ -37,9 +46,21 @@ class CookieFirstSessionInterface(SecureCookieSessionInterface):
             return self.session_class()
         return super().open_session(app, request)
 
+    def get_cookie_secure(self, app: Flask) -> bool:
+        """``admin_cookie_secure``: "true", "false", or "auto": Secure when this request
+        came over https, directly or through a proxy that says so (X-Forwarded-Proto).
+        A wrong "auto" can only make the browser withhold the cookie, never leak it."""
+        mode = app.config.get("ADMIN_COOKIE_SECURE", "auto")
+        if mode != "auto":
+            return bool(mode == "true")
+        if not has_request_context():
+            return False
+        proto = request.headers.get("X-Forwarded-Proto", "").split(",")[0].strip().lower()
+        return bool(request.is_secure or proto == "https")
+
 
 def init_app(app: Flask, **overrides: Any) -> None:
-    from web.admin.auth import load_secret_key, set_admin_password
+    from web.admin.auth import AdminSessions, LoginThrottle, load_secret_key, set_admin_password
     from web.admin.data import QueueSampler
     from web.admin.views import admin_bp
 
@@ -53,9 +74,16 @@ def init_app(app: Flask, **overrides: Any) -> None:
             cfg.get("DATA_DIR") or ".tokenfleet"
         )
     app.session_interface = CookieFirstSessionInterface()
-    app.config.setdefault("SESSION_COOKIE_SAMESITE", "Lax")
-    app.config.setdefault("SESSION_COOKIE_HTTPONLY", True)
-    app.config.setdefault("PERMANENT_SESSION_LIFETIME", timedelta(hours=12))
+    live: LiveConfig = cfg.get("LIVE") or LiveConfig()
+    app.config["SESSION_COOKIE_SAMESITE"] = "Lax"
+    app.config["SESSION_COOKIE_HTTPONLY"] = True
+    app.config["ADMIN_COOKIE_SECURE"] = live.admin_cookie_secure
+    app.config["PERMANENT_SESSION_LIFETIME"] = timedelta(seconds=live.admin_session_lifetime_s)
+    prefix = svc.directory.prefix
+    app.extensions["tokenfleet.admin.sessions"] = AdminSessions(
+        svc.redis, prefix, live.admin_session_lifetime_s
+    )
+    app.extensions["tokenfleet.admin.throttle"] = LoginThrottle(svc.redis, prefix)
     app.register_blueprint(admin_bp)
 
     user = cfg.get("ADMIN_USER") or os.environ.get("TOKENFLEET_ADMIN_USER") or "admin"

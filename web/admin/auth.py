@@ -2,13 +2,19 @@
 
 * Passwords are stored as werkzeug scrypt hashes in ``admin_users``; an API
   key never logs in and an admin session never calls the tenant API.
-* Sessions are Flask's signed cookies (``HttpOnly``, ``SameSite=Lax``), with
-  a secret kept in ``<data_dir>/admin_secret`` (mode 0600) so it survives
-  API restarts; the session also pins the password hash's fingerprint, so
-  changing a password logs out every session of that user.
+* Sessions are Flask's signed cookies (``HttpOnly``, ``SameSite=Lax``,
+  ``Secure`` over https; 12 h by default), with a secret kept in
+  ``<data_dir>/admin_secret`` (mode 0600) so it survives API restarts. Each
+  login also gets a random session id stored in Redis for the session's
+  lifetime (:class:`AdminSessions`): logout deletes it, so a copy of the
+  cookie replayed after logout is refused. The session pins the password
+  hash's fingerprint too, so changing a password logs out every session.
 * Every state-changing request carries a per-session CSRF token (hidden form
   field ``csrf_token`` or header ``X-CSRF-Token``), compared in constant time.
-* Failed logins are limited per client address (Redis token bucket, 10/min).
+* Failed logins are audited and slowed down by exponential back-off
+  (:class:`LoginThrottle`) per (account, address), per address and, for
+  distributed guessing, per account; one noisy address therefore slows only
+  itself down, never a login from another address.
 """
 
 from __future__ import annotations
@@ -16,9 +22,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import math
 import os
 import secrets
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -106,6 +115,10 @@ def current_admin() -> str | None:
     user = session.get("admin_user")
     if not user:
         return None
+    sessions: AdminSessions = current_app.extensions["tokenfleet.admin.sessions"]
+    if not sessions.valid(str(session.get("sid") or ""), str(user)):
+        session.clear()  # logged out (or expired) on the server: a replayed cookie
+        return None
     engine = current_app.extensions["tokenfleet.tenancy"].engine
     with engine.connect() as conn:
         digest = conn.execute(
@@ -145,3 +158,121 @@ def check_csrf() -> None:
 
 def actor() -> str:
     return f"admin:{session.get('admin_user', '?')}"
+
+
+# ---- server-side sessions ---------------------------------------------------------------
+class AdminSessions:
+    """Live admin session ids in Redis, so logout really ends a session.
+
+    A signed cookie alone stays valid until it expires: logout could only ask
+    the browser to forget it. The cookie carries a random id; the id lives in
+    Redis (``<prefix>:admin:session:<id>``) for the session's lifetime and is
+    deleted on logout, after which the same cookie is refused."""
+
+    def __init__(self, client: Any, prefix: str, lifetime_s: float) -> None:
+        self.redis = client
+        self.prefix = prefix
+        self.lifetime_ms = max(1000, int(lifetime_s * 1000))
+
+    def _key(self, sid: str) -> str:
+        return f"{self.prefix}:admin:session:{sid}"
+
+    def create(self, username: str) -> str:
+        sid = secrets.token_urlsafe(32)
+        self.redis.set(self._key(sid), username, px=self.lifetime_ms)
+        return sid
+
+    def valid(self, sid: str, username: str) -> bool:
+        raw = self.redis.get(self._key(sid))
+        return raw is not None and hmac.compare_digest(raw, username.encode())
+
+    def end(self, sid: str) -> None:
+        self.redis.delete(self._key(sid))
+
+
+# ---- failed-login back-off ------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """After ``free`` failures, each further failure blocks ``base_s * 2**(n - free)``
+    seconds (n = failures so far), at most ``max_s``; forgotten ``forget_s`` after
+    the last failure."""
+
+    free: int
+    base_s: float = 1.0
+    max_s: float = 900.0
+    forget_s: float = 86400.0
+
+    def wait_s(self, failures: int) -> float:
+        if failures < self.free:
+            return 0.0
+        return float(min(self.max_s, self.base_s * 2.0 ** min(failures - self.free, 40)))
+
+
+class LoginThrottle:
+    """Exponential back-off of admin logins, counted in Redis (shared by API processes).
+
+    Three counters: per (account, address): the usual guesser, blocked after a
+    few tries; per address, any account: a guesser cycling user names; per
+    account, any address: distributed guessing, with a high threshold and a
+    short cap, so it cannot be used to lock the admin out. None is a hard
+    limit: each only makes the next try wait, and a success clears the
+    (account, address) and account counters.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        prefix: str,
+        *,
+        pair: Backoff = Backoff(free=5),
+        address: Backoff = Backoff(free=20),
+        account: Backoff = Backoff(free=100, max_s=60.0),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.redis = client
+        self.prefix = prefix
+        self.rules = {"pair": pair, "addr": address, "acct": account}
+        self.clock = clock
+
+    def _keys(self, username: str, addr: str) -> dict[str, str]:
+        user = hashlib.sha256(username.encode()).hexdigest()[:32]
+        base = f"{self.prefix}:admin:login"
+        return {
+            "pair": f"{base}:pair:{user}:{addr}",
+            "addr": f"{base}:addr:{addr}",
+            "acct": f"{base}:acct:{user}",
+        }
+
+    def wait_s(self, username: str, addr: str) -> float:
+        """Seconds until this (account, address) may try again; 0: now."""
+        keys = self._keys(username, addr)
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys.values():
+            pipe.hget(key, "until")
+        now = self.clock()
+        untils = [float(v) for v in pipe.execute() if v is not None]
+        return max([0.0] + [u - now for u in untils])
+
+    def failed(self, username: str, addr: str) -> float:
+        """Count a failure; returns the back-off it starts (0: none yet)."""
+        keys = self._keys(username, addr)
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys.values():
+            pipe.hincrby(key, "failures", 1)
+        counts = dict(zip(keys, pipe.execute(), strict=True))
+        now = self.clock()
+        longest = 0.0
+        pipe = self.redis.pipeline(transaction=False)
+        for name, key in keys.items():
+            rule = self.rules[name]
+            wait = rule.wait_s(int(counts[name]))
+            if wait > 0:
+                pipe.hset(key, "until", repr(now + wait))
+            pipe.expire(key, max(1, math.ceil(rule.forget_s)))
+            longest = max(longest, wait)
+        pipe.execute()
+        return longest
+
+    def succeeded(self, username: str, addr: str) -> None:
+        keys = self._keys(username, addr)
+        self.redis.delete(keys["pair"], keys["acct"])

@@ -7,6 +7,7 @@ write the audit log in the same transaction as the change.
 
 from __future__ import annotations
 
+import math
 from datetime import UTC
 from typing import Any
 from urllib.parse import urlsplit
@@ -111,45 +112,54 @@ def login() -> Any:
     s = svc()
     no_admins = auth.admin_count(s.engine) == 0
     error = None
+    status = 200
+    headers: dict[str, str] = {}
     if request.method == "POST":
         client = request.remote_addr or "?"
-        from tokenfleet.tenancy.quota import QuotaLimits
-
-        gate = s.quotas.admit(
-            f"admin-login:{client}",
-            "interactive",
-            QuotaLimits(requests_per_minute=10),
-            prompt_tokens=0,
-            max_tokens=0,
-        )
-        username = request.form.get("username", "")
-        fp = (
-            auth.check_login(s.engine, username, request.form.get("password", ""))
-            if gate.allowed
-            else None
-        )
-        if fp is not None:
-            session.clear()
-            session["admin_user"] = username
-            session["admin_fp"] = fp
-            session.permanent = True
-            auth.csrf_token()
+        username = request.form.get("username", "")[:100]
+        throttle: auth.LoginThrottle = current_app.extensions["tokenfleet.admin.throttle"]
+        wait_s = throttle.wait_s(username, client)
+        if wait_s > 0:
+            # not checked, not audited: the back-off bounds how often this can happen
+            error = (
+                f"too many failed logins for this account from this address; "
+                f"try again in {math.ceil(wait_s)} s"
+            )
+            status = 429
+            headers["Retry-After"] = str(math.ceil(wait_s))
+        else:
+            fp = auth.check_login(s.engine, username, request.form.get("password", ""))
+            if fp is not None:
+                throttle.succeeded(username, client)
+                sessions: auth.AdminSessions = current_app.extensions["tokenfleet.admin.sessions"]
+                session.clear()
+                session["admin_user"] = username
+                session["admin_fp"] = fp
+                session["sid"] = sessions.create(username)
+                session.permanent = True
+                auth.csrf_token()
+                with session_scope(s.engine) as db:
+                    append_audit(db, f"admin:{username}", "admin.login", {"addr": client})
+                return redirect(_safe_next(request.args.get("next")))
+            backoff_s = throttle.failed(username, client)
             with session_scope(s.engine) as db:
-                append_audit(db, f"admin:{username}", "admin.login", {"addr": client})
-            return redirect(_safe_next(request.args.get("next")))
-        error = (
-            "too many attempts; wait a minute"
-            if not gate.allowed
-            else "wrong user name or password"
-        )
-    return render_template("admin/login.html", error=error, no_admins=no_admins), (
-        401 if error else 200
-    )
+                append_audit(
+                    db,
+                    f"anonymous@{client}"[:200],
+                    "admin.login_failed",
+                    {"username": username, "addr": client, "backoff_s": backoff_s},
+                )
+            error = "wrong user name or password"
+            status = 401
+    return render_template("admin/login.html", error=error, no_admins=no_admins), status, headers
 
 
 @admin_bp.post("/logout")
 def logout() -> Any:
     user = session.get("admin_user")
+    sid = session.get("sid")
+    if sid:  # ends it on the server: the same cookie replayed later is refused
+        current_app.extensions["tokenfleet.admin.sessions"].end(str(sid))
     session.clear()
     if user:
         with session_scope(svc().engine) as db:

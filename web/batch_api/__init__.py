@@ -24,6 +24,7 @@ log = logging.getLogger("tokenfleet.batch")
 
 def init_app(app: Flask, **overrides: Any) -> Any:
     """Mount the files/batches API; returns the tenancy services (None without a database)."""
+    from tokenfleet.live.config import LiveConfig
     from web.auth import Authenticator
     from web.batch_api.routes import batch_bp
     from web.batch_api.services import TenancyServices
@@ -32,16 +33,21 @@ def init_app(app: Flask, **overrides: Any) -> Any:
     if not cfg.get("DATABASE_URL") or not cfg.get("REDIS_URL"):
         log.info("files/batches API disabled: it needs DATABASE_URL and REDIS_URL")
         return None
+    live: LiveConfig = cfg.get("LIVE") or LiveConfig()
     svc = TenancyServices.build(
         database_url=cfg["DATABASE_URL"],
         redis_url=cfg["REDIS_URL"],
         data_dir=cfg.get("DATA_DIR") or ".tokenfleet",
         prefix=cfg.get("REDIS_PREFIX") or "tf",
+        auth_cache_entries=live.auth_cache_entries,
+        auth_stale_s=live.auth_stale_s,
     )
     app.extensions["tokenfleet.tenancy"] = svc
     auth = app.extensions.get("tokenfleet.auth")
     if auth is None:
-        app.extensions["tokenfleet.auth"] = Authenticator({}, svc.directory)
+        app.extensions["tokenfleet.auth"] = Authenticator(
+            {}, svc.directory, max_key_chars=live.max_api_key_chars
+        )
     elif auth.directory is None:
         auth.directory = svc.directory
     app.register_blueprint(batch_bp)

@@ -198,7 +198,7 @@ def fragment() -> dict[str, Any]:
                         "200": _ok("#/components/schemas/File", "The file."),
                         "400": _err("Bad purpose, no file or not .jsonl."),
                         "401": unauth,
-                        "413": _err("Larger than 200 MiB."),
+                        "413": _err("Larger than max_upload_bytes (200 MiB by default)."),
                     },
                 },
                 "get": {

@@ -12,9 +12,10 @@ import json
 from typing import Any
 
 from flask import Blueprint, Response, current_app, request, stream_with_context
+from werkzeug.exceptions import RequestEntityTooLarge
 
 from tokenfleet.batch import jobs
-from tokenfleet.batch.files import MAX_UPLOAD_BYTES, UPLOAD_PURPOSES, FileTooLarge, file_object
+from tokenfleet.batch.files import UPLOAD_PURPOSES, FileTooLarge, file_object
 from tokenfleet.errors import TokenFleetError
 from tokenfleet.tenancy.directory import TenantContext
 from tokenfleet.tenancy.gate import TenancyError
@@ -22,6 +23,14 @@ from tokenfleet.tenancy.quota import BUDGETS
 from tokenfleet.tenancy.usage import usage_for
 from web.batch_api.services import TenancyServices
 from web.errors import ApiError
+from web.limits import (
+    MULTIPART_OVERHEAD_BYTES,
+    body_over_cap,
+    cap_body,
+    limits,
+    read_json,
+    too_large,
+)
 
 batch_bp = Blueprint("batch_api", __name__, url_prefix="/v1")
 
@@ -107,13 +116,7 @@ def _reject_nul() -> Response | None:
 
 
 def _json_body() -> dict[str, Any]:
-    raw = request.get_data(cache=False)
-    try:
-        body = json.loads(raw) if raw else None
-    except (ValueError, UnicodeDecodeError):
-        raise jobs.BatchRequestError(
-            400, "the request body is not valid JSON", code="invalid_json"
-        ) from None
+    body = read_json(empty_ok=True)  # size and nesting limits (web.limits)
     if not isinstance(body, dict):
         raise jobs.BatchRequestError(
             400, "the request body must be a JSON object", code="invalid_json"
@@ -141,9 +144,16 @@ def _limit(default: int, maximum: int) -> int:
 # ---- files -------------------------------------------------------------------------
 @batch_bp.post("/files")
 def create_file() -> Response:
+    lim = limits()
+    cap_body(lim.max_upload_bytes + MULTIPART_OVERHEAD_BYTES, "file")
     who = tenant()
-    purpose = request.form.get("purpose")
-    upload = request.files.get("file")
+    try:
+        purpose = request.form.get("purpose")
+        upload = request.files.get("file")
+    except RequestEntityTooLarge:
+        raise too_large(lim.max_upload_bytes, "file") from None
+    if body_over_cap():  # a chunked body cut off at the cap: its form is incomplete
+        raise too_large(lim.max_upload_bytes, "file")
     if purpose not in UPLOAD_PURPOSES:
         return error(
             400,
@@ -158,7 +168,7 @@ def create_file() -> Response:
             400, "batch input files must be .jsonl", param="file", code="invalid_file_format"
         )
     f = services().files.upload(
-        who.id, purpose, filename[:500], upload.stream, max_bytes=MAX_UPLOAD_BYTES
+        who.id, purpose, filename[:500], upload.stream, max_bytes=lim.max_upload_bytes
     )
     return _json(file_object(f))
 

@@ -46,6 +46,8 @@ class TenancyServices:
         data_dir: str | Path,
         prefix: str = "tf",
         engine: Engine | None = None,
+        auth_cache_entries: int = 10_000,
+        auth_stale_s: float = 900.0,
     ) -> TenancyServices:
         import redis
 
@@ -53,7 +55,9 @@ class TenancyServices:
 
         eng = engine or make_engine(database_url, pool_size=10)
         client = redis.Redis.from_url(redis_url, socket_connect_timeout=2, health_check_interval=30)
-        directory = TenantDirectory(eng, client, prefix=prefix)
+        directory = TenantDirectory(
+            eng, client, prefix=prefix, max_entries=auth_cache_entries, stale_s=auth_stale_s
+        )
         quotas = QuotaEnforcer(client, prefix=prefix)
         usage = UsageRecorder(client, eng, prefix=prefix)
         files = FileStore(eng, Path(data_dir) / "files")

@@ -9,6 +9,7 @@ with the OpenAI wording.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -28,7 +29,7 @@ from tokenfleet.tokenizer import ChatPrompt, tokenize_chat
 TIER_HEADER = "X-TokenFleet-Tier"
 #: default output budget when the client gives none (vLLM uses all the context left)
 DEFAULT_MAX_TOKENS = 4096
-#: body fields passed through to the engine unchanged
+#: body fields passed through to the engine unchanged (validated below)
 PASSTHROUGH = (
     "temperature",
     "top_p",
@@ -43,7 +44,51 @@ PASSTHROUGH = (
     "top_k",
     "repetition_penalty",
 )
+#: OpenAI fields TokenFleet reads itself (model, messages, limits, streaming, routing hints)
+HANDLED = (
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "stream",
+    "stream_options",
+    "user",
+    "safety_identifier",
+    "prompt_cache_key",
+    "service_tier",
+)
+#: OpenAI fields accepted and ignored: they change nothing about the answer here
+#: (``metadata`` and ``store: false`` only label OpenAI-side storage, which
+#: TokenFleet does not have; its ledger records every request anyway)
+IGNORED = ("metadata", "store")
+#: OpenAI fields whose feature TokenFleet does not implement: a request that uses
+#: them gets a 400 ``unsupported_parameter`` rather than an answer without it. The
+#: value says what the field may hold and still be accepted (its "off" value).
+UNSUPPORTED: dict[str, str] = {
+    "tools": "null or []",
+    "tool_choice": 'null or "none"',
+    "parallel_tool_calls": "null",
+    "functions": "null or []",
+    "function_call": 'null or "none"',
+    "response_format": '{"type": "text"}',
+    "logprobs": "false",
+    "top_logprobs": "null",
+    "audio": "null",
+    "modalities": '["text"]',
+    "prediction": "null",
+    "reasoning_effort": "null",
+    "verbosity": "null",
+    "web_search_options": "null",
+}
+SERVICE_TIERS = ("auto", "default", "flex")
+#: every field a chat completion body may carry
+KNOWN_FIELDS = (
+    frozenset(HANDLED) | frozenset(PASSTHROUGH) | frozenset(IGNORED) | frozenset(UNSUPPORTED)
+)
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOP_SEQUENCES = 4
+MAX_METADATA_PAIRS = 16
 
 
 @dataclass(slots=True)
@@ -60,6 +105,9 @@ class ChatRequest:
     #: the tenant quota budget it is charged to: "batch" when the client asked
     #: for the batch tier (header) or flex service, else "interactive"
     budget: str = "interactive"
+    #: True when the client set no max_tokens: ``info.max_tokens`` is then our
+    #: default, and the quota may reserve less of it (web.quota)
+    max_tokens_implicit: bool = False
 
 
 def validate_chat(
@@ -115,9 +163,10 @@ def validate_chat(
         if not isinstance(options, dict):
             raise InvalidRequest("'stream_options' must be an object", param="stream_options")
     include_usage = bool(stream and options and options.get("include_usage") is True)
-    for name in ("user", "prompt_cache_key"):
+    for name in ("user", "safety_identifier", "prompt_cache_key"):
         if body.get(name) is not None and not isinstance(body.get(name), str):
             raise InvalidRequest(f"'{name}' must be a string", param=name)
+    check_fields(body)
     if model not in models:
         if not models:
             raise NoCapacity("no engine instance is up yet; retry shortly")
@@ -140,6 +189,7 @@ def validate_chat(
             param="messages",
         )
     room = max_len - input_tokens
+    implicit = max_tokens is None
     if max_tokens is None:
         max_tokens = min(room, DEFAULT_MAX_TOKENS)
     elif max_tokens > room:
@@ -196,6 +246,7 @@ def validate_chat(
         created=int(now),
         deadline_s=deadline,
         budget=budget,
+        max_tokens_implicit=implicit,
     )
 
 
@@ -210,3 +261,129 @@ def _opt_int(body: Mapping[str, Any], name: str) -> int | None:
             f"'{name}' must be at least 1, got {v}", param=name, code="invalid_value"
         )
     return v
+
+
+def check_fields(body: Mapping[str, Any]) -> None:
+    """Refuse unknown fields, unimplemented features and out-of-range sampling values.
+
+    Why so strict: a field the server silently drops changes the answer
+    without telling the client (``temperature: "hot"``, ``tools`` that are
+    never called); OpenAI itself answers 400 for each of these.
+    """
+    for name in body:
+        if name not in KNOWN_FIELDS:
+            raise InvalidRequest(
+                f"Unrecognized request argument supplied: {name}. Remove it; see "
+                "docs/live.md (request fields) for the fields TokenFleet accepts.",
+                param=str(name),
+                code="unknown_parameter",
+            )
+    for name, allowed in UNSUPPORTED.items():
+        if name in body and not _is_off(name, body[name]):
+            raise InvalidRequest(
+                f"'{name}' is not supported by TokenFleet; remove it or set it to {allowed}.",
+                param=name,
+                code="unsupported_parameter",
+            )
+    _number(body, "temperature", 0.0, 2.0)
+    _number(body, "top_p", 0.0, 1.0)
+    _number(body, "presence_penalty", -2.0, 2.0)
+    _number(body, "frequency_penalty", -2.0, 2.0)
+    _number(body, "repetition_penalty", 0.0, None, low_open=True)
+    _integer(body, "seed", None)
+    _integer(body, "top_k", -1)
+    _integer(body, "min_tokens", 0)
+    for name in ("ignore_eos", "store"):
+        v = body.get(name)
+        if v is not None and not isinstance(v, bool):
+            raise InvalidRequest(f"'{name}' must be a boolean, got {v!r}", param=name)
+    for name in ("vllm_xargs",):
+        v = body.get(name)
+        if v is not None and not isinstance(v, dict):
+            raise InvalidRequest(f"'{name}' must be an object", param=name)
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str):
+        if (
+            not isinstance(stop, list)
+            or len(stop) > MAX_STOP_SEQUENCES
+            or not all(isinstance(x, str) for x in stop)
+        ):
+            raise InvalidRequest(
+                f"'stop' must be a string or an array of at most {MAX_STOP_SEQUENCES} strings",
+                param="stop",
+            )
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict) or not all(
+            isinstance(k, str) and k.isdigit() and _is_number(v) and -100 <= v <= 100
+            for k, v in bias.items()
+        ):
+            raise InvalidRequest(
+                "'logit_bias' must map token ids (strings of digits) to numbers in [-100, 100]",
+                param="logit_bias",
+            )
+    meta = body.get("metadata")
+    if meta is not None and (
+        not isinstance(meta, dict)
+        or len(meta) > MAX_METADATA_PAIRS
+        or not all(isinstance(v, str) for v in meta.values())
+    ):
+        raise InvalidRequest(
+            f"'metadata' must be an object of at most {MAX_METADATA_PAIRS} string values",
+            param="metadata",
+        )
+    tier = body.get("service_tier")
+    if tier is not None and tier not in SERVICE_TIERS:
+        raise InvalidRequest(
+            f"'service_tier' must be one of {', '.join(SERVICE_TIERS)}, got {tier!r}",
+            param="service_tier",
+            code="invalid_value",
+        )
+
+
+def _is_off(name: str, v: Any) -> bool:
+    """Whether an unsupported field holds its "feature off" value."""
+    if v is None:
+        return True
+    if name in ("tools", "functions"):
+        return bool(v == [])
+    if name in ("tool_choice", "function_call"):
+        return bool(v == "none")
+    if name == "response_format":
+        return isinstance(v, dict) and v.get("type") == "text" and len(v) == 1
+    if name == "logprobs":
+        return v is False
+    if name == "modalities":
+        return bool(v == ["text"])
+    return False
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _number(
+    body: Mapping[str, Any], name: str, low: float, high: float | None, *, low_open: bool = False
+) -> None:
+    v = body.get(name)
+    if v is None:
+        return
+    if not _is_number(v):
+        raise InvalidRequest(f"'{name}' must be a number, got {v!r}", param=name)
+    if (v <= low if low_open else v < low) or (high is not None and v > high):
+        span = f"above {low:g}" if high is None else f"between {low:g} and {high:g}"
+        raise InvalidRequest(
+            f"'{name}' must be {span}, got {v!r}", param=name, code="invalid_value"
+        )
+
+
+def _integer(body: Mapping[str, Any], name: str, low: int | None) -> None:
+    v = body.get(name)
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise InvalidRequest(f"'{name}' must be an integer, got {v!r}", param=name)
+    if low is not None and v < low:
+        raise InvalidRequest(
+            f"'{name}' must be at least {low}, got {v}", param=name, code="invalid_value"
+        )
