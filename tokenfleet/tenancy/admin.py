@@ -248,6 +248,40 @@ def create_key(
     return plaintext, info
 
 
+def register_key(
+    engine: Engine,
+    tenant_id: str,
+    plaintext: str,
+    *,
+    actor: str,
+    name: str | None = None,
+    cache: CacheInvalidator | None = None,
+) -> KeyInfo:
+    """Store a key whose plaintext the caller chose (``tokenfleet up``'s saved demo
+    key, a deployment's ``TOKENFLEET_API_KEY``); only its SHA-256 is kept."""
+    if len(plaintext) < 8:
+        raise ConfigError("an API key must be at least 8 characters long")
+    digest = hash_api_key(plaintext)
+    prefix = plaintext[:10]
+    with session_scope(engine) as session:
+        _require(session, tenant_id)
+        if session.scalar(sa.select(ApiKey.id).where(ApiKey.key_sha256 == digest)) is not None:
+            raise ConfigError("this API key is already registered")
+        key = ApiKey(tenant_id=tenant_id, key_sha256=digest, prefix=prefix, name=name)
+        session.add(key)
+        session.flush()
+        append_audit(
+            session,
+            actor,
+            "key.create",
+            {"tenant_id": tenant_id, "key_id": key.id, "prefix": prefix, "name": name},
+        )
+        info = KeyInfo(key.id, tenant_id, prefix, name, key.created_at, None)
+    if cache is not None:
+        cache.forget_keys([digest])
+    return info
+
+
 def list_keys(engine: Engine, tenant_id: str | None = None) -> list[KeyInfo]:
     with session_scope(engine) as session:
         stmt = sa.select(ApiKey).order_by(ApiKey.tenant_id, ApiKey.id)

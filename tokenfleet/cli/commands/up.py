@@ -14,8 +14,8 @@ import argparse
 import http.client
 import json
 import os
-import secrets
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -118,11 +118,8 @@ def run(args: argparse.Namespace) -> int:
     data_dir.mkdir(parents=True, exist_ok=True)
     host = args.host or cfg.api_host
     port = args.port if args.port is not None else cfg.api_port
-    api_key = (
-        cfg.api_key
-        or os.environ.get("TOKENFLEET_API_KEY")
-        or "tf-demo-" + secrets.token_urlsafe(18)
-    )
+    configured_key = cfg.api_key or os.environ.get("TOKENFLEET_API_KEY") or None
+    _check_port_free(host, port)  # before anything starts: a taken port fails now, with why
     topology = (
         args.topology
         or os.environ.get("TOKENFLEET_TOPOLOGY")
@@ -150,11 +147,14 @@ def run(args: argparse.Namespace) -> int:
     sup = Supervisor(data_dir / "logs")
     try:
         endpoints = stack.start()
+        demo = _demo_key(endpoints, data_dir, configured_key, live.redis_prefix)
+        api_key = demo.key
         env = dict(os.environ)
         env.update(endpoints.as_env())
         env.update(live.as_env())
         env["TOKENFLEET_DATA_DIR"] = str(data_dir)
-        env["TOKENFLEET_SEED_API_KEYS"] = f"{api_key}=demo"
+        if not endpoints.database_url:  # no tenancy without a database: a seed key
+            env["TOKENFLEET_SEED_API_KEYS"] = f"{api_key}=demo"
         env.pop("TOKENFLEET_API_KEY", None)
         env["PYTHONUNBUFFERED"] = "1"
         py = [sys.executable, "-m", "tokenfleet.cli.main"]
@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
         url = f"http://{host}:{port}"
         _wait_ready(sup, url, len(engines), stopping)
         if not stopping["flag"]:
-            _banner(url, api_key, data_dir)
+            _banner(url, demo, data_dir, args)
         # the long cycle's replica targets (beat -> Redis): prewarm and retire engines
         from tokenfleet.live.replicas import LocalReplicas
         from tokenfleet.live.state import LiveState
@@ -322,29 +322,107 @@ def _wait_ready(
         )
 
 
-def _banner(url: str, api_key: str, data_dir: Path) -> None:
+def _check_port_free(host: str, port: int) -> None:
+    """Fail at once, with the reason, when the API could not bind its port: the
+    API would otherwise exit, be restarted, and say why only in its log."""
+    from tokenfleet.errors import ConfigError
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the API binds
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot listen on {host}:{port} ({exc.strerror or exc}); another "
+                "process has the port. Stop it, or choose a port: "
+                "`tokenfleet up --port 8080` (`make up PORT=8080`)"
+            ) from None
+
+
+def _demo_key(endpoints: Any, data_dir: Path, configured_key: str | None, prefix: str) -> Any:
+    """The printed key: an ``api_keys`` row of the real tenant ``demo``, kept in
+    the data dir so it survives restarts (:mod:`tokenfleet.tenancy.demo`)."""
+    from tokenfleet.tenancy.demo import DemoKey, ensure_demo_key
+
+    if not endpoints.database_url:
+        import secrets
+
+        key = configured_key or "tf-demo-" + secrets.token_urlsafe(18)
+        return DemoKey(key, "demo", "a seed key: no database, so no tenancy")
+    import redis
+
+    from tokenfleet.service.db import make_engine
+    from tokenfleet.tenancy.directory import TenantDirectory
+
+    engine = make_engine(endpoints.database_url, pool_size=1)
+    client = redis.Redis.from_url(endpoints.redis_url) if endpoints.redis_url else None
+    try:
+        cache = TenantDirectory(engine, client, prefix=prefix) if client is not None else None
+        return ensure_demo_key(engine, data_dir, configured_key=configured_key, cache=cache)
+    finally:
+        engine.dispose()
+        if client is not None:
+            client.close()
+
+
+def _program(name: str) -> str:
+    """How to call this environment's ``name`` from the user's shell: bare if the
+    shell finds this one on PATH, else its path (``.venv/bin/name`` in a checkout)."""
+    import shutil
+
+    bindir = Path(os.path.abspath(sys.executable)).parent  # not resolved: the venv's own bin
+    mine = bindir / name
+    found = shutil.which(name)
+    if found and Path(os.path.abspath(found)) == mine:
+        return name
+    try:
+        return str(mine.relative_to(Path.cwd()))
+    except ValueError:
+        return str(mine)
+
+
+def _banner(url: str, demo: Any, data_dir: Path, args: argparse.Namespace) -> None:
     model = "meta-llama/Llama-3.1-8B-Instruct"
+    api_key = demo.key
     try:
         status, body = _get(url, "/v1/models", headers={"Authorization": f"Bearer {api_key}"})
         if status == 200:
             model = json.loads(body)["data"][0]["id"]
     except (OSError, ValueError, KeyError, IndexError):
         pass
+    tf = _program("tokenfleet")
+    py = _program("python")
+    where = f" --data-dir {args.data_dir}" if args.data_dir else ""
+    if args.config:
+        where += f" --config {args.config}"
+    venv = ""
+    if tf != "tokenfleet":
+        activate = Path(tf).parent / "activate"
+        venv = (
+            f"\n  `tokenfleet` is not on your PATH: run `source {activate}` first, or call\n"
+            f"  {Path(tf).parent}/tokenfleet and {py} as below.\n"
+        )
     print(
         f"""
 TokenFleet is up.
 
-  API:      {url}/v1   (OpenAPI: {url}/openapi.json, metrics: {url}/metrics)
-  API key:  {api_key}
-  Logs:     {data_dir / "logs"}
-
+  API:       {url}/v1   (OpenAPI: {url}/openapi.json, metrics: {url}/metrics)
+  API key:   {api_key}   (tenant "{demo.tenant}"; {demo.note})
+  Admin UI:  {url}/admin   (create a login first: {tf} admin-user admin{where})
+  Logs:      {data_dir / "logs"}   (api.log has one line per request)
+{venv}
 Try it:
 
   curl {url}/v1/chat/completions \\
     -H "Authorization: Bearer {api_key}" -H "Content-Type: application/json" \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
 
-  python -c "from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='{api_key}'); print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello!'}}], max_tokens=32).choices[0].message.content)"
+  {py} -c "from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='{api_key}'); print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello!'}}], max_tokens=32).choices[0].message.content)"
+
+  # the demo tenant is a real one: list it, give it quotas
+  {tf} tenants list{where}
+  {tf} tenants set-quota demo --rpm 60{where}
 
 Press Ctrl-C to stop.
 """,
