@@ -4,14 +4,18 @@ failing fast on a taken port, metrics, access logs, quiet control ticks,
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import openai
 import pytest
+import requests
 import sqlalchemy as sa
 
 from tests.support.stores import fresh_database
@@ -95,3 +99,159 @@ def test_make_up_takes_a_port_and_shows_install_progress() -> None:
     assert "--port $(PORT)" in recipe
     setup = text.split("$(STAMP): pyproject.toml", 1)[1].split("\n\n", 1)[0]
     assert "--quiet" not in setup and "echo" in setup
+
+
+# ---- the live API: /v1/completions, metrics, the access log -------------------------------
+@pytest.fixture(scope="module")
+def stack(live_stack: Any) -> Iterator[Any]:
+    from tests.support.stack import InstanceSpec
+
+    with live_stack(
+        router="tokenpilot", instances=[InstanceSpec("dc-a", "a0"), InstanceSpec("dc-b", "b0")]
+    ) as s:
+        yield s
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        head, value = line.rsplit(" ", 1)
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def test_legacy_completions_string_token_ids_and_stream_with_usage(stack: Any) -> None:
+    c = stack.client()
+    r = c.completions.create(model=stack.model, prompt="Once upon a time", max_tokens=6)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.usage is not None and 1 <= r.usage.completion_tokens <= 6
+    assert r.usage.prompt_tokens == 4  # "Once upon a time": 16 bytes, 4 bytes a token
+    # the emulator writes one word per token: the text is the whole answer
+    assert len(r.choices[0].text.split()) == r.usage.completion_tokens
+    ids = c.completions.create(model=stack.model, prompt=list(range(100, 140)), max_tokens=3)
+    assert ids.usage is not None and ids.usage.prompt_tokens == 40
+    chunks = list(
+        c.completions.create(
+            model=stack.model,
+            prompt="stream me",
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert all(ch.object == "text_completion" for ch in chunks)
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert chunks[-1].usage is not None and chunks[-1].choices == []
+    assert len(text.split()) == chunks[-1].usage.completion_tokens
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finishes[-1] in ("stop", "length") and not any(finishes[:-1])
+    with pytest.raises(openai.BadRequestError) as exc:
+        c.completions.create(model=stack.model, prompt=["two", "prompts"], max_tokens=2)
+    assert exc.value.body["param"] == "prompt"  # type: ignore[index]
+    # the same gateway path as chat: the ledger has the rows, with the tenant
+    rid = r.id.removeprefix("cmpl-")
+    rows = stack.ledger_rows(expect=lambda rows: rid in {row["request_id"] for row in rows})
+    assert rid in {row["request_id"] for row in rows}
+
+
+def test_metrics_count_rejections_auth_failures_and_slo_per_tenant_and_tier(
+    stack: Any,
+) -> None:
+    from tests.support.stack import TENANT
+    from tokenfleet.tenancy import admin
+
+    eng = make_engine(stack.database_url, pool_size=1)
+    try:
+        admin.create_tenant(eng, "metered", actor="test")
+        admin.set_quota(eng, "metered", "interactive", {"requests_per_minute": 1}, actor="test")
+        key, _ = admin.create_key(eng, "metered", actor="test")
+    finally:
+        eng.dispose()
+    before = requests.get(stack.url + "/metrics", timeout=5)
+    assert before.headers["Content-Type"].count("charset") == 1
+    ok = stack.client()
+    ok.chat.completions.create(
+        model=stack.model, max_tokens=2, messages=[{"role": "user", "content": "count me"}]
+    )
+    metered = _client(stack, key)
+    metered.chat.completions.create(
+        model=stack.model, max_tokens=2, messages=[{"role": "user", "content": "first"}]
+    )
+    with pytest.raises(openai.RateLimitError):
+        metered.chat.completions.create(
+            model=stack.model, max_tokens=2, messages=[{"role": "user", "content": "second"}]
+        )
+    with pytest.raises(openai.AuthenticationError):
+        _client(stack, "tf-not-a-key-at-all").models.list()
+    m = requests.get(stack.url + "/metrics", timeout=5).text
+    rejected = _metric(m, "tokenfleet_rejections_total", tenant="metered", reason="quota")
+    assert rejected == 1.0
+    assert _metric(m, "tokenfleet_auth_failures_total") >= 1.0
+    served = _metric(m, "tokenfleet_requests_total", tenant=TENANT, tier="interactive")
+    assert served >= 1.0
+    slo = sum(
+        _metric(m, "tokenfleet_requests_total", tenant="metered", status=s)
+        for s in ("completed", "slo_missed")
+    )
+    assert slo == 1.0, "the metered tenant's one served request, with its SLO verdict"
+    # a healthy fleet without home DCs: no decision is a failover
+    assert _metric(m, "tokenfleet_dc_decisions_total", reason="failover") == 0.0
+    assert _metric(m, "tokenfleet_dc_decisions_total") >= 2.0
+
+
+def _client(stack: Any, key: str) -> Any:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def test_access_log_has_one_line_per_request_with_its_fields(
+    stack: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tests.support.stack import TENANT
+
+    caplog.set_level(logging.INFO, logger="tokenfleet.access")
+    c = stack.client()
+    r = c.chat.completions.create(
+        model=stack.model, max_tokens=3, messages=[{"role": "user", "content": "log me"}]
+    )
+    rid = r.id.removeprefix("chatcmpl-")
+    list(
+        c.chat.completions.create(
+            model=stack.model,
+            max_tokens=3,
+            stream=True,
+            messages=[{"role": "user", "content": "log my stream"}],
+        )
+    )
+    requests.get(stack.url + "/health", timeout=5)
+
+    def lines() -> list[logging.LogRecord]:
+        return [x for x in caplog.records if x.name == "tokenfleet.access"]
+
+    assert wait_until(lambda: len(lines()) >= 2)
+    mine = [x for x in lines() if f"id={rid} " in x.getMessage()]
+    assert len(mine) == 1, [x.getMessage() for x in lines()]
+    f = mine[0].fields  # type: ignore[attr-defined]
+    assert f["tenant"] == TENANT and f["tier"] == "interactive" and f["status"] == 200
+    assert f["dc"] in ("dc-a", "dc-b") and f["instance"] in ("a0", "b0")
+    assert f["outcome"] in ("completed", "slo_missed") and f["ttft_ms"] is not None
+    assert f["completion_tokens"] == r.usage.completion_tokens  # type: ignore[union-attr]
+    stream_line = [x for x in lines() if x is not mine[0]][0].fields  # type: ignore[attr-defined]
+    assert stream_line["completion_tokens"] >= 1 and stream_line["outcome"] is not None
+    assert not any("/health" in x.getMessage() for x in lines()), "scrapes are not logged"
+
+
+def wait_until(cond: Any, timeout_s: float = 10.0) -> bool:
+    """Poll ``cond`` (a log line is written when the response closes, just after
+    the client has it); a bounded wait, not a timing assertion."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return bool(cond())

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from flask import Flask, Response
+from flask import Flask, Response, g
 from sqlalchemy import exc as sa_exc
 from werkzeug.exceptions import HTTPException
 
@@ -88,9 +88,11 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     app.extensions["tokenfleet.metrics"] = metrics
     app.extensions["tokenfleet.celery"] = celery
 
+    from web.access import init_app as init_access_log
     from web.chat import chat_bp
     from web.routes import models_bp, ops_bp
 
+    init_access_log(app)  # one line per /v1 request, when its answer has ended
     app.register_blueprint(chat_bp)
     app.register_blueprint(models_bp)
     app.register_blueprint(ops_bp)
@@ -111,19 +113,23 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
         if cfg.get("BATCH_RUNNER", True):
             start_runner(app)
 
+    def who() -> dict[str, Any]:
+        """The tenant and tier of the refused request, as far as they were known."""
+        return {"tenant": g.get("tf_tenant"), "tier": g.get("tf_tier")}
+
     @app.errorhandler(ApiError)
     def _api_error(err: ApiError) -> Response:
-        metrics.error(err.status)
+        metrics.error(err.status, reason=err.code if err.status == 401 else None, **who())
         return err.response()
 
     @app.errorhandler(GatewayError)
     def _refused(err: GatewayError) -> Response:
-        metrics.error(err.status)
+        metrics.error(err.status, **who())
         return ApiError.from_gateway(err).response()
 
     @app.errorhandler(TenancyError)
     def _quota(err: TenancyError) -> Response:
-        metrics.error(err.status)
+        metrics.error(err.status, reason="quota" if err.status == 429 else None, **who())
         resp = Response(json.dumps(err.body()), status=err.status, mimetype="application/json")
         for k, v in err.headers.items():
             resp.headers[k] = v
@@ -133,7 +139,7 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     def _redis_down(err: redis.RedisError) -> Response:
         # any code on the request path (ours or a hook) that needs Redis while it
         # is down or restarting: a retryable 503, not an internal error
-        metrics.error(503)
+        metrics.error(503, **who())
         return ApiError(
             503,
             f"the live state store is unavailable ({err.__class__.__name__}); retry shortly",
@@ -144,7 +150,7 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     @app.errorhandler(sa_exc.OperationalError)
     @app.errorhandler(sa_exc.InterfaceError)
     def _db_down(err: Exception) -> Response:
-        metrics.error(503)
+        metrics.error(503, **who())
         return ApiError(
             503,
             "the database is unavailable; retry shortly",
@@ -155,7 +161,7 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     @app.errorhandler(HTTPException)
     def _http_error(err: HTTPException) -> Response:
         status = err.code or 500
-        metrics.error(status)
+        metrics.error(status, **who())
         code = {404: "not_found", 405: "method_not_allowed"}.get(status)
         return ApiError(status, err.description or err.name, code=code).response()
 

@@ -71,6 +71,20 @@ def register(subparsers: Any) -> None:
         "dc-west in us-west)",
     )
     p.add_argument("--loglevel", default="INFO")
+    p.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=None,
+        help="log lines of every process as text (default) or one JSON object per "
+        "line (also: TOKENFLEET_LOG_FORMAT)",
+    )
+    p.add_argument(
+        "--flower",
+        action="store_true",
+        help="also run Flower (Celery monitoring; needs the 'flower' extra) on "
+        "--flower-port, behind basic auth; the login is printed",
+    )
+    p.add_argument("--flower-port", type=int, default=5555, help="Flower's port (default 5555)")
     p.set_defaults(func=run)
 
 
@@ -156,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
         if not endpoints.database_url:  # no tenancy without a database: a seed key
             env["TOKENFLEET_SEED_API_KEYS"] = f"{api_key}=demo"
         env.pop("TOKENFLEET_API_KEY", None)
+        if args.log_format:
+            env["TOKENFLEET_LOG_FORMAT"] = args.log_format
         env["PYTHONUNBUFFERED"] = "1"
         py = [sys.executable, "-m", "tokenfleet.cli.main"]
         engines: list[str] = []

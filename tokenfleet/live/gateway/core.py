@@ -101,10 +101,17 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
         self._start_view()
 
     def validate(
-        self, body: Any, *, tenant: str, tier_hint: str = "", slo_class: str | None = None
+        self,
+        body: Any,
+        *,
+        tenant: str,
+        tier_hint: str = "",
+        slo_class: str | None = None,
+        kind: str = "chat",
     ) -> ChatRequest:
         """``body`` (parsed JSON) as a :class:`ChatRequest`, checked against the
-        models the live instances serve; its prompt is tokenized here, once."""
+        models the live instances serve; its prompt is tokenized here, once.
+        ``kind="completion"``: a legacy ``/v1/completions`` body."""
         try:
             models = self.models()
         except redis.RedisError as exc:
@@ -118,6 +125,7 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
             slo=self.slo,
             tier_hint=tier_hint,
             slo_class=slo_class,
+            kind=kind,
         )
 
     def health(self) -> dict[str, Any]:

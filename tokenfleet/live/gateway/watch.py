@@ -215,7 +215,7 @@ class Watcher:
             )
         )
         if self.metrics is not None:
-            self.metrics.finished(info.tier, status)
+            self.metrics.finished(info.tier, status, tenant=info.tenant)
         self._settle_dc_choice(d, status)
         return RelayEvent(
             "err",
@@ -243,5 +243,5 @@ class Watcher:
                 )
             )
             if self.metrics is not None:
-                self.metrics.finished(info.tier, "cancelled")
+                self.metrics.finished(info.tier, "cancelled", tenant=info.tenant)
         self._settle_dc_choice(d, "cancelled")
