@@ -255,3 +255,46 @@ def wait_until(cond: Any, timeout_s: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return bool(cond())
+
+
+# ---- logs: quiet control ticks, JSON ------------------------------------------------------
+def test_control_ticks_log_at_info_only_when_something_changes(
+    redis_server: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tokenfleet.live.config import LiveConfig
+    from tokenfleet.live.state import LiveState
+    from workers import control
+
+    state = LiveState.from_url(redis_server.url, prefix="quiet")
+    saved = control.CONTEXT
+    control.CONTEXT = control.ControlContext(live=LiveConfig.load(), state=state)
+    caplog.set_level(logging.DEBUG, logger=control.log.name)
+    try:
+        for _ in range(4):  # an idle fleet: the controller holds every time
+            control.control_tick()
+        # interactive misses its SLO: the controller acts, and says so
+        for _ in range(3):
+            state.count(arrived_interactive=40, finished_interactive=40, slo_met_interactive=5)
+            control.control_tick()
+    finally:
+        control.CONTEXT = saved
+    ticks = [r for r in caplog.records if r.getMessage().startswith("SLOMax tick")]
+    assert len(ticks) == 7
+    info = [r for r in ticks if r.levelno == logging.INFO]
+    assert ticks[0].levelno == logging.INFO, "the first tick says where the knobs start"
+    assert all(r.levelno == logging.DEBUG for r in ticks[1:4]), "holding ticks are quiet"
+    assert len(info) >= 2 and any(r in info for r in ticks[4:]), "a change is logged"
+
+
+def test_json_log_format_puts_access_fields_at_the_top_level() -> None:
+    import json
+
+    from tokenfleet.cli.logs import JsonFormatter, log_format
+
+    rec = logging.LogRecord("tokenfleet.access", logging.INFO, __file__, 1, "x", None, None)
+    rec.fields = {"id": "r1", "tenant": "demo", "status": 200, "ttft_ms": 12.5}
+    obj = json.loads(JsonFormatter().format(rec))
+    assert obj["tenant"] == "demo" and obj["status"] == 200 and obj["level"] == "INFO"
+    assert log_format("JSON") == "json"
+    with pytest.raises(ValueError, match="text, json"):
+        log_format("xml")
