@@ -298,3 +298,102 @@ def test_json_log_format_puts_access_fields_at_the_top_level() -> None:
     assert log_format("JSON") == "json"
     with pytest.raises(ValueError, match="text, json"):
         log_format("xml")
+
+
+# ---- simulator output ---------------------------------------------------------------------
+def _records(n: int, ttft_s: float, seed: int) -> list[Any]:
+    from tokenfleet.sim.records import RequestRecord
+
+    out = []
+    for i in range(n):
+        r = RequestRecord(f"{seed}-{i}", "t", "interactive", float(i), 100, 20)
+        r.first_token_s = r.arrival_s + ttft_s * (1 + i % 3)
+        r.finish_s = r.first_token_s + 1.0
+        r.output_tokens = 20
+        r.status = "completed"
+        r.slo_met = ttft_s * (1 + i % 3) <= 1.0
+        out.append(r)
+    return out
+
+
+def test_sim_plots_keep_titles_inside_and_show_goodput_and_the_slo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tokenfleet.sim import plots
+
+    figs: dict[str, Any] = {}
+    real_save = plots._save
+
+    def keep(fig: Any, path: Path) -> Path:
+        fig.canvas.draw()
+        figs[path.name] = (fig, fig.get_window_extent(), fig._suptitle.get_window_extent())
+        return real_save(fig, path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    runs = {"sglang_cache_aware": _records(30, 0.4, 1), "tokenpilot": _records(30, 0.2, 2)}
+    long_title = "synthetic:mixed | 8 x llama3-8b-h200 | load 0.8 | scrape 100 ms | " * 3
+    paths = plots.plot_runs(
+        runs, tmp_path, long_title, goodput_tok_s={"sglang_cache_aware": 5.0, "tokenpilot": 9.0}
+    )
+    assert {p.name for p in paths} == {"ttft_cdf.png", "over_time.png", "goodput.png"}
+    for name, (_fig, canvas, title) in figs.items():
+        assert canvas.x0 <= title.x0 and title.x1 <= canvas.x1, f"{name}: title clipped"
+    cdf = figs["ttft_cdf.png"][0].axes[0]
+    assert any(list(line.get_xdata()) == [1.0, 1.0] for line in cdf.lines), "SLO line at 1 s"
+    over = figs["over_time.png"][0]
+    assert "Goodput" in over._suptitle.get_text()
+    assert [t.get_text() for t in over.axes[0].get_legend().get_texts()] == list(runs)
+    bars = figs["goodput.png"][0].axes[0].patches
+    assert [b.get_height() for b in bars] == [5.0, 9.0]
+
+
+def test_sim_table_never_truncates_a_policy_name_at_100_columns() -> None:
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from tokenfleet.cli.commands.sim import _print_table
+
+    summary = {
+        "completed": 12000,
+        "requests": 12000,
+        "ttft_p50_s": 0.123,
+        "ttft_p95_s": 2.5,
+        "ttft_p99_s": 12.25,
+        "tpot_p50_s": 0.0123,
+        "throughput_tok_s": 12345.0,
+        "goodput_tok_s": 12000.0,
+        "slo_attainment": 1.0,
+        "prefix_hit_ratio": 0.5,
+        "utilization": 0.93,
+    }
+    names = ["round_robin", "llmd_weighted", "sglang_cache_aware", "tokenpilot", "dynamo_kv"]
+    runs = [SimpleNamespace(policy=n, label=n, summary=summary, wall_s=12.5) for n in names]
+    buf = io.StringIO()
+    console = Console(width=100, file=buf, color_system=None)
+    _print_table(runs, "synthetic:mixed | 8 x llama3-8b-h200 | load 0.8", console)
+    text = buf.getvalue()
+    for n in names:
+        assert n in text, text
+    assert "…" not in text and "..." not in text
+    assert "12000/12000" in text and "12345" in text and "100.0%" in text
+    assert max(len(line) for line in text.splitlines()) <= 100
+
+
+def test_sim_policy_help_lists_every_router() -> None:
+    from tokenfleet.cli.commands.sim import ROUTER_NAMES
+    from tokenfleet.core.routing import ROUTERS
+
+    assert sorted(ROUTER_NAMES) == sorted(ROUTERS.names())
+    r = subprocess.run(
+        [sys.executable, "-m", "tokenfleet.cli.main", "sim", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    helptext = " ".join(r.stdout.split())
+    for name in ROUTER_NAMES:
+        assert name in helptext
