@@ -107,7 +107,9 @@ def stack(live_stack: Any) -> Iterator[Any]:
     from tests.support.stack import InstanceSpec
 
     with live_stack(
-        router="tokenpilot", instances=[InstanceSpec("dc-a", "a0"), InstanceSpec("dc-b", "b0")]
+        router="tokenpilot",
+        instances=[InstanceSpec("dc-a", "a0"), InstanceSpec("dc-b", "b0")],
+        live_overrides={"worker_events": True},  # what `up --flower` and compose turn on
     ) as s:
         yield s
 
@@ -242,6 +244,64 @@ def test_access_log_has_one_line_per_request_with_its_fields(
     stream_line = [x for x in lines() if x is not mine[0]][0].fields  # type: ignore[attr-defined]
     assert stream_line["completion_tokens"] >= 1 and stream_line["outcome"] is not None
     assert not any("/health" in x.getMessage() for x in lines()), "scrapes are not logged"
+
+
+def test_workers_send_heartbeats_and_task_events_for_flower(stack: Any) -> None:
+    """Flower lists workers from their heartbeats and tasks from task events; both
+    were off, so Flower showed 0 workers. A real event receiver on the broker."""
+    import threading
+
+    from celery import Celery
+
+    seen: dict[str, set[str]] = {"hosts": set(), "tasks": set()}
+    app = Celery(broker=stack.broker_url or stack.redis.url, set_as_current=False)
+
+    def on_event(ev: dict[str, Any]) -> None:
+        if ev.get("type") == "worker-heartbeat":
+            seen["hosts"].add(ev["hostname"])
+        elif ev.get("type", "").startswith("task-"):
+            seen["tasks"].add(ev["type"])
+
+    stop = threading.Event()
+
+    def listen() -> None:
+        with app.connection_for_read() as conn:
+            recv = app.events.Receiver(conn, handlers={"*": on_event})
+            for _ in recv.itercapture(limit=None, timeout=0.5, wakeup=False):
+                if stop.is_set():
+                    return
+
+    t = threading.Thread(target=listen, daemon=True)
+    t.start()
+    try:
+        c = stack.client()
+        assert wait_until(lambda: len(seen["hosts"]) >= 2, 15.0)
+        c.chat.completions.create(
+            model=stack.model, max_tokens=2, messages=[{"role": "user", "content": "flower"}]
+        )
+        assert wait_until(lambda: "task-succeeded" in seen["tasks"], 15.0)
+    finally:
+        stop.set()
+    assert {h.split("@")[0] for h in seen["hosts"]} >= {"a0", "b0"}
+    assert {"task-received", "task-started"} <= seen["tasks"]
+
+
+def test_up_with_flower_but_without_the_extra_says_how_to_install_it(tmp_path: Path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("flower") is not None:
+        pytest.skip("flower is installed here; this checks the message when it is not")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENFLEET_")}
+    r = subprocess.run(
+        [sys.executable, "-m", "tokenfleet.cli.main", "up", "--flower"]
+        + ["--port", "0", "--data-dir", str(tmp_path / "tf")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert r.returncode == 2 and "tokenfleet[flower]" in r.stderr, r.stderr
 
 
 def wait_until(cond: Any, timeout_s: float = 10.0) -> bool:

@@ -193,6 +193,7 @@ _TEXT_COMPLETION = {
     },
 }
 
+
 def _err(desc: str, retry: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {
         "description": desc,

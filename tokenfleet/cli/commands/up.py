@@ -134,6 +134,9 @@ def run(args: argparse.Namespace) -> int:
     port = args.port if args.port is not None else cfg.api_port
     configured_key = cfg.api_key or os.environ.get("TOKENFLEET_API_KEY") or None
     _check_port_free(host, port)  # before anything starts: a taken port fails now, with why
+    if args.flower:
+        _check_flower_installed()
+        _check_port_free(host, args.flower_port, flag="--flower-port")
     topology = (
         args.topology
         or os.environ.get("TOKENFLEET_TOPOLOGY")
@@ -172,6 +175,10 @@ def run(args: argparse.Namespace) -> int:
         env.pop("TOKENFLEET_API_KEY", None)
         if args.log_format:
             env["TOKENFLEET_LOG_FORMAT"] = args.log_format
+        flower_login = None
+        if args.flower:  # workers send heartbeats and task events for Flower to show
+            env["TOKENFLEET_WORKER_EVENTS"] = "true"
+            flower_login = _flower_login(data_dir)
         env["PYTHONUNBUFFERED"] = "1"
         py = [sys.executable, "-m", "tokenfleet.cli.main"]
         engines: list[str] = []
@@ -251,10 +258,21 @@ def run(args: argparse.Namespace) -> int:
             ],
             env,
         )
+        flower_url = None
+        if flower_login is not None:
+            assert endpoints.broker_url is not None
+            sup.start(
+                "flower",
+                [sys.executable, "-m", "celery", "--broker", endpoints.broker_url, "flower"]
+                + [f"--address={host}", f"--port={args.flower_port}"],
+                # the login in the environment, not on the command line (ps shows that)
+                dict(env, FLOWER_BASIC_AUTH=flower_login, FLOWER_UNAUTHENTICATED_API="false"),
+            )
+            flower_url = f"http://{host}:{args.flower_port}"
         url = f"http://{host}:{port}"
         _wait_ready(sup, url, len(engines), stopping)
         if not stopping["flag"]:
-            _banner(url, demo, data_dir, args)
+            _banner(url, demo, data_dir, args, flower=(flower_url, flower_login))
         # the long cycle's replica targets (beat -> Redis): prewarm and retire engines
         from tokenfleet.live.replicas import LocalReplicas
         from tokenfleet.live.state import LiveState
@@ -338,7 +356,36 @@ def _wait_ready(
         )
 
 
-def _check_port_free(host: str, port: int) -> None:
+def _check_flower_installed() -> None:
+    import importlib.util
+
+    from tokenfleet.errors import ConfigError
+
+    if importlib.util.find_spec("flower") is None:
+        raise ConfigError(
+            "--flower needs Flower, an optional extra: pip install 'tokenfleet[flower]' "
+            "(in a checkout: .venv/bin/pip install -e '.[flower]')"
+        )
+
+
+def _flower_login(data_dir: Path) -> str:
+    """``admin:<password>`` for Flower's basic auth, kept in the data dir (0600) so a
+    saved login survives restarts, like the demo key."""
+    import secrets
+
+    path = data_dir / "flower-login"
+    if path.exists():
+        login = path.read_text().strip()
+        if ":" in login:
+            return login
+    login = "admin:" + secrets.token_urlsafe(12)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(login + "\n")
+    return login
+
+
+def _check_port_free(host: str, port: int, flag: str = "--port") -> None:
     """Fail at once, with the reason, when the API could not bind its port: the
     API would otherwise exit, be restarted, and say why only in its log."""
     from tokenfleet.errors import ConfigError
@@ -352,7 +399,11 @@ def _check_port_free(host: str, port: int) -> None:
             raise ConfigError(
                 f"cannot listen on {host}:{port} ({exc.strerror or exc}); another "
                 "process has the port. Stop it, or choose a port: "
-                "`tokenfleet up --port 8080` (`make up PORT=8080`)"
+                + (
+                    "`tokenfleet up --port 8080` (`make up PORT=8080`)"
+                    if flag == "--port"
+                    else f"`tokenfleet up {flag} 5556`"
+                )
             ) from None
 
 
@@ -398,7 +449,13 @@ def _program(name: str) -> str:
         return str(mine)
 
 
-def _banner(url: str, demo: Any, data_dir: Path, args: argparse.Namespace) -> None:
+def _banner(
+    url: str,
+    demo: Any,
+    data_dir: Path,
+    args: argparse.Namespace,
+    flower: tuple[str | None, str | None] = (None, None),
+) -> None:
     model = "meta-llama/Llama-3.1-8B-Instruct"
     api_key = demo.key
     try:
@@ -412,6 +469,11 @@ def _banner(url: str, demo: Any, data_dir: Path, args: argparse.Namespace) -> No
     where = f" --data-dir {args.data_dir}" if args.data_dir else ""
     if args.config:
         where += f" --config {args.config}"
+    flower_line = ""
+    if flower[0]:
+        flower_line = (
+            f"  Flower:    {flower[0]}   (login {flower[1]}; kept in {data_dir / 'flower-login'})\n"
+        )
     venv = ""
     if tf != "tokenfleet":
         activate = Path(tf).parent / "activate"
@@ -427,7 +489,7 @@ TokenFleet is up.
   API key:   {api_key}   (tenant "{demo.tenant}"; {demo.note})
   Admin UI:  {url}/admin   (create a login first: {tf} admin-user admin{where})
   Logs:      {data_dir / "logs"}   (api.log has one line per request)
-{venv}
+{flower_line}{venv}
 Try it:
 
   curl {url}/v1/chat/completions \\
