@@ -457,3 +457,89 @@ def test_sim_policy_help_lists_every_router() -> None:
     helptext = " ".join(r.stdout.split())
     for name in ROUTER_NAMES:
         assert name in helptext
+
+
+# ---- container files (no Docker daemon needed) ---------------------------------------------
+def _dockerfile() -> list[tuple[str, str]]:
+    """(instruction, arguments) of the Dockerfile, continuation lines joined."""
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            op, _, rest = line.partition(" ")
+            out.append((op.upper(), " ".join(rest.split())))
+    return out
+
+
+def test_dockerfile_user_owns_the_data_dir_the_volume_mounts() -> None:
+    import yaml
+
+    steps = _dockerfile()
+    users = [i for i, (op, _) in enumerate(steps) if op == "USER"]
+    assert users, "the image runs as an unprivileged user"
+    user = steps[users[-1]][1]
+    env = {
+        k: v
+        for op, rest in steps
+        if op == "ENV"
+        for k, v in [rest.split("=", 1) if "=" in rest else rest.split(" ", 1)]
+    }
+    data_dir = env["TOKENFLEET_DATA_DIR"]
+    before_user = " && ".join(rest for op, rest in steps[: users[-1]] if op == "RUN")
+    # created, and owned by the runtime user, before the image switches to it
+    assert f"mkdir -p {data_dir}" in before_user
+    assert f"chown -R {user}:{user} {data_dir}" in before_user
+    assert "useradd" in before_user and user in before_user
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    base = compose["x-tokenfleet"]
+    assert f"tokenfleet-data:{data_dir}" in base["volumes"]
+    assert compose["x-tokenfleet-env"]["TOKENFLEET_DATA_DIR"] == data_dir
+
+
+def test_compose_explains_keys_and_logins_and_flower_needs_auth() -> None:
+    import yaml
+
+    text = (ROOT / "docker-compose.yml").read_text()
+    header = text.split("x-tokenfleet-env", 1)[0]
+    assert "tokenfleet tenants demo" in header and "admin-user" in header
+    assert "Authorization: Bearer" in header
+    flower = yaml.safe_load(text)["services"]["flower"]
+    script = " ".join(flower["command"])
+    assert 'test -n "$$FLOWER_BASIC_AUTH"' in script and "exit" in script
+    assert flower["environment"]["FLOWER_UNAUTHENTICATED_API"] == "false"
+    assert all(p.startswith("127.0.0.1:") for p in flower["ports"]), "loopback only"
+    assert "TOKENFLEET_WORKER_EVENTS" in yaml.safe_load(text)["x-tokenfleet-env"]
+
+
+def test_docker_compose_config_is_valid() -> None:
+    import shutil
+
+    docker = shutil.which("docker")
+    if docker is None:
+        pytest.skip("no docker CLI on this machine")
+    probe = subprocess.run([docker, "compose", "version"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip("the docker CLI has no compose plugin here (`docker compose version` fails)")
+    for profile in ([], ["--profile", "monitoring"]):
+        r = subprocess.run(
+            [docker, "compose", *profile, "config", "--quiet"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 0, r.stderr
+
+
+def test_tenants_demo_cli_prints_the_same_key_every_time(
+    engine: sa.Engine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tokenfleet.cli.main import main as cli_main
+
+    url = engine.url.render_as_string(hide_password=False)
+    args = ["tenants", "demo", "--quiet", "--database-url", url, "--data-dir", str(tmp_path)]
+    assert cli_main(args) == 0
+    first = capsys.readouterr().out.strip()
+    assert cli_main(args) == 0
+    assert capsys.readouterr().out.strip() == first and first.startswith("tf-demo-")

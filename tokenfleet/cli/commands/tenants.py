@@ -262,6 +262,23 @@ def _cmd_key_list(args: argparse.Namespace, st: _Stores) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace, st: _Stores) -> int:
+    import os
+
+    from tokenfleet.tenancy.demo import ensure_demo_key
+
+    cfg = config_from_args(args)
+    data_dir = cfg.resolved_data_dir()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    configured = cfg.api_key or os.environ.get("TOKENFLEET_API_KEY") or None
+    demo = ensure_demo_key(st.engine, data_dir, configured_key=configured, cache=st.cache)
+    if args.quiet:
+        print(demo.key)
+    else:
+        print(f"{demo.key}   (tenant {demo.tenant}; {demo.note})")
+    return 0
+
+
 def _cmd_admin_user(args: argparse.Namespace, st: _Stores) -> int:
     from web.admin.auth import set_admin_password
 
@@ -368,6 +385,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     _common(p)
     p.add_argument("tenant_id", nargs="?", default=None)
     p.set_defaults(func=_with_stores(_cmd_key_list))
+
+    p = sub.add_parser(
+        "demo",
+        help="the demo tenant and its API key, as `tokenfleet up` keeps them: created once, "
+        "the key saved in the data dir; prints the key",
+    )
+    _common(p)
+    p.add_argument("--quiet", "-q", action="store_true", help="print only the key")
+    p.set_defaults(func=_with_stores(_cmd_demo))
 
     p = subparsers.add_parser(
         "admin-user", help="create an admin login for the web UI (or change its password)"
