@@ -172,11 +172,15 @@ def _dashboard_context() -> dict[str, Any]:
         "goodput_chart": charts.line_chart(
             series["goodput"],
             title="goodput per tier",
-            unit="req/s within SLO",
+            unit="output tokens/s within SLO",
             chart_id="chart-goodput",
         ),
         "attainment_chart": charts.line_chart(
-            series["attainment"], title="SLO attainment", y_max=1.0, chart_id="chart-attainment"
+            series["attainment"],
+            title="SLO attainment",
+            unit="% of requests",
+            y_max=100.0,
+            chart_id="chart-attainment",
         ),
         "queue_chart": charts.line_chart(
             smp.series() if smp else {},
@@ -271,9 +275,22 @@ def tenant_detail(tenant_id: str) -> Any:
     new_key = session.pop("new_key", None)
     if new_key and new_key.get("tenant") != tenant_id:
         new_key = None
+    series = data.tier_series(s.engine, tenant=tenant_id, window_s=6 * 3600, bucket_s=300)
     return render_template(
         "admin/tenant.html",
         admin=session["admin_user"],
+        usage_chart=charts.line_chart(
+            series["output"],
+            title=f"{tenant_id}: output tokens/s, last 6 h",
+            unit="5-min means",
+            chart_id="chart-tenant-output",
+        ),
+        goodput_chart=charts.line_chart(
+            series["goodput"],
+            title=f"{tenant_id}: goodput, last 6 h",
+            unit="output tokens/s within SLO",
+            chart_id="chart-tenant-goodput",
+        ),
         t=ctx,
         now=now,
         keys=tenants.list_keys(s.engine, tenant_id),
@@ -360,6 +377,39 @@ def batch_list() -> Any:
         admin=session["admin_user"],
         batches=[jobs.batch_object(b) | {"tenant_id": b.tenant_id} for b in rows],
     )
+
+
+@admin_bp.get("/batches/<batch_id>")
+@auth.login_required
+def batch_detail(batch_id: str) -> Any:
+    """One batch: its timeline, counts and why it failed (the job's ``errors``)."""
+    s = svc()
+    owner = jobs.batch_owner(s.engine, batch_id)
+    if owner is None:
+        abort(404, description=f"no batch {batch_id}")
+    row = jobs.get_batch(s.engine, owner, batch_id)
+    if row is None:
+        abort(404, description=f"no batch {batch_id}")
+    return render_template(
+        "admin/batch.html",
+        admin=session["admin_user"],
+        b=jobs.batch_object(row) | {"tenant_id": owner},
+        lines=jobs.line_counts(s.engine, batch_id),
+    )
+
+
+# ---- models --------------------------------------------------------------------------------
+@admin_bp.get("/models")
+@auth.login_required
+def models() -> Any:
+    gw = current_app.extensions.get("tokenfleet")
+    try:
+        rows, error = data.models_view(gw), ""
+    except Exception as exc:  # noqa: BLE001 - show the page anyway
+        rows, error = [], f"live state store unavailable ({exc.__class__.__name__})"
+    if gw is None:
+        error = "this process does not run the live request path"
+    return render_template("admin/models.html", admin=session["admin_user"], rows=rows, error=error)
 
 
 @admin_bp.post("/batches/<batch_id>/cancel")
