@@ -543,3 +543,45 @@ def test_tenants_demo_cli_prints_the_same_key_every_time(
     first = capsys.readouterr().out.strip()
     assert cli_main(args) == 0
     assert capsys.readouterr().out.strip() == first and first.startswith("tf-demo-")
+
+
+# ---- admin charts (server-side SVG) ----------------------------------------------------
+def test_chart_ticks_are_round_numbers_and_labels_stay_inside() -> None:
+    import re
+
+    from web.admin.charts import line_chart, nice_ticks
+
+    assert nice_ticks(4.6) == [0.0, 2.0, 4.0, 6.0]
+    assert nice_ticks(4.0) == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert nice_ticks(3100.0) == [0.0, 1000.0, 2000.0, 3000.0, 4000.0]
+    assert nice_ticks(0.37) == [0.0, 0.1, 0.2, 0.3, 0.4]
+    for v in (0.9, 3.7, 5.0, 12.0, 77.0, 950.0, 12345.0):
+        ticks = nice_ticks(v)
+        step = ticks[1]
+        mantissa = step / 10 ** int(f"{step:e}".split("e")[1])
+        assert round(mantissa, 6) in (1.0, 2.0, 5.0), (v, ticks)
+        assert ticks[-1] >= v and len(ticks) <= 6
+    t0 = 1_796_000_000.0
+    series = {
+        "batch": [(t0, 1.0), (t0 + 600, 2.0)],
+        "interactive": [(t0, 3.0), (t0 + 600, 4.6)],
+        "long_context": [(t0, 0.5), (t0 + 600, 0.7)],
+    }
+    svg = str(line_chart(series, title="goodput", chart_id="c"))
+    labels = re.findall(
+        r'<text x="([\d.]+)" y="[\d.]+" text-anchor="(\w+)" class="tick">(\d\d:\d\d)', svg
+    )
+    assert [a for _, a, _ in labels] == ["start", "middle", "end"], "last label ends at the edge"
+    ticks = re.findall(r'class="tick ytick">([\d.k]+)</text>', svg)
+    assert ticks == ["0", "2", "4", "6"]
+    legend = re.findall(r'class="legend">(\w+)</text>', svg)
+    assert legend == ["interactive", "long_context", "batch"], "tiers in priority order"
+    reordered = dict(reversed(list(series.items())))
+    legend2 = re.findall(r'class="legend">(\w+)</text>', str(line_chart(reordered, title="x")))
+    assert legend2 == legend
+    assert 'width="460"' not in svg.split(">", 1)[0], "the SVG scales to its container"
+    short = str(line_chart({"batch": [(t0, 1.0), (t0 + 60, 2.0)]}, title="a minute"))
+    times = re.findall(r'class="tick">(\d\d:\d\d:\d\d)</text>', short)
+    assert len(times) == 3 and len(set(times)) == 3, "a short span still has distinct labels"
+    idle = str(line_chart({"batch": [(t0, 0.0), (t0 + 60, 0.0)]}, title="idle"))
+    assert re.findall(r'class="tick ytick">([\d.k]+)</text>', idle) == ["0", "1", "2", "3", "4"]

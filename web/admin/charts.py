@@ -37,7 +37,7 @@ def nice_ticks(v_max: float, target: int = 4) -> list[float]:
     """0 .. top in steps of 1, 2 or 5 x 10^k (never 1.25 or 3.75), about ``target``
     steps, top >= ``v_max``."""
     if v_max <= 0:
-        return [0.0, 0.25, 0.5, 0.75, 1.0]
+        return [0.0, 1.0, 2.0, 3.0, 4.0]
     raw = v_max / target
     exp = 10.0 ** math.floor(math.log10(raw))
     step = next(m * exp for m in (1, 2, 5, 10) if raw <= m * exp * (1 + 1e-9))
@@ -106,10 +106,15 @@ def line_chart(
         parts.append(
             f'<line x1="{left}" x2="{left + pw}" y1="{y:.1f}" y2="{y:.1f}" '
             f'class="grid"/><text x="{left - 4}" y="{y + 3:.1f}" text-anchor="end" '
-            f'class="tick">{_fmt(v)}</text>'
+            f'class="tick ytick">{_fmt(v)}</text>'
         )
+    fmt = "%H:%M" if x1 - x0 >= 600 else "%H:%M:%S"  # short spans: three distinct labels
+    shown: set[str] = set()
     for t, anchor in ((x0, "start"), ((x0 + x1) / 2, "middle"), (x1, "end")):
-        label = datetime.fromtimestamp(t, UTC).strftime("%H:%M")
+        label = datetime.fromtimestamp(t, UTC).strftime(fmt)
+        if label in shown:
+            continue
+        shown.add(label)
         parts.append(
             f'<text x="{px(t):.1f}" y="{top + ph + 14}" text-anchor="{anchor}" '
             f'class="tick">{label}</text>'
