@@ -134,6 +134,10 @@ def test_legacy_completions_string_token_ids_and_stream_with_usage(stack: Any) -
     assert r.usage.prompt_tokens == 4  # "Once upon a time": 16 bytes, 4 bytes a token
     # the emulator writes one word per token: the text is the whole answer
     assert len(r.choices[0].text.split()) == r.usage.completion_tokens
+    dflt = c.completions.create(
+        model=stack.model, prompt="no budget given", extra_body={"ignore_eos": True}
+    )
+    assert dflt.usage is not None and dflt.usage.completion_tokens == 16  # OpenAI's default
     ids = c.completions.create(model=stack.model, prompt=list(range(100, 140)), max_tokens=3)
     assert ids.usage is not None and ids.usage.prompt_tokens == 40
     chunks = list(

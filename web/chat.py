@@ -99,6 +99,9 @@ class _Shape:
         return {**self.head(d), "object": self.object, "choices": [choice], "usage": usage}
 
 
+#: ``/v1/completions`` without ``max_tokens``: 16, as OpenAI and ``vllm serve`` do
+LEGACY_DEFAULT_MAX_TOKENS = 16
+
 CHAT = _Shape("chat")
 COMPLETION = _Shape("completion")
 
@@ -122,6 +125,9 @@ def _serve(shape: _Shape) -> Response:
     )
     g.tf_tenant = principal.tenant  # for the metrics and the access log of a refusal
     body = parse_json_body()
+    if not shape.chat and isinstance(body, dict) and body.get("max_tokens") is None:
+        # the legacy API's default output budget (OpenAI's and vLLM's), not chat's
+        body["max_tokens"] = LEGACY_DEFAULT_MAX_TOKENS
     req = gw.validate(
         body,
         tenant=principal.tenant,

@@ -166,7 +166,8 @@ _LEGACY_REQUEST: dict[str, Any] = {
         "max_tokens": {
             "type": "integer",
             "minimum": 1,
-            "description": "Output budget; default: 4096 or the context left.",
+            "default": 16,
+            "description": "Output budget; default 16, as OpenAI and vLLM.",
         },
     },
 }
