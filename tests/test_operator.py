@@ -271,9 +271,11 @@ def test_workers_send_heartbeats_and_task_events_for_flower(stack: Any) -> None:
     def listen() -> None:
         with app.connection_for_read() as conn:
             recv = app.events.Receiver(conn, handlers={"*": on_event})
-            for _ in recv.itercapture(limit=None, timeout=0.5, wakeup=False):
-                if stop.is_set():
-                    return
+            while not stop.is_set():
+                try:  # returns only by raising: a timeout when idle, then stop is checked
+                    recv.capture(limit=None, timeout=0.5, wakeup=False)
+                except OSError:  # socket.timeout, or the broker gone at teardown
+                    continue
 
     t = threading.Thread(target=listen, daemon=True)
     t.start()
@@ -286,6 +288,7 @@ def test_workers_send_heartbeats_and_task_events_for_flower(stack: Any) -> None:
         assert wait_until(lambda: "task-succeeded" in seen["tasks"], 15.0)
     finally:
         stop.set()
+        t.join(10)
     assert {h.split("@")[0] for h in seen["hosts"]} >= {"a0", "b0"}
     assert {"task-received", "task-started"} <= seen["tasks"]
 
