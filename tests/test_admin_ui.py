@@ -321,10 +321,14 @@ def test_admin_journey_in_chromium(browser: Any, live: Any) -> None:
     page.fill("#quota-interactive input[name=requests_per_minute]", "3")
     page.click("#quota-interactive button[type=submit]")
     page.wait_for_selector("text=interactive quota of browser-co saved")
-    # a key, shown once
+    # a key, shown once, expiring in 30 days; its expiry and last use are listed
+    page.fill("#create-key input[name=expires_days]", "30")
     page.click("#create-key button[type=submit]")
     key = page.inner_text("#new-key").strip()
     assert key.startswith("tf-")
+    expires = page.inner_text("#keys tr[data-key] .expires")
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d", expires), expires
+    assert page.inner_text("#keys tr[data-key] .last-used") == "not yet"
     shot(page, "02-tenant-quota-key")
 
     # the API enforces the quota: 3 pass, the 4th is a 429 naming the limit

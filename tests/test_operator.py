@@ -592,3 +592,44 @@ def test_chart_ticks_are_round_numbers_and_labels_stay_inside() -> None:
     assert len(times) == 3 and len(set(times)) == 3, "a short span still has distinct labels"
     idle = str(line_chart({"batch": [(t0, 0.0), (t0 + 60, 0.0)]}, title="idle"))
     assert re.findall(r'class="tick ytick">([\d.k]+)</text>', idle) == ["0", "1", "2", "3", "4"]
+
+
+# ---- API keys: expiry and last use ---------------------------------------------------------
+def test_keys_expire_are_never_cached_past_expiry_and_record_their_last_use(
+    engine: sa.Engine, redis_server: EmbeddedRedis
+) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from tokenfleet.service.ledger import ApiKey, hash_api_key
+    from tokenfleet.tenancy import admin
+    from tokenfleet.tenancy.directory import TenantDirectory
+
+    client = redis_server.client()
+    d = TenantDirectory(engine, client, prefix="expiry")
+    admin.create_tenant(engine, "keyed", actor="test")
+    with pytest.raises(Exception, match="future"):
+        admin.create_key(engine, "keyed", actor="t", expires_at=datetime.now(UTC))
+    soon, _ = admin.create_key(
+        engine, "keyed", actor="t", expires_at=datetime.now(UTC) + timedelta(seconds=30)
+    )
+    forever, _ = admin.create_key(engine, "keyed", actor="t")
+    assert d.authenticate(soon) is not None and d.authenticate(forever) is not None
+    ttl_ms = client.pttl(f"expiry:apikey:{hash_api_key(soon)}")
+    assert 0 < ttl_ms <= 30_000, "the cached entry lapses with the key"
+    # the key's expiry passes (set in the past here rather than waiting for it)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(ApiKey)
+            .where(ApiKey.key_sha256 == hash_api_key(soon))
+            .values(expires_at=datetime.now(UTC) - timedelta(seconds=1))
+        )
+    d.forget_keys([hash_api_key(soon)])
+    assert d.authenticate(soon) is None and d.authenticate(forever) is not None
+    # last use: written by a flush (every minute, off the request path)
+    assert d.flush_last_used() == 2
+    keys = {k.prefix: k for k in admin.list_keys(engine, "keyed")}
+    used = keys[forever[:10]]
+    assert used.last_used_at is not None and used.expires_at is None
+    assert keys[soon[:10]].expires_at is not None
+    assert d.flush_last_used() == 0, "nothing new to write"
+    client.close()

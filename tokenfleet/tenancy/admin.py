@@ -41,6 +41,9 @@ class KeyInfo:
     name: str | None
     created_at: datetime
     revoked_at: datetime | None
+    expires_at: datetime | None = None
+    #: when an API process last authenticated it (updated at most once a minute)
+    last_used_at: datetime | None = None
 
 
 def _check_tenant_id(tenant_id: str) -> None:
@@ -227,22 +230,38 @@ def create_key(
     *,
     actor: str,
     name: str | None = None,
+    expires_at: datetime | None = None,
     cache: CacheInvalidator | None = None,
 ) -> tuple[str, KeyInfo]:
-    """A new key: the plaintext is returned once and only its SHA-256 is stored."""
+    """A new key: the plaintext is returned once and only its SHA-256 is stored.
+    ``expires_at``: refused from then on (None: never)."""
+    if expires_at is not None and expires_at <= utcnow():
+        raise ConfigError("a key's expiry must be in the future")
     plaintext, digest, prefix = generate_api_key()
     with session_scope(engine) as session:
         _require(session, tenant_id)
-        key = ApiKey(tenant_id=tenant_id, key_sha256=digest, prefix=prefix, name=name)
+        key = ApiKey(
+            tenant_id=tenant_id,
+            key_sha256=digest,
+            prefix=prefix,
+            name=name,
+            expires_at=expires_at,
+        )
         session.add(key)
         session.flush()
         append_audit(
             session,
             actor,
             "key.create",
-            {"tenant_id": tenant_id, "key_id": key.id, "prefix": prefix, "name": name},
+            {
+                "tenant_id": tenant_id,
+                "key_id": key.id,
+                "prefix": prefix,
+                "name": name,
+                "expires_at": expires_at.isoformat() if expires_at else None,
+            },
         )
-        info = KeyInfo(key.id, tenant_id, prefix, name, key.created_at, None)
+        info = KeyInfo(key.id, tenant_id, prefix, name, key.created_at, None, expires_at)
     if cache is not None:
         cache.forget_keys([digest])  # the key may have been probed (negative entry) before
     return plaintext, info
@@ -288,7 +307,16 @@ def list_keys(engine: Engine, tenant_id: str | None = None) -> list[KeyInfo]:
         if tenant_id is not None:
             stmt = stmt.where(ApiKey.tenant_id == tenant_id)
         return [
-            KeyInfo(k.id, k.tenant_id, k.prefix, k.name, k.created_at, k.revoked_at)
+            KeyInfo(
+                k.id,
+                k.tenant_id,
+                k.prefix,
+                k.name,
+                k.created_at,
+                k.revoked_at,
+                k.expires_at,
+                k.last_used_at,
+            )
             for k in session.scalars(stmt)
         ]
 

@@ -14,9 +14,11 @@ reach Redis or the database.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -28,6 +30,9 @@ from tokenfleet.tenancy.models import TenantQuota
 from tokenfleet.tenancy.quota import BUDGETS, QuotaLimits, TenantQuotas
 
 _MISSING = "-"
+#: how often a process writes its keys' last use to the database
+LAST_USED_EVERY_S = 60.0
+log = logging.getLogger("tokenfleet.tenancy")
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +142,10 @@ class TenantDirectory:
         self._lock = threading.Lock()
         self._keys: dict[str, tuple[float, str | None]] = {}
         self._tenants: dict[str, tuple[float, TenantContext | None]] = {}
+        #: keys authenticated since the last write of ``api_keys.last_used_at``
+        self._used: dict[str, float] = {}
+        self._used_flushed_s = time.monotonic()
+        self._flushing = False
 
     # ---- cache keys --------------------------------------------------------
     def _key_entry(self, digest: str) -> str:
@@ -150,13 +159,50 @@ class TenantDirectory:
         """The active tenant owning this key, else None (unknown, revoked, disabled)."""
         if not plaintext:
             return None
-        tenant_id = self._tenant_of_key(hash_api_key(plaintext))
+        digest = hash_api_key(plaintext)
+        tenant_id = self._tenant_of_key(digest)
         if tenant_id is None:
             return None
         ctx = self.tenant(tenant_id)
         if ctx is None or ctx.disabled:
             return None
+        self._note_use(digest)
         return ctx
+
+    # ---- last use of a key (admin UI), written off the request path ---------------
+    def _note_use(self, digest: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._used[digest] = time.time()
+            due = not self._flushing and now - self._used_flushed_s >= LAST_USED_EVERY_S
+            if due:
+                self._flushing = True
+                self._used_flushed_s = now
+        if due:
+            threading.Thread(target=self.flush_last_used, name="key-last-used", daemon=True).start()
+
+    def flush_last_used(self) -> int:
+        """Write the keys' last use to ``api_keys.last_used_at`` (one UPDATE per key,
+        at most once a minute per process); returns how many keys were written."""
+        with self._lock:
+            used, self._used = self._used, {}
+        try:
+            if not used:
+                return 0
+            with self.engine.begin() as conn:
+                for digest, ts in used.items():
+                    conn.execute(
+                        sa.update(ApiKey)
+                        .where(ApiKey.key_sha256 == digest)
+                        .values(last_used_at=datetime.fromtimestamp(ts, UTC))
+                    )
+            return len(used)
+        except Exception:
+            log.debug("last use of API keys not written", exc_info=True)
+            return 0
+        finally:
+            with self._lock:
+                self._flushing = False
 
     def _tenant_of_key(self, digest: str) -> str | None:
         now = time.monotonic()
@@ -169,15 +215,20 @@ class TenantDirectory:
             tid: str | None = None if raw == _MISSING.encode() else raw.decode()
         else:
             with self.engine.connect() as conn:
-                tid = conn.execute(
-                    sa.select(ApiKey.tenant_id).where(
-                        ApiKey.key_sha256 == digest, ApiKey.revoked_at.is_(None)
+                row = conn.execute(
+                    sa.select(ApiKey.tenant_id, ApiKey.expires_at).where(
+                        ApiKey.key_sha256 == digest,
+                        ApiKey.revoked_at.is_(None),
+                        sa.or_(ApiKey.expires_at.is_(None), ApiKey.expires_at > sa.func.now()),
                     )
-                ).scalar_one_or_none()
+                ).first()
+            tid = None if row is None else str(row[0])
+            ttl_ms = self.redis_ttl_ms if tid else 5000
+            if row is not None and row[1] is not None:  # never cached past its expiry
+                left_ms = int((row[1] - datetime.now(UTC)).total_seconds() * 1000)
+                ttl_ms = max(1, min(ttl_ms, left_ms))
             # unknown keys are cached briefly too: a guessing client cannot hammer PostgreSQL
-            self.redis.set(
-                self._key_entry(digest), tid or _MISSING, px=self.redis_ttl_ms if tid else 5000
-            )
+            self.redis.set(self._key_entry(digest), tid or _MISSING, px=ttl_ms)
         with self._lock:
             self._keys[digest] = (now + self.local_ttl_s, tid)
         return tid

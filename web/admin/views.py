@@ -7,7 +7,7 @@ write the audit log in the same transaction as the change.
 
 from __future__ import annotations
 
-from datetime import UTC
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -44,6 +44,7 @@ admin_bp = Blueprint(
 )
 
 LIMIT_LABELS = {
+    "expires_days": "expires in (days)",
     "requests_per_minute": "requests / min",
     "tokens_per_minute": "tokens / min",
     "max_concurrent_requests": "concurrent requests",
@@ -294,6 +295,7 @@ def tenant_detail(tenant_id: str) -> Any:
         t=ctx,
         now=now,
         keys=tenants.list_keys(s.engine, tenant_id),
+        now_utc=datetime.now(UTC),
         usage=usage_for(s.engine, tenant_id)[:14],
         new_key=new_key,
     )
@@ -341,11 +343,13 @@ def tenant_settings(tenant_id: str) -> Any:
 def key_create(tenant_id: str) -> Any:
     s = svc()
     try:
+        days = _form_limit("expires_days")
         key, info = tenants.create_key(
             s.engine,
             tenant_id,
             actor=auth.actor(),
             name=(request.form.get("name") or "").strip() or None,
+            expires_at=datetime.now(UTC) + timedelta(days=days) if days else None,
             cache=s.directory,
         )
     except TokenFleetError as exc:
@@ -443,6 +447,4 @@ def audit() -> Any:
 
 @admin_bp.app_template_filter("utc")
 def _utc(ts: int) -> str:
-    from datetime import datetime
-
     return datetime.fromtimestamp(int(ts), UTC).strftime("%Y-%m-%d %H:%M") if ts else ""

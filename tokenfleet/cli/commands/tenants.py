@@ -225,10 +225,22 @@ def _cmd_update(args: argparse.Namespace, st: _Stores) -> int:
 
 
 def _cmd_key_create(args: argparse.Namespace, st: _Stores) -> int:
+    from datetime import UTC, datetime, timedelta
+
     from tokenfleet.tenancy import admin
 
+    expires = None
+    if args.expires_days is not None:
+        if args.expires_days <= 0:
+            raise ConfigError("--expires-days must be > 0")
+        expires = datetime.now(UTC) + timedelta(days=args.expires_days)
     key, info = admin.create_key(
-        st.engine, args.tenant_id, actor=args.actor, name=args.name, cache=st.cache
+        st.engine,
+        args.tenant_id,
+        actor=args.actor,
+        name=args.name,
+        expires_at=expires,
+        cache=st.cache,
     )
     if args.quiet:
         print(key)
@@ -255,10 +267,26 @@ def _cmd_key_list(args: argparse.Namespace, st: _Stores) -> int:
     from tokenfleet.tenancy import admin
 
     keys = admin.list_keys(st.engine, args.tenant_id)
-    print(f"{'id':>5} {'tenant':<20} {'prefix':<12} {'name':<16} status")
+    from datetime import UTC, datetime
+
+    now = datetime.now(UTC)
+    print(
+        f"{'id':>5} {'tenant':<20} {'prefix':<12} {'name':<16} {'expires':<16} "
+        f"{'last used':<16} status"
+    )
     for k in keys:
-        status = f"revoked {k.revoked_at:%Y-%m-%d %H:%M}" if k.revoked_at else "active"
-        print(f"{k.id:>5} {k.tenant_id:<20} {k.prefix:<12} {(k.name or ''):<16} {status}")
+        if k.revoked_at:
+            status = f"revoked {k.revoked_at:%Y-%m-%d %H:%M}"
+        elif k.expires_at and k.expires_at <= now:
+            status = "expired"
+        else:
+            status = "active"
+        expires = f"{k.expires_at:%Y-%m-%d %H:%M}" if k.expires_at else "never"
+        used = f"{k.last_used_at:%Y-%m-%d %H:%M}" if k.last_used_at else "-"
+        print(
+            f"{k.id:>5} {k.tenant_id:<20} {k.prefix:<12} {(k.name or ''):<16} {expires:<16} "
+            f"{used:<16} {status}"
+        )
     return 0
 
 
@@ -375,6 +403,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("tenant_id")
     p.add_argument("--name", default=None, help="label shown in listings")
     p.add_argument("--quiet", "-q", action="store_true", help="print only the key")
+    p.add_argument(
+        "--expires-days", type=float, default=None, help="refuse the key after this many days"
+    )
     p.set_defaults(func=_with_stores(_cmd_key_create))
     p = ksub.add_parser("revoke", help="revoke by key id, display prefix or full key")
     _common(p)

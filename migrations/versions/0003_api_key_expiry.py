@@ -1,0 +1,29 @@
+"""API keys: an optional expiry (refused after it; shown in the admin UI).
+
+``api_keys.last_used_at`` exists since 0001; the tenancy directory now fills
+it (at most once a minute per key and process, off the request path).
+
+Revision ID: 0003
+Revises: 0002
+Create Date: 2026-12-01 18:20:00+00:00
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0003"
+down_revision: str | Sequence[str] | None = "0002"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    op.add_column("api_keys", sa.Column("expires_at", sa.DateTime(timezone=True), nullable=True))
+
+
+def downgrade() -> None:
+    op.drop_column("api_keys", "expires_at")
