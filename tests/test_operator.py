@@ -614,7 +614,7 @@ def test_keys_expire_are_never_cached_past_expiry_and_record_their_last_use(
     )
     forever, _ = admin.create_key(engine, "keyed", actor="t")
     assert d.authenticate(soon) is not None and d.authenticate(forever) is not None
-    ttl_ms = client.pttl(f"expiry:apikey:{hash_api_key(soon)}")
+    ttl_ms = client.pttl(f"expiry:apikey2:{hash_api_key(soon)}")
     assert 0 < ttl_ms <= 30_000, "the cached entry lapses with the key"
     # the key's expiry passes (set in the past here rather than waiting for it)
     with engine.begin() as conn:
@@ -633,3 +633,27 @@ def test_keys_expire_are_never_cached_past_expiry_and_record_their_last_use(
     assert keys[soon[:10]].expires_at is not None
     assert d.flush_last_used() == 0, "nothing new to write"
     client.close()
+
+
+def test_a_key_with_its_own_limit_is_capped_alone(stack: Any) -> None:
+    from tokenfleet.tenancy import admin
+
+    eng = make_engine(stack.database_url, pool_size=1)
+    try:
+        admin.create_tenant(eng, "perkey", actor="test")
+        capped, info = admin.create_key(eng, "perkey", actor="test", requests_per_minute=1)
+        free, _ = admin.create_key(eng, "perkey", actor="test")
+        listed = {k.id: k for k in admin.list_keys(eng, "perkey")}
+    finally:
+        eng.dispose()
+    assert listed[info.id].requests_per_minute == 1
+    msgs = [{"role": "user", "content": "per key"}]
+    _client(stack, capped).chat.completions.create(model=stack.model, messages=msgs, max_tokens=2)
+    with pytest.raises(openai.RateLimitError) as exc:
+        _client(stack, capped).chat.completions.create(
+            model=stack.model, messages=msgs, max_tokens=2
+        )
+    assert f"API key {info.id} of tenant 'perkey'" in str(exc.value)
+    assert exc.value.response.headers.get("Retry-After")
+    for _ in range(2):  # the tenant's other key is not capped by it
+        _client(stack, free).chat.completions.create(model=stack.model, messages=msgs, max_tokens=2)

@@ -44,6 +44,9 @@ class KeyInfo:
     expires_at: datetime | None = None
     #: when an API process last authenticated it (updated at most once a minute)
     last_used_at: datetime | None = None
+    #: this key's own limits, on top of the tenant's quotas (None: none)
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
 
 
 def _check_tenant_id(tenant_id: str) -> None:
@@ -231,12 +234,18 @@ def create_key(
     actor: str,
     name: str | None = None,
     expires_at: datetime | None = None,
+    requests_per_minute: int | None = None,
+    tokens_per_minute: int | None = None,
     cache: CacheInvalidator | None = None,
 ) -> tuple[str, KeyInfo]:
     """A new key: the plaintext is returned once and only its SHA-256 is stored.
-    ``expires_at``: refused from then on (None: never)."""
+    ``expires_at``: refused from then on (None: never); ``requests_per_minute`` /
+    ``tokens_per_minute``: this key's own limits, on top of the tenant's quotas."""
     if expires_at is not None and expires_at <= utcnow():
         raise ConfigError("a key's expiry must be in the future")
+    for label, v in (("requests/min", requests_per_minute), ("tokens/min", tokens_per_minute)):
+        if v is not None and v < 1:
+            raise ConfigError(f"a key's {label} limit must be at least 1 (or unset)")
     plaintext, digest, prefix = generate_api_key()
     with session_scope(engine) as session:
         _require(session, tenant_id)
@@ -246,6 +255,8 @@ def create_key(
             prefix=prefix,
             name=name,
             expires_at=expires_at,
+            requests_per_minute=requests_per_minute,
+            tokens_per_minute=tokens_per_minute,
         )
         session.add(key)
         session.flush()
@@ -259,9 +270,22 @@ def create_key(
                 "prefix": prefix,
                 "name": name,
                 "expires_at": expires_at.isoformat() if expires_at else None,
+                "requests_per_minute": requests_per_minute,
+                "tokens_per_minute": tokens_per_minute,
             },
         )
-        info = KeyInfo(key.id, tenant_id, prefix, name, key.created_at, None, expires_at)
+        info = KeyInfo(
+            key.id,
+            tenant_id,
+            prefix,
+            name,
+            key.created_at,
+            None,
+            expires_at,
+            None,
+            requests_per_minute,
+            tokens_per_minute,
+        )
     if cache is not None:
         cache.forget_keys([digest])  # the key may have been probed (negative entry) before
     return plaintext, info
@@ -316,6 +340,8 @@ def list_keys(engine: Engine, tenant_id: str | None = None) -> list[KeyInfo]:
                 k.revoked_at,
                 k.expires_at,
                 k.last_used_at,
+                k.requests_per_minute,
+                k.tokens_per_minute,
             )
             for k in session.scalars(stmt)
         ]

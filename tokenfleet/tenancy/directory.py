@@ -17,7 +17,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -46,6 +46,10 @@ class TenantContext:
     allowed_regions: tuple[str, ...] = ()
     quotas: TenantQuotas = field(default_factory=TenantQuotas)
     disabled: bool = False
+    #: the API key that authenticated this request and its own limits (set by
+    #: :meth:`TenantDirectory.authenticate`; not part of the tenant's cached record)
+    key_id: int | None = None
+    key_limits: QuotaLimits | None = None
 
     def allows_model(self, model: str) -> bool:
         return not self.allowed_models or model in self.allowed_models
@@ -75,6 +79,26 @@ class TenantContext:
             quotas=TenantQuotas.from_mapping(d["quotas"]),
             disabled=bool(d["disabled"]),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Key:
+    """What the request path needs of an API key: its tenant, id and own limits."""
+
+    tenant_id: str
+    key_id: int
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(
+            [self.tenant_id, self.key_id, self.requests_per_minute, self.tokens_per_minute]
+        )
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> _Key:
+        tenant_id, key_id, rpm, tpm = json.loads(raw)
+        return cls(str(tenant_id), int(key_id), rpm, tpm)
 
 
 def load_tenant(session: Any, tenant_id: str) -> TenantContext | None:
@@ -140,7 +164,7 @@ class TenantDirectory:
         self.local_ttl_s = local_ttl_s
         self.redis_ttl_ms = int(redis_ttl_s * 1000)
         self._lock = threading.Lock()
-        self._keys: dict[str, tuple[float, str | None]] = {}
+        self._keys: dict[str, tuple[float, _Key | None]] = {}
         self._tenants: dict[str, tuple[float, TenantContext | None]] = {}
         #: keys authenticated since the last write of ``api_keys.last_used_at``
         self._used: dict[str, float] = {}
@@ -149,7 +173,9 @@ class TenantDirectory:
 
     # ---- cache keys --------------------------------------------------------
     def _key_entry(self, digest: str) -> str:
-        return f"{self.prefix}:apikey:{digest}"
+        # "apikey2": JSON with the key's id and limits (plain "apikey" held only the
+        # tenant id; the new name keeps processes of either version off the other's)
+        return f"{self.prefix}:apikey2:{digest}"
 
     def _tenant_entry(self, tenant_id: str) -> str:
         return f"{self.prefix}:tenant:{tenant_id}"
@@ -160,14 +186,17 @@ class TenantDirectory:
         if not plaintext:
             return None
         digest = hash_api_key(plaintext)
-        tenant_id = self._tenant_of_key(digest)
-        if tenant_id is None:
+        key = self._key(digest)
+        if key is None:
             return None
-        ctx = self.tenant(tenant_id)
+        ctx = self.tenant(key.tenant_id)
         if ctx is None or ctx.disabled:
             return None
         self._note_use(digest)
-        return ctx
+        limits = QuotaLimits(
+            requests_per_minute=key.requests_per_minute, tokens_per_minute=key.tokens_per_minute
+        )
+        return replace(ctx, key_id=key.key_id, key_limits=None if limits.unlimited else limits)
 
     # ---- last use of a key (admin UI), written off the request path ---------------
     def _note_use(self, digest: str) -> None:
@@ -204,34 +233,42 @@ class TenantDirectory:
             with self._lock:
                 self._flushing = False
 
-    def _tenant_of_key(self, digest: str) -> str | None:
+    def _key(self, digest: str) -> _Key | None:
+        """The active key with this digest (not revoked, not expired), else None."""
         now = time.monotonic()
         with self._lock:
             hit = self._keys.get(digest)
         if hit is not None and hit[0] > now:
             return hit[1]
         raw = self.redis.get(self._key_entry(digest))
+        key: _Key | None
         if raw is not None:
-            tid: str | None = None if raw == _MISSING.encode() else raw.decode()
+            key = None if raw == _MISSING.encode() else _Key.from_json(raw)
         else:
             with self.engine.connect() as conn:
                 row = conn.execute(
-                    sa.select(ApiKey.tenant_id, ApiKey.expires_at).where(
+                    sa.select(
+                        ApiKey.tenant_id,
+                        ApiKey.id,
+                        ApiKey.requests_per_minute,
+                        ApiKey.tokens_per_minute,
+                        ApiKey.expires_at,
+                    ).where(
                         ApiKey.key_sha256 == digest,
                         ApiKey.revoked_at.is_(None),
                         sa.or_(ApiKey.expires_at.is_(None), ApiKey.expires_at > sa.func.now()),
                     )
                 ).first()
-            tid = None if row is None else str(row[0])
-            ttl_ms = self.redis_ttl_ms if tid else 5000
-            if row is not None and row[1] is not None:  # never cached past its expiry
-                left_ms = int((row[1] - datetime.now(UTC)).total_seconds() * 1000)
+            key = None if row is None else _Key(str(row[0]), int(row[1]), row[2], row[3])
+            ttl_ms = self.redis_ttl_ms if key else 5000
+            if row is not None and row[4] is not None:  # never cached past its expiry
+                left_ms = int((row[4] - datetime.now(UTC)).total_seconds() * 1000)
                 ttl_ms = max(1, min(ttl_ms, left_ms))
             # unknown keys are cached briefly too: a guessing client cannot hammer PostgreSQL
-            self.redis.set(self._key_entry(digest), tid or _MISSING, px=ttl_ms)
+            self.redis.set(self._key_entry(digest), key.to_json() if key else _MISSING, px=ttl_ms)
         with self._lock:
-            self._keys[digest] = (now + self.local_ttl_s, tid)
-        return tid
+            self._keys[digest] = (now + self.local_ttl_s, key)
+        return key
 
     def tenant(self, tenant_id: str) -> TenantContext | None:
         now = time.monotonic()

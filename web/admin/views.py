@@ -45,6 +45,8 @@ admin_bp = Blueprint(
 
 LIMIT_LABELS = {
     "expires_days": "expires in (days)",
+    "key_requests_per_minute": "the key's requests / min",
+    "key_tokens_per_minute": "the key's tokens / min",
     "requests_per_minute": "requests / min",
     "tokens_per_minute": "tokens / min",
     "max_concurrent_requests": "concurrent requests",
@@ -350,6 +352,8 @@ def key_create(tenant_id: str) -> Any:
             actor=auth.actor(),
             name=(request.form.get("name") or "").strip() or None,
             expires_at=datetime.now(UTC) + timedelta(days=days) if days else None,
+            requests_per_minute=_form_limit("key_requests_per_minute"),
+            tokens_per_minute=_form_limit("key_tokens_per_minute"),
             cache=s.directory,
         )
     except TokenFleetError as exc:

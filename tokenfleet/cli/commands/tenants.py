@@ -240,6 +240,8 @@ def _cmd_key_create(args: argparse.Namespace, st: _Stores) -> int:
         actor=args.actor,
         name=args.name,
         expires_at=expires,
+        requests_per_minute=args.rpm,
+        tokens_per_minute=args.tpm,
         cache=st.cache,
     )
     if args.quiet:
@@ -405,6 +407,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--quiet", "-q", action="store_true", help="print only the key")
     p.add_argument(
         "--expires-days", type=float, default=None, help="refuse the key after this many days"
+    )
+    p.add_argument(
+        "--rpm", type=int, default=None, help="this key's own requests/min (on top of the tenant's)"
+    )
+    p.add_argument(
+        "--tpm", type=int, default=None, help="this key's own tokens/min (on top of the tenant's)"
     )
     p.set_defaults(func=_with_stores(_cmd_key_create))
     p = ksub.add_parser("revoke", help="revoke by key id, display prefix or full key")
