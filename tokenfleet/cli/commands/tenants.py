@@ -274,7 +274,7 @@ def _cmd_key_list(args: argparse.Namespace, st: _Stores) -> int:
     now = datetime.now(UTC)
     print(
         f"{'id':>5} {'tenant':<20} {'prefix':<12} {'name':<16} {'expires':<16} "
-        f"{'last used':<16} status"
+        f"{'last used':<16} {'key limits':<20} status"
     )
     for k in keys:
         if k.revoked_at:
@@ -285,9 +285,14 @@ def _cmd_key_list(args: argparse.Namespace, st: _Stores) -> int:
             status = "active"
         expires = f"{k.expires_at:%Y-%m-%d %H:%M}" if k.expires_at else "never"
         used = f"{k.last_used_at:%Y-%m-%d %H:%M}" if k.last_used_at else "-"
+        own = " ".join(
+            f"{name}={v}"
+            for name, v in (("rpm", k.requests_per_minute), ("tpm", k.tokens_per_minute))
+            if v is not None
+        )
         print(
             f"{k.id:>5} {k.tenant_id:<20} {k.prefix:<12} {(k.name or ''):<16} {expires:<16} "
-            f"{used:<16} {status}"
+            f"{used:<16} {own or '-':<20} {status}"
         )
     return 0
 
