@@ -657,3 +657,20 @@ def test_a_key_with_its_own_limit_is_capped_alone(stack: Any) -> None:
     assert exc.value.response.headers.get("Retry-After")
     for _ in range(2):  # the tenant's other key is not capped by it
         _client(stack, free).chat.completions.create(model=stack.model, messages=msgs, max_tokens=2)
+
+
+def test_cli_creates_expiring_keys_with_their_own_limits(
+    engine: sa.Engine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tokenfleet.cli.main import main as cli_main
+    from tokenfleet.tenancy import admin
+
+    admin.create_tenant(engine, "clikeys", actor="test")
+    url = engine.url.render_as_string(hide_password=False)
+    common = ["--database-url", url, "--data-dir", str(tmp_path)]
+    create = ["tenants", "keys", "create", "clikeys", "-q", "--expires-days", "2", "--rpm", "5"]
+    assert cli_main(create + common) == 0
+    key = capsys.readouterr().out.strip()
+    assert cli_main(["tenants", "keys", "list", "clikeys", *common]) == 0
+    out = capsys.readouterr().out
+    assert key[:10] in out and "rpm=5" in out and "never" not in out and "active" in out
