@@ -1,4 +1,4 @@
-# Image used by docker-compose.yml for the api, worker and beat services.
+# Image used by docker-compose.yml for the api, worker, beat and flower services.
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md alembic.ini ./
@@ -6,7 +6,14 @@ COPY tokenfleet ./tokenfleet
 COPY workers ./workers
 COPY web ./web
 COPY migrations ./migrations
-RUN pip install --no-cache-dir -e . && useradd --create-home tokenfleet
+# The data dir (ledger spill files, batch uploads, the demo key) belongs to the
+# user the processes run as: a named volume mounted there is initialised from
+# the image, ownership included, so it starts writable by that user.
+ENV TOKENFLEET_DATA_DIR=/var/lib/tokenfleet
+RUN pip install --no-cache-dir -e '.[flower]' \
+    && useradd --create-home --uid 10001 tokenfleet \
+    && mkdir -p /var/lib/tokenfleet \
+    && chown -R tokenfleet:tokenfleet /var/lib/tokenfleet
 USER tokenfleet
-ENV TOKENFLEET_DATA_DIR=/home/tokenfleet/.tokenfleet
+VOLUME /var/lib/tokenfleet
 CMD ["tokenfleet", "--help"]

@@ -6,11 +6,14 @@ STAMP   = $(VENV)/.installed
 
 .PHONY: sim test test-slow test-vllm lint typecheck bench up clean
 
+# First run: a few minutes of downloads; pip shows each package and its progress.
 $(STAMP): pyproject.toml
+	@echo "==> creating $(VENV) and installing TokenFleet with its dependencies (first run only; a few minutes)"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet --no-compile -e '.[dev]'  # bytecode on first import: faster set-up
+	$(BIN)/pip install --progress-bar on --upgrade pip
+	$(BIN)/pip install --progress-bar on --no-compile -e '.[dev]'  # bytecode on first import: faster set-up
 	touch $(STAMP)
+	@echo "==> $(VENV) is ready: run its programs as $(BIN)/tokenfleet, or 'source $(BIN)/activate' first"
 
 ## Main job: simulate the peer routers and TokenPilot on a bundled synthetic workload.
 sim: $(STAMP)
@@ -55,8 +58,11 @@ test-vllm: $(STAMP) $(VLLM_VENV)/tiny-llama/config.json
 	TOKENFLEET_VLLM_MODEL=$(abspath $(VLLM_VENV))/tiny-llama \
 	$(BIN)/pytest -q -m vllm -s
 
+## `make up PORT=8080` when 8000 is taken; `make up ARGS="--flower"` passes more options.
+PORT ?=
+ARGS ?=
 up: $(STAMP)
-	$(BIN)/tokenfleet up
+	$(BIN)/tokenfleet up $(if $(PORT),--port $(PORT)) $(ARGS)
 
 clean:
 	rm -rf $(VENV) out .tokenfleet .pytest_cache .mypy_cache .ruff_cache

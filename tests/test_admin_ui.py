@@ -439,7 +439,17 @@ def test_admin_journey_in_chromium(browser: Any, live: Any) -> None:
     page.wait_for_selector("#chart-goodput")
     page.wait_for_selector("#instances tbody tr")
     assert page.locator("#instances .pill.ok").count() == 2  # a0 and b0 healthy
+    # goodput is the product's: output tokens/s within SLO; the shares are explained
+    assert "output tokens/s within SLO" in (page.text_content("#chart-goodput .chart-title") or "")
+    assert "never capped" in page.inner_text("#share-help")
     shot(page, "01-dashboard")
+    # the models page: what is deployed and ready, per DC
+    page.click("header.top >> text=Models")
+    rows = page.locator("#models tbody tr")
+    rows.first.wait_for()
+    text = page.inner_text("#models")
+    assert live.model in text and "dc-a" in text and "dc-b" in text
+    assert page.locator("#models .pill.ok").count() == 2 and "not ready" not in text
     # create a tenant
     page.click("text=Tenants")
     page.fill("#create-tenant input[name=tenant_id]", "browser-co")
@@ -450,10 +460,14 @@ def test_admin_journey_in_chromium(browser: Any, live: Any) -> None:
     page.fill("#quota-interactive input[name=requests_per_minute]", "3")
     page.click("#quota-interactive button[type=submit]")
     page.wait_for_selector("text=interactive quota of browser-co saved")
-    # a key, shown once
+    # a key, shown once, expiring in 30 days; its expiry and last use are listed
+    page.fill("#create-key input[name=expires_days]", "30")
     page.click("#create-key button[type=submit]")
     key = page.inner_text("#new-key").strip()
     assert key.startswith("tf-")
+    expires = page.inner_text("#keys tr[data-key] .expires")
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d", expires), expires
+    assert page.inner_text("#keys tr[data-key] .last-used") == "not yet"
     shot(page, "02-tenant-quota-key")
 
     # the API enforces the quota: 3 pass, the 4th is a 429 naming the limit
@@ -472,6 +486,31 @@ def test_admin_journey_in_chromium(browser: Any, live: Any) -> None:
     assert 1 <= int(r.headers["Retry-After"]) <= 20  # 1 request refills in 20 s at 3/min
     page.reload()
     assert "0 requests" in page.inner_text("#quota-interactive + p")
+    # the tenant's own usage over time, from the ledger (whose rows are written in batches)
+    drawn = "#chart-tenant-output polyline, #chart-tenant-output circle"
+    deadline = time.monotonic() + 30
+    while page.locator(drawn).count() == 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        page.reload()
+    assert page.locator(drawn).count() >= 1
+    assert "output tokens/s" in (page.text_content("#chart-tenant-output .chart-title") or "")
+
+    # a batch that fails validation says why, in the list and on its own page
+    bad = client.files.create(file=("bad.jsonl", io.BytesIO(b"not json\n")), purpose="batch")
+    failed = client.batches.create(
+        input_file_id=bad.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    page.click("text=Batches")
+    bad_row = page.locator(f"tr[data-batch='{failed.id}']")
+    bad_row.wait_for()
+    deadline = time.monotonic() + 60
+    while "failed" not in bad_row.inner_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert bad_row.locator(".why").inner_text().strip(), bad_row.inner_text()
+    bad_row.locator(f"a:text('{failed.id}')").click()
+    page.wait_for_selector("#batch-errors")
+    assert "line" in page.inner_text("#batch-errors").lower()
+    shot(page, "02b-failed-batch")
 
     # a batch through the live path; watch its progress bar fill on the batches page
     lines = "".join(
@@ -519,5 +558,54 @@ def test_admin_journey_in_chromium(browser: Any, live: Any) -> None:
     shot(page, "04-audit")
     page.goto(base + "/admin/")
     page.wait_for_selector("#chart-goodput polyline, #chart-goodput circle")
+    # every chart's text lies inside its own drawing (no clipped last time label),
+    # y ticks are round (steps of 1, 2 or 5 x 10^k; 25 for percentages), and the
+    # legend lists the tiers in the same order on every chart
+    outside = page.evaluate(
+        """() => [...document.querySelectorAll('svg.chart')].flatMap(svg => {
+             const vb = svg.viewBox.baseVal;
+             return [...svg.querySelectorAll('text')].filter(t => {
+               const b = t.getBBox();
+               return b.x < -0.5 || b.x + b.width > vb.width + 0.5;
+             }).map(t => svg.id + ': ' + t.textContent);
+           })"""
+    )
+    assert outside == [], outside
+    for chart in ("#chart-goodput", "#chart-attainment"):
+        ticks = [
+            float(t)
+            for t in page.eval_on_selector_all(
+                chart + " text.ytick", "els => els.map(e => e.textContent)"
+            )
+        ]
+        step = ticks[1] - ticks[0]
+        assert all(abs((b - a) - step) < 1e-9 for a, b in zip(ticks, ticks[1:], strict=False))
+        lead = float(f"{step:e}".split("e")[0])
+        assert lead in (1.0, 2.0, 2.5, 5.0), ticks
+    legends = [
+        page.eval_on_selector_all(c + " text.legend", "els => els.map(e => e.textContent)")
+        for c in ("#chart-goodput", "#chart-attainment")
+    ]
+    assert legends[0] == legends[1] and legends[0], legends
     shot(page, "05-dashboard-after-traffic")
     page.close()
+
+    # a phone: nothing is wider than the screen (charts, grids, the header)
+    phone = browser.new_page(viewport={"width": 375, "height": 740})
+    phone.set_default_timeout(15_000)
+    phone.goto(base + "/admin/login")
+    phone.fill("input[name=username]", "root")
+    phone.fill("input[name=password]", PASSWORD)
+    phone.click("button[type=submit]")
+    phone.wait_for_selector("#chart-goodput")
+    for path in ("/admin/", "/admin/models", "/admin/tenants/browser-co", "/admin/batches"):
+        phone.goto(base + path)
+        width = phone.evaluate("() => document.documentElement.scrollWidth")
+        assert width <= 375, f"{path} is {width}px wide on a 375px screen"
+        chart_w = phone.evaluate(
+            "() => Math.max(0, ...[...document.querySelectorAll('svg.chart')]"
+            ".map(s => s.getBoundingClientRect().right))"
+        )
+        assert chart_w <= 375, f"{path}: a chart ends at {chart_w}px"
+    shot(phone, "06-phone-dashboard")
+    phone.close()

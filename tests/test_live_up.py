@@ -109,6 +109,9 @@ def test_up_prints_url_key_and_examples(up: tuple[subprocess.Popen[str], str, Pa
     assert KEY in text, "TOKENFLEET_API_KEY is used as the demo key"
     assert "curl http://127.0.0.1:" in text and "/v1/chat/completions" in text
     assert "from openai import OpenAI" in text
+    # the key is a real key of the real tenant `demo`; the banner says how to log in to /admin
+    assert 'tenant "demo"' in text and "tenants set-quota demo" in text
+    assert "/admin" in text and "admin-user" in text
 
 
 def test_up_serves_the_openai_client_and_records_the_ledger(

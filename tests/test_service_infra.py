@@ -521,7 +521,9 @@ def test_docker_compose_is_consistent() -> None:
         assert "image" in svc or "build" in svc, f"service {name} has neither image nor build"
         for dep in svc.get("depends_on", {}):
             assert dep in services, f"{name} depends on unknown service {dep}"
-    assert services["flower"]["image"].startswith("mher/flower")
+    # Flower from the TokenFleet image (the workers' Celery), behind basic auth
+    assert services["flower"]["image"].startswith("tokenfleet")
+    assert "FLOWER_BASIC_AUTH" in services["flower"]["environment"]
     for name in ("api", "beat", *[n for n in services if n.startswith("worker")]):
         svc = services[name]
         assert svc["command"][0] == "tokenfleet", name

@@ -179,6 +179,22 @@ def tokenize_chat(
     )
 
 
+def tokenize_prompt(text: str, block_size_tokens: int = BLOCK_SIZE_TOKENS) -> ChatPrompt:
+    """A raw ``/v1/completions`` prompt: no chat template, the text as sent."""
+    stream = encode_text(text)
+    return ChatPrompt(
+        text, len(stream) // BYTES_PER_TOKEN, tuple(block_hashes(stream, block_size_tokens))
+    )
+
+
+def tokenize_token_ids(
+    ids: Sequence[int], block_size_tokens: int = BLOCK_SIZE_TOKENS
+) -> ChatPrompt:
+    """A prompt given as token ids (``ValueError`` for an id out of range)."""
+    stream = encode_token_ids(ids)
+    return ChatPrompt("", len(ids), tuple(block_hashes(stream, block_size_tokens)))
+
+
 def chat_block_hashes(
     messages: Sequence[Any], block_size_tokens: int = BLOCK_SIZE_TOKENS
 ) -> tuple[int, ...]:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from flask import Flask, Response
+from flask import Flask, Response, g
 from sqlalchemy import exc as sa_exc
 from werkzeug.exceptions import HTTPException
 
@@ -92,9 +92,11 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
 
     limits.install(app, live)  # body size and JSON depth caps (413 / 400)
 
+    from web.access import init_app as init_access_log
     from web.chat import chat_bp
     from web.routes import models_bp, ops_bp
 
+    init_access_log(app)  # one line per /v1 request, when its answer has ended
     app.register_blueprint(chat_bp)
     app.register_blueprint(models_bp)
     app.register_blueprint(ops_bp)
@@ -115,19 +117,23 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
         if cfg.get("BATCH_RUNNER", True):
             start_runner(app)
 
+    def who() -> dict[str, Any]:
+        """The tenant and tier of the refused request, as far as they were known."""
+        return {"tenant": g.get("tf_tenant"), "tier": g.get("tf_tier")}
+
     @app.errorhandler(ApiError)
     def _api_error(err: ApiError) -> Response:
-        metrics.error(err.status)
+        metrics.error(err.status, reason=err.code if err.status == 401 else None, **who())
         return err.response()
 
     @app.errorhandler(GatewayError)
     def _refused(err: GatewayError) -> Response:
-        metrics.error(err.status)
+        metrics.error(err.status, **who())
         return ApiError.from_gateway(err).response()
 
     @app.errorhandler(TenancyError)
     def _quota(err: TenancyError) -> Response:
-        metrics.error(err.status)
+        metrics.error(err.status, reason="quota" if err.status == 429 else None, **who())
         resp = Response(json.dumps(err.body()), status=err.status, mimetype="application/json")
         for k, v in err.headers.items():
             resp.headers[k] = v
@@ -137,7 +143,7 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     def _redis_down(err: redis.RedisError) -> Response:
         # any code on the request path (ours or a hook) that needs Redis while it
         # is down or restarting: a retryable 503, not an internal error
-        metrics.error(503)
+        metrics.error(503, **who())
         return ApiError(
             503,
             f"the live state store is unavailable ({err.__class__.__name__}); retry shortly",
@@ -148,7 +154,7 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     @app.errorhandler(sa_exc.OperationalError)
     @app.errorhandler(sa_exc.InterfaceError)
     def _db_down(err: Exception) -> Response:
-        metrics.error(503)
+        metrics.error(503, **who())
         return ApiError(
             503,
             "the database is unavailable; retry shortly",
@@ -159,7 +165,7 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     @app.errorhandler(HTTPException)
     def _http_error(err: HTTPException) -> Response:
         status = err.code or 500
-        metrics.error(status)
+        metrics.error(status, **who())
         if status == 413:  # a body cut off while it was read (web.limits)
             from web.limits import body_cap, too_large
 

@@ -1,4 +1,4 @@
-"""``POST /v1/chat/completions``: one request, read top to bottom.
+"""``POST /v1/chat/completions`` and ``POST /v1/completions``: one request, top to bottom.
 
 authenticate -> parse the JSON body -> ``gateway.validate`` (the prompt is
 tokenized once) -> charge the tenant's quota -> ``gateway.dispatch`` (Celery)
@@ -9,6 +9,10 @@ stream. Refusals are raised (``GatewayError``, ``TenancyError``, ``ApiError``)
 and turned into OpenAI-shaped responses by ``web.create_app``'s handlers; a
 429 or 503 refusal also leaves a ``rejected`` ledger row (attainment counts
 it), and every answer, errors included, carries ``X-Request-Id``.
+
+The legacy completions API (a ``prompt`` string or token ids; what many tools
+and vLLM's own benchmark send) takes the very same path; only the request's
+prompt field and the answer's shape (:class:`_Shape`) differ.
 """
 
 from __future__ import annotations
@@ -31,19 +35,96 @@ from web.quota import ChatQuota
 chat_bp = Blueprint("openai", __name__, url_prefix="/v1")
 
 
+class _Shape:
+    """How answers look: chat (``chat.completion``, deltas) or legacy completions
+    (``text_completion``, ``text``)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.chat = kind == "chat"
+        self.prefix = "chatcmpl-" if self.chat else "cmpl-"
+        self.object = "chat.completion" if self.chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
+
+    def head(self, d: Dispatched) -> dict[str, Any]:
+        r = d.request
+        return {
+            "id": self.prefix + r.info.request_id,
+            "object": self.chunk_object,
+            "created": r.created,
+            "model": r.model,
+        }
+
+    def chunk(
+        self, d: Dispatched, text: str | None, finish: str | None = None, role: bool = False
+    ) -> bytes:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text is not None:
+                delta = {"content": text}
+            choice: dict[str, Any] = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": text or ""}
+        choice.update(logprobs=None, finish_reason=finish)
+        obj = {**self.head(d), "choices": [choice]}
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+    def usage_chunk(self, d: Dispatched, usage: dict[str, Any] | None) -> bytes:
+        obj = {**self.head(d), "choices": [], "usage": usage}
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+    def whole(self, d: Dispatched, text: str, finish: str, usage: Any) -> dict[str, Any]:
+        if self.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+            }
+        else:
+            choice = {"index": 0, "text": text}
+        choice.update(logprobs=None, finish_reason=finish)
+        return {**self.head(d), "object": self.object, "choices": [choice], "usage": usage}
+
+
+#: ``/v1/completions`` without ``max_tokens``: 16, as OpenAI and ``vllm serve`` do
+LEGACY_DEFAULT_MAX_TOKENS = 16
+
+CHAT = _Shape("chat")
+COMPLETION = _Shape("completion")
+
+
 @chat_bp.post("/chat/completions")
 def chat_completions() -> Response:
+    return _serve(CHAT)
+
+
+@chat_bp.post("/completions")
+def completions() -> Response:
+    """The legacy completions API: ``prompt`` (a string, or token ids), ``max_tokens``,
+    ``stream`` (with ``stream_options.include_usage``); ``usage`` as for chat."""
+    return _serve(COMPLETION)
+
+
+def _serve(shape: _Shape) -> Response:
     gw: Gateway = current_app.extensions["tokenfleet"]
     principal = current_app.extensions["tokenfleet.auth"].authenticate(
         request.headers.get("Authorization")
     )
+    g.tf_tenant = principal.tenant  # for the metrics and the access log of a refusal
     body = read_json()
+    if not shape.chat and isinstance(body, dict) and body.get("max_tokens") is None:
+        # the legacy API's default output budget (OpenAI's and vLLM's), not chat's
+        body["max_tokens"] = LEGACY_DEFAULT_MAX_TOKENS
     tier_hint = request.headers.get(TIER_HEADER, "") or ""
     req: ChatRequest | None = None
     try:
         req = gw.validate(
-            body, tenant=principal.tenant, slo_class=principal.slo_class, tier_hint=tier_hint
+            body,
+            tenant=principal.tenant,
+            slo_class=principal.slo_class,
+            tier_hint=tier_hint,
+            kind=shape.kind,
         )
+        g.tf_tier = req.info.tier
         g.tf_request_id = req.info.request_id
         quota = ChatQuota.admit(current_app.extensions.get("tokenfleet.quota"), principal, req)
     except Exception as exc:
@@ -55,9 +136,10 @@ def chat_completions() -> Response:
         except Exception as exc:
             _record_refusal(gw, principal.tenant, body, req, tier_hint, exc)
             raise
+        g.tf_dispatched = d
         events = gw.events(d)
         if not req.stream:
-            resp, usage = _complete(d, events)
+            resp, usage = _complete(shape, d, events)
             quota.finish(usage)
             return resp
         # Hold the response until the first real event so an error before any
@@ -69,7 +151,7 @@ def chat_completions() -> Response:
         quota.refund()
         raise
     return Response(
-        _sse(gw, d, first, events, quota),
+        _sse(shape, gw, d, first, events, quota),
         mimetype="text/event-stream",
         headers={
             "Cache-Control": "no-cache",
@@ -119,56 +201,44 @@ def _event_error(ev: RelayEvent | None) -> ApiError:
     )
 
 
-def _chunk(d: Dispatched, delta: dict[str, Any], finish: str | None = None) -> bytes:
-    r = d.request
-    obj = {
-        "id": f"chatcmpl-{r.info.request_id}",
-        "object": "chat.completion.chunk",
-        "created": r.created,
-        "model": r.model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-    }
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
-
-
 def _sse(
-    gw: Gateway, d: Dispatched, first: RelayEvent, events: Iterator[RelayEvent], quota: ChatQuota
+    shape: _Shape,
+    gw: Gateway,
+    d: Dispatched,
+    first: RelayEvent,
+    events: Iterator[RelayEvent],
+    quota: ChatQuota,
 ) -> Iterator[bytes]:
     r = d.request
     finished = False
     usage: dict[str, Any] | None = None
     try:
-        head = _chunk(d, {"role": "assistant", "content": ""})
+        head = shape.chunk(d, None, role=True) if shape.chat else b""
         if first.kind == "d" and first.text:
             # the role chunk and the first token leave in one write
-            yield head + _chunk(d, {"content": first.text})
+            yield head + shape.chunk(d, first.text)
         else:
-            yield head
+            if head:
+                yield head
             events = itertools.chain([first], events)
         for ev in events:
             if ev.kind == "d":
                 if ev.text:
-                    yield _chunk(d, {"content": ev.text})
+                    yield shape.chunk(d, ev.text)
             elif ev.kind == "idle":
                 yield b": keep-alive\n\n"
             elif ev.kind == "end":
                 finished = True
                 usage = ev.usage
-                yield _chunk(d, {}, ev.finish_reason or "stop")
+                d.extra["usage"] = usage
+                yield shape.chunk(d, None if shape.chat else "", ev.finish_reason or "stop")
                 if r.include_usage:
-                    obj = {
-                        "id": f"chatcmpl-{r.info.request_id}",
-                        "object": "chat.completion.chunk",
-                        "created": r.created,
-                        "model": r.model,
-                        "choices": [],
-                        "usage": ev.usage,
-                    }
-                    yield b"data: " + json.dumps(obj).encode() + b"\n\n"
+                    yield shape.usage_chunk(d, ev.usage)
                 yield b"data: [DONE]\n\n"
                 return
             elif ev.kind == "err":
                 finished = True
+                d.extra["outcome"] = "error"
                 err = {
                     "error": {
                         "message": ev.message,
@@ -181,12 +251,13 @@ def _sse(
                 return
     finally:
         if not finished:
+            d.extra["outcome"] = "cancelled"
             gw.cancel(d)
         quota.finish(usage)
 
 
 def _complete(
-    d: Dispatched, events: Iterator[RelayEvent]
+    shape: _Shape, d: Dispatched, events: Iterator[RelayEvent]
 ) -> tuple[Response, dict[str, Any] | None]:
     r = d.request
     parts: list[str] = []
@@ -194,23 +265,11 @@ def _complete(
         if ev.kind == "d":
             parts.append(ev.text)
         elif ev.kind == "err":
+            d.extra["outcome"] = "error"
             raise _event_error(ev)
         elif ev.kind == "end":
-            body = {
-                "id": f"chatcmpl-{r.info.request_id}",
-                "object": "chat.completion",
-                "created": r.created,
-                "model": r.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": "".join(parts)},
-                        "logprobs": None,
-                        "finish_reason": ev.finish_reason or "stop",
-                    }
-                ],
-                "usage": ev.usage,
-            }
+            d.extra["usage"] = ev.usage
+            body = shape.whole(d, "".join(parts), ev.finish_reason or "stop", ev.usage)
             resp = Response(
                 json.dumps(body),
                 mimetype="application/json",

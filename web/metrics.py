@@ -1,13 +1,21 @@
 """Prometheus metrics of the API process, plus fleet state read from Redis.
 
-Per-process series (requests, TTFT) are plain counters/histograms; fleet-wide
-state (tier shares, admission knobs, instance health and age, queue depths,
-control-loop ticks) is read from Redis at scrape time by a custom collector,
-so any API replica exposes the same picture.
+Per-process series (requests, rejections, auth failures, TTFT) are plain
+counters/histograms; fleet-wide state (tier shares, admission knobs, instance
+health and age, queue depths, control-loop ticks) is read from Redis at scrape
+time by a custom collector, so any API replica exposes the same picture.
+
+Alerting labels: ``tenant`` and ``tier``. Tiers are a fixed set; tenants are
+the bounded, admin-managed set of ``tokenfleet tenants`` (never a client-chosen
+string: the label is the authenticated tenant id). As a guard against a fleet
+with very many tenants, at most :data:`MAX_TENANT_LABELS` distinct tenants get
+their own series per process; the rest share ``tenant="_other"``. Callers that
+were never authenticated have no tenant: auth failures carry only a reason.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,15 +24,39 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+#: distinct tenant label values per process before new ones fold into "_other"
+MAX_TENANT_LABELS = 500
+#: the one Content-Type of /metrics: the text format generate_latest writes, charset once
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: label value when the tenant or tier is not known (refused before auth or validation)
+UNKNOWN = "none"
 
 
 class ApiMetrics:
-    def __init__(self, gateway: Any) -> None:
+    def __init__(self, gateway: Any, max_tenant_labels: int = MAX_TENANT_LABELS) -> None:
         self.registry = CollectorRegistry()
+        self.max_tenant_labels = max_tenant_labels
+        self._tenants: set[str] = set()
+        self._tenants_lock = threading.Lock()
         self.requests = Counter(
             "tokenfleet_requests",
-            "Requests finished, by tier and status.",
-            ["tier", "status"],
+            "Requests finished, by tenant, tier and status (completed = met its SLO, "
+            "slo_missed, rejected, failed, timeout, cancelled).",
+            ["tenant", "tier", "status"],
+            registry=self.registry,
+        )
+        self.rejections = Counter(
+            "tokenfleet_rejections",
+            "Requests refused, by tenant, tier and reason (quota: the tenant's limits, "
+            "capacity: admission at capacity, unavailable: no engine or store, "
+            "forbidden: model or region not allowed).",
+            ["tenant", "tier", "reason"],
+            registry=self.registry,
+        )
+        self.auth_failures = Counter(
+            "tokenfleet_auth_failures",
+            "Requests refused with 401 (missing, malformed or unknown API key).",
+            ["reason"],
             registry=self.registry,
         )
         self.http_errors = Counter(
@@ -35,8 +67,8 @@ class ApiMetrics:
         )
         self.output_tokens = Counter(
             "tokenfleet_output_tokens",
-            "Completion tokens relayed.",
-            ["tier"],
+            "Completion tokens relayed, by tenant and tier.",
+            ["tenant", "tier"],
             registry=self.registry,
         )
         self.ttft = Histogram(
@@ -48,29 +80,61 @@ class ApiMetrics:
         )
         self.dc_decisions = Counter(
             "tokenfleet_dc_decisions",
-            "FleetMind datacenter choices of this API process, "
-            "by DC and reason (home, spill, failover, ...).",
+            "FleetMind datacenter choices of this API process, by DC and reason "
+            "(home, spill, failover: home could not serve; best/nearest: no home DC).",
             ["dc", "reason"],
             registry=self.registry,
         )
         self.registry.register(_LiveStateCollector(gateway))
 
+    def tenant_label(self, tenant: str | None) -> str:
+        """The tenant's label value, bounded (see the module docstring)."""
+        if not tenant:
+            return UNKNOWN
+        if tenant in self._tenants:
+            return tenant
+        with self._tenants_lock:
+            if len(self._tenants) >= self.max_tenant_labels:
+                return "_other"
+            self._tenants.add(tenant)
+        return tenant
+
     def dc_decision(self, dc: str, reason: str) -> None:
         self.dc_decisions.labels(dc, reason.split(":")[0] or "none").inc()
 
-    def finished(self, tier: str, status: str, tokens: int = 0) -> None:
-        self.requests.labels(tier, status).inc()
+    def finished(self, tier: str, status: str, tokens: int = 0, *, tenant: str = "") -> None:
+        t = self.tenant_label(tenant)
+        self.requests.labels(t, tier, status).inc()
         if tokens:
-            self.output_tokens.labels(tier).inc(tokens)
+            self.output_tokens.labels(t, tier).inc(tokens)
 
     def first_token(self, tier: str, ttft_s: float) -> None:
         self.ttft.labels(tier).observe(ttft_s)
 
-    def error(self, status: int) -> None:
+    def error(
+        self,
+        status: int,
+        *,
+        tenant: str | None = None,
+        tier: str | None = None,
+        reason: str | None = None,
+    ) -> None:
+        """An error response: counted by status, and as a rejection or an auth
+        failure when it is one (``reason`` overrides the status's default)."""
         self.http_errors.labels(str(status)).inc()
+        if status == 401:
+            self.auth_failures.labels(reason or "invalid_api_key").inc()
+            return
+        why = reason or _REJECTION_REASONS.get(status)
+        if why is not None:
+            self.rejections.labels(self.tenant_label(tenant), tier or UNKNOWN, why).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+#: statuses that are rejections (not client mistakes or server faults), by default reason
+_REJECTION_REASONS = {403: "forbidden", 429: "capacity", 503: "unavailable"}
 
 
 class _LiveStateCollector:

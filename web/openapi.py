@@ -157,6 +157,66 @@ _COMPLETION = {
 }
 
 
+#: the legacy completions request: the chat request's fields, with ``prompt`` for ``messages``
+_LEGACY_REQUEST: dict[str, Any] = {
+    "type": "object",
+    "required": ["model", "prompt"],
+    "properties": {
+        **{
+            k: v
+            for k, v in _REQUEST["properties"].items()  # type: ignore[attr-defined]
+            if k not in ("messages", "max_completion_tokens")
+        },
+        "prompt": {
+            "oneOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+                {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": 1,
+                    "items": {
+                        "oneOf": [
+                            {"type": "string"},
+                            {"type": "array", "items": {"type": "integer"}},
+                        ]
+                    },
+                },
+            ],
+            "description": "One prompt: text (no chat template) or token ids.",
+        },
+        "max_tokens": {
+            "type": "integer",
+            "minimum": 1,
+            "default": 16,
+            "description": "Output budget; default 16, as OpenAI and vLLM.",
+        },
+    },
+}
+
+_TEXT_COMPLETION = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"const": "text_completion"},
+        "created": {"type": "integer"},
+        "model": {"type": "string"},
+        "choices": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "index": {"type": "integer"},
+                    "text": {"type": "string"},
+                    "finish_reason": {"type": "string", "enum": ["stop", "length", "abort"]},
+                },
+            },
+        },
+        "usage": {"$ref": "#/components/schemas/Usage"},
+    },
+}
+
+
 def _err(desc: str, retry: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {
         "description": desc,
@@ -190,6 +250,8 @@ def document() -> dict[str, Any]:
                 "Message": _MESSAGE,
                 "ChatCompletionRequest": _REQUEST,
                 "ChatCompletion": _COMPLETION,
+                "CompletionRequest": _LEGACY_REQUEST,
+                "TextCompletion": _TEXT_COMPLETION,
             },
         },
         "paths": {
@@ -239,6 +301,41 @@ def document() -> dict[str, Any]:
                         "404": _err("Unknown model."),
                         "413": _err("The body is larger than max_body_bytes."),
                         "429": _err("Admission rejected the request (at capacity).", True),
+                        "502": _err("All attempts failed on the engines."),
+                        "503": _err("No capacity or a backing store is down.", True),
+                        "504": _err("The request did not finish in time."),
+                    },
+                }
+            },
+            "/v1/completions": {
+                "post": {
+                    "summary": "Create a legacy text completion (JSON, or SSE when "
+                    "stream=true); the same path, tiers and quotas as chat.",
+                    "security": auth,
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {
+                                "schema": {"$ref": "#/components/schemas/CompletionRequest"}
+                            }
+                        },
+                    },
+                    "responses": {
+                        "200": {
+                            "description": "The completion. With stream=true: text/event-stream "
+                            "of text_completion objects, a usage chunk if asked, then "
+                            "'data: [DONE]'.",
+                            "content": {
+                                "application/json": {
+                                    "schema": {"$ref": "#/components/schemas/TextCompletion"}
+                                },
+                                "text/event-stream": {"schema": {"type": "string"}},
+                            },
+                        },
+                        "400": _err("Malformed JSON, missing/invalid field, prompt too long."),
+                        "401": _err("Missing or invalid API key."),
+                        "404": _err("Unknown model."),
+                        "429": _err("Admission or the tenant's quota refused it.", True),
                         "502": _err("All attempts failed on the engines."),
                         "503": _err("No capacity or a backing store is down.", True),
                         "504": _err("The request did not finish in time."),

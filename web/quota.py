@@ -16,6 +16,10 @@ bucket and the daily budget have left after the prompt (at least
 grant), and the completion's real usage is trued up when it ends (the
 quota's release charges any excess). Refusals of such a request say that the
 reservation was implicit and how to set ``max_tokens``.
+
+A key with limits of its own (``tokenfleet tenants keys create --rpm/--tpm``,
+the admin UI) is charged too, after its tenant, as the subject
+``<tenant>:key<id>``; a refusal there gives the tenant's charge back.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ from __future__ import annotations
 from typing import Any
 
 from tokenfleet.live.gateway import ChatRequest
-from tokenfleet.tenancy.gate import Admission, TenancyError
-from tokenfleet.tenancy.quota import CODE_DAILY, CODE_TOO_LARGE, CODE_TPM, QuotaLimits
+from tokenfleet.tenancy.gate import Admission, TenancyError, quota_error
+from tokenfleet.tenancy.quota import CODE_DAILY, CODE_TOO_LARGE, CODE_TPM, QuotaLimits, Ticket
 from web.auth import Principal
 
 #: the smallest implicit reservation: a request never waits for less than this
@@ -32,9 +36,17 @@ MIN_IMPLICIT_RESERVE = 16
 
 
 class ChatQuota:
-    def __init__(self, gate: Any = None, admission: Admission | None = None) -> None:
+    def __init__(
+        self,
+        gate: Any = None,
+        admission: Admission | None = None,
+        key_ticket: Ticket | None = None,
+        key_limits: QuotaLimits | None = None,
+    ) -> None:
         self.gate = gate
         self.admission = admission
+        self.key_ticket = key_ticket
+        self.key_limits = key_limits
 
     @classmethod
     def admit(cls, tenancy: Any, principal: Principal, req: ChatRequest) -> ChatQuota:
@@ -62,7 +74,26 @@ class ChatQuota:
                     "max_completion_tokens) to the longest answer you need to reserve less"
                 )
             raise
-        return cls(tenancy.gate, adm)
+        if ctx.key_limits is None or ctx.key_id is None:
+            return cls(tenancy.gate, adm)
+        decision = tenancy.gate.quotas.admit(
+            f"{ctx.id}:key{ctx.key_id}",
+            req.budget,
+            ctx.key_limits,
+            prompt_tokens=prompt,
+            max_tokens=reserve,
+        )
+        if not decision.allowed:
+            tenancy.gate.finish(adm, completion_tokens=0, prompt_tokens=0, ran=False)
+            refusal = quota_error(decision)
+            refusal.message = f"API key {ctx.key_id} of tenant '{ctx.id}': {refusal.message}"
+            raise refusal
+        return cls(tenancy.gate, adm, decision.ticket, ctx.key_limits)
+
+    def _release_key(self, actual_tokens: int) -> None:
+        ticket, self.key_ticket = self.key_ticket, None
+        if ticket is not None and self.gate is not None and self.key_limits is not None:
+            self.gate.quotas.release(ticket, self.key_limits, actual_tokens=actual_tokens)
 
     def finish(self, usage: dict[str, Any] | None) -> None:
         """The request ran; reconcile the reservation with its ``usage``."""
@@ -70,6 +101,7 @@ class ChatQuota:
         if adm is None or self.gate is None:
             return
         if usage is None:  # no usage known: keep the whole reservation charged
+            self._release_key(adm.ticket.reserved_tokens)
             self.gate.finish(adm, completion_tokens=adm.ticket.reserved_tokens - adm.prompt_tokens)
             return
         try:
@@ -78,11 +110,13 @@ class ChatQuota:
         except (TypeError, ValueError):
             self.finish(None)
             return
+        self._release_key(prompt + completion)
         self.gate.finish(adm, completion_tokens=completion, prompt_tokens=prompt)
 
     def refund(self) -> None:
         """The request did not run: give the whole reservation back."""
         if self.admission is not None and self.gate is not None:
+            self._release_key(0)
             self.gate.finish(self.admission, completion_tokens=0, prompt_tokens=0, ran=False)
 
 

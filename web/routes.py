@@ -111,7 +111,10 @@ def health() -> Response:
 @ops_bp.get("/metrics")
 def metrics() -> Response:
     m = current_app.extensions["tokenfleet.metrics"]
-    return Response(m.render(), mimetype="text/plain; version=0.0.4; charset=utf-8")
+    from web.metrics import CONTENT_TYPE
+
+    # content_type, not mimetype: Flask would append a second "; charset=utf-8"
+    return Response(m.render(), content_type=CONTENT_TYPE)
 
 
 @ops_bp.get("/openapi.json")

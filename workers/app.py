@@ -89,7 +89,8 @@ def celery_settings(broker_url: str, live: LiveConfig) -> dict[str, Any]:
         "broker_pool_limit": 64,
         "worker_hijack_root_logger": False,
         "worker_redirect_stdouts": False,
-        "worker_send_task_events": False,
+        # task events only for Flower (``worker_events``): a message per state change
+        "worker_send_task_events": live.worker_events,
         "task_send_sent_event": False,
         "worker_cancel_long_running_tasks_on_connection_loss": False,
         "enable_utc": True,

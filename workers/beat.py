@@ -67,7 +67,7 @@ def run_beat(
             loglevel=loglevel,
             without_mingle=True,
             without_gossip=True,
-            without_heartbeat=True,
+            without_heartbeat=not live.worker_events,  # Flower lists it (worker_events)
             quiet=True,
         )
         worker.start()

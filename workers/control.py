@@ -42,6 +42,8 @@ class ControlContext:
     db_engine: Any = None  # SQLAlchemy engine of the ledger, if any
     planner: Any = None
     last_plan_id: int = 0
+    #: what the last INFO tick line said: ticks that change nothing log at DEBUG
+    last_logged_tick: Any = None
     _topology: Any = None  # parsed once, on the first fleet cycle
 
     @property
@@ -118,7 +120,13 @@ def control_tick() -> dict[str, Any]:
         pipe.execute()
     ledger = _ledger_goodput(ctx, now - period, now, "tier")
     summary = {t: (w.met, w.finished) for t, w in win.tiers.items() if w.finished or w.arrivals}
-    log.info(
+    # quiet unless something changes: a tick that holds the same knobs is DEBUG
+    # (a 1 s period would otherwise write thousands of identical lines an hour)
+    said = (ctrl.last_reason, tuple(sorted((k, round(v, 3)) for k, v in _knob_items(knobs))))
+    changed = said != ctx.last_logged_tick
+    ctx.last_logged_tick = said
+    log.log(
+        logging.INFO if changed else logging.DEBUG,
         "SLOMax tick: %s | window %.1fs met/finished %s | ledger goodput %s",
         ctrl.last_reason,
         period,
@@ -127,6 +135,10 @@ def control_tick() -> dict[str, Any]:
     )
     _record_shares(ctx, shares, knobs.as_dict(), ctrl.last_reason)
     return {"knobs": knobs.as_dict(), "reason": ctrl.last_reason, "window": summary}
+
+
+def _knob_items(knobs: Any) -> list[tuple[str, float]]:
+    return [(k, float(v)) for k, v in knobs.as_dict().items() if isinstance(v, int | float)]
 
 
 def _ledger_goodput(
@@ -257,7 +269,9 @@ def fleet_cycle() -> dict[str, Any]:
         for a in plan.actions
     ]
     loads = {f"{p.dc}/{p.model}": round(p.demand_work_s, 3) for p in inp.pools}
-    log.info(
+    quiet = plan.plan_id == ctx.last_plan_id and not rollbacks
+    log.log(
+        logging.DEBUG if quiet else logging.INFO,
         "FleetMind cycle: plan %d (%s%s), %d rollbacks, demand work-s/s %s, actions: %s",
         plan.plan_id,
         plan.kind,

@@ -237,7 +237,9 @@ def run_worker(
             loglevel=opts.loglevel,
             without_mingle=True,
             without_gossip=True,
-            without_heartbeat=True,
+            # heartbeats let Flower list the worker (worker_events); off by default:
+            # TokenFleet's own liveness is the snapshot age in Redis
+            without_heartbeat=not live.worker_events,
             quiet=True,
         )
         worker.start()

@@ -171,6 +171,13 @@ class LiveConfig:
             "Celery broker visibility timeout (Redis/SQS): above the longest queued+running time."
         ),
     )
+    worker_events: bool = field(
+        default=False,
+        metadata=_doc(
+            "Workers send Celery heartbeats and task events, so Flower (`tokenfleet up "
+            "--flower`, compose) shows workers and tasks; costs a few broker messages per task."
+        ),
+    )
     api_linger_s: float = field(
         default=1.0,
         metadata=_doc(

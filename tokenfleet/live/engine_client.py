@@ -108,6 +108,8 @@ class EngineCall:
             "X-Request-Id": self.request_id,
             **self.headers,
         }
+        # a legacy completion (``prompt``, /v1/completions) goes to the engine's own
+        path = "/v1/completions" if "prompt" in self.body else "/v1/chat/completions"
         for attempt in range(2):  # a pooled keep-alive connection may have gone stale
             conn = self._take_conn()
             fresh = conn.sock is None
@@ -116,7 +118,7 @@ class EngineCall:
                 if self._aborted:
                     raise EngineError(f"aborted: {self._aborted}", 499, False, kind="aborted")
             try:
-                conn.request("POST", "/v1/chat/completions", body=payload, headers=hdrs)
+                conn.request("POST", path, body=payload, headers=hdrs)
                 if conn.sock is not None:
                     conn.sock.settimeout(self.stall_timeout_s)
                     conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

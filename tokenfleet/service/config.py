@@ -93,6 +93,13 @@ class ServiceConfig:
     log_level: str = field(
         default="INFO", metadata=_key("Python logging level for service processes.")
     )
+    log_format: str = field(
+        default="text",
+        metadata=_key(
+            'Log lines of api, worker and beat: "text", or "json" (one object per line, the '
+            "access log's fields as keys; `tokenfleet up --log-format`)."
+        ),
+    )
     embedded_redis_port: int = field(
         default=0,
         metadata=_key("TCP port of the embedded Redis; 0 picks a free port on 127.0.0.1."),

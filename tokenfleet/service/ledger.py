@@ -142,6 +142,11 @@ class ApiKey(Base):
     created_at: Mapped[datetime] = _now_column()
     revoked_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
     last_used_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
+    #: None = never expires; refused from this instant on (migration 0003)
+    expires_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
+    #: per-key limits on top of the tenant's quotas; None = only the tenant's apply
+    requests_per_minute: Mapped[int | None] = mapped_column(sa.Integer)
+    tokens_per_minute: Mapped[int | None] = mapped_column(sa.BigInteger)
 
     tenant: Mapped[Tenant] = relationship(back_populates="api_keys")
 

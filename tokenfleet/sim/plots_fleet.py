@@ -15,6 +15,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from tokenfleet.sim.plots import titled
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
@@ -61,12 +63,12 @@ def plot_fleet_load(runs: Sequence[FleetRun], out_dir: Path, title: str = "") ->
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7, loc="upper right", ncol=4)
     axes[-1].set_xlabel("simulated time (s)")
-    fig.suptitle(f"Per-DC load over time {title}".strip(), fontsize=10)
+    titled(fig, "Per-DC load over time", title)
     _legend_note(fig)
     fig.tight_layout(rect=(0, 0.02, 1, 1))
     out_dir.mkdir(parents=True, exist_ok=True)
     p = out_dir / "fleet_load.png"
-    fig.savefig(p, dpi=110)
+    fig.savefig(p, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return p
 
@@ -88,12 +90,12 @@ def plot_fleet_spill(runs: Sequence[FleetRun], out_dir: Path, title: str = "") -
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7, loc="upper right", ncol=5)
     axes[-1].set_xlabel(f"arrival time (s, {run.timeseries['spill']['bin_s']:g} s bins)")
-    fig.suptitle(f"Spill share over time {title}".strip(), fontsize=10)
+    titled(fig, "Spill share over time", title)
     _legend_note(fig)
     fig.tight_layout(rect=(0, 0.02, 1, 1))
     out_dir.mkdir(parents=True, exist_ok=True)
     p = out_dir / "fleet_spill.png"
-    fig.savefig(p, dpi=110)
+    fig.savefig(p, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return p
 
@@ -117,11 +119,11 @@ def plot_fleet_dcs(runs: Sequence[FleetRun], out_dir: Path, title: str = "") -> 
         ax.set_ylabel(label)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Per-DC outcomes {title}".strip(), fontsize=10)
+    titled(fig, "Per-DC outcomes", title)
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
     p = out_dir / "fleet_dcs.png"
-    fig.savefig(p, dpi=110)
+    fig.savefig(p, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return p
 

@@ -16,6 +16,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from tokenfleet.sim.plots import titled
+
 TIER_ORDER = ("interactive", "long_context", "batch")
 
 
@@ -57,10 +59,10 @@ def plot_admission(runs: Sequence[Any], out_dir: Path, title: str = "") -> list[
         ax.grid(True, alpha=0.3)
     axes[0, 0].legend(fontsize=8, loc="lower right")
     axes[-1, 0].set_xlabel("simulated time (s), per control period")
-    fig.suptitle(f"Per-tier SLO attainment per control period {title}".strip(), fontsize=9)
+    titled(fig, "Per-tier SLO attainment per control period", title)
     fig.tight_layout()
     p = out_dir / "admission_attainment.png"
-    fig.savefig(p, dpi=110)
+    fig.savefig(p, dpi=110, bbox_inches="tight")
     plt.close(fig)
     paths.append(p)
 
@@ -102,11 +104,11 @@ def plot_admission(runs: Sequence[Any], out_dir: Path, title: str = "") -> list[
         a3.set_xlabel("simulated time (s)")
         a3.grid(True, alpha=0.3)
         a3.legend(fontsize=7, ncol=2)
-        fig.suptitle(f"{_label(r)}: controller at work {title}".strip(), fontsize=9)
+        titled(fig, f"{_label(r)}: controller at work", title)
         fig.tight_layout()
         name = _label(r).replace("/", "_").replace("+", "_")
         p = out_dir / f"controller_{name}.png"
-        fig.savefig(p, dpi=110)
+        fig.savefig(p, dpi=110, bbox_inches="tight")
         plt.close(fig)
         paths.append(p)
     return paths

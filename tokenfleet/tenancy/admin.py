@@ -41,6 +41,12 @@ class KeyInfo:
     name: str | None
     created_at: datetime
     revoked_at: datetime | None
+    expires_at: datetime | None = None
+    #: when an API process last authenticated it (updated at most once a minute)
+    last_used_at: datetime | None = None
+    #: this key's own limits, on top of the tenant's quotas (None: none)
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
 
 
 def _check_tenant_id(tenant_id: str) -> None:
@@ -227,12 +233,83 @@ def create_key(
     *,
     actor: str,
     name: str | None = None,
+    expires_at: datetime | None = None,
+    requests_per_minute: int | None = None,
+    tokens_per_minute: int | None = None,
     cache: CacheInvalidator | None = None,
 ) -> tuple[str, KeyInfo]:
-    """A new key: the plaintext is returned once and only its SHA-256 is stored."""
+    """A new key: the plaintext is returned once and only its SHA-256 is stored.
+    ``expires_at``: refused from then on (None: never); ``requests_per_minute`` /
+    ``tokens_per_minute``: this key's own limits, on top of the tenant's quotas."""
+    if expires_at is not None and expires_at <= utcnow():
+        raise ConfigError("a key's expiry must be in the future")
+    for label, v in (("requests/min", requests_per_minute), ("tokens/min", tokens_per_minute)):
+        if v is not None and v < 1:
+            raise ConfigError(f"a key's {label} limit must be at least 1 (or unset)")
     plaintext, digest, prefix = generate_api_key()
     with session_scope(engine) as session:
         _require(session, tenant_id)
+        key = ApiKey(
+            tenant_id=tenant_id,
+            key_sha256=digest,
+            prefix=prefix,
+            name=name,
+            expires_at=expires_at,
+            requests_per_minute=requests_per_minute,
+            tokens_per_minute=tokens_per_minute,
+        )
+        session.add(key)
+        session.flush()
+        append_audit(
+            session,
+            actor,
+            "key.create",
+            {
+                "tenant_id": tenant_id,
+                "key_id": key.id,
+                "prefix": prefix,
+                "name": name,
+                "expires_at": expires_at.isoformat() if expires_at else None,
+                "requests_per_minute": requests_per_minute,
+                "tokens_per_minute": tokens_per_minute,
+            },
+        )
+        info = KeyInfo(
+            key.id,
+            tenant_id,
+            prefix,
+            name,
+            key.created_at,
+            None,
+            expires_at,
+            None,
+            requests_per_minute,
+            tokens_per_minute,
+        )
+    if cache is not None:
+        cache.forget_keys([digest])  # the key may have been probed (negative entry) before
+    return plaintext, info
+
+
+def register_key(
+    engine: Engine,
+    tenant_id: str,
+    plaintext: str,
+    *,
+    actor: str,
+    name: str | None = None,
+    cache: CacheInvalidator | None = None,
+) -> KeyInfo:
+    """Store a key whose plaintext the caller chose (``tokenfleet up``'s saved demo
+    key, a deployment's ``TOKENFLEET_API_KEY``); only its SHA-256 is kept."""
+    if len(plaintext) < 8:
+        raise ConfigError("an API key must be at least 8 characters long")
+    digest = hash_api_key(plaintext)
+    prefix = plaintext[:10]
+    with session_scope(engine) as session:
+        _require(session, tenant_id)
+        if session.scalar(sa.select(ApiKey.id).where(ApiKey.key_sha256 == digest)) is not None:
+            raise ConfigError("this API key is already registered")
         key = ApiKey(tenant_id=tenant_id, key_sha256=digest, prefix=prefix, name=name)
         session.add(key)
         session.flush()
@@ -244,8 +321,8 @@ def create_key(
         )
         info = KeyInfo(key.id, tenant_id, prefix, name, key.created_at, None)
     if cache is not None:
-        cache.forget_keys([digest])  # the key may have been probed (negative entry) before
-    return plaintext, info
+        cache.forget_keys([digest])
+    return info
 
 
 def list_keys(engine: Engine, tenant_id: str | None = None) -> list[KeyInfo]:
@@ -254,7 +331,18 @@ def list_keys(engine: Engine, tenant_id: str | None = None) -> list[KeyInfo]:
         if tenant_id is not None:
             stmt = stmt.where(ApiKey.tenant_id == tenant_id)
         return [
-            KeyInfo(k.id, k.tenant_id, k.prefix, k.name, k.created_at, k.revoked_at)
+            KeyInfo(
+                k.id,
+                k.tenant_id,
+                k.prefix,
+                k.name,
+                k.created_at,
+                k.revoked_at,
+                k.expires_at,
+                k.last_used_at,
+                k.requests_per_minute,
+                k.tokens_per_minute,
+            )
             for k in session.scalars(stmt)
         ]
 

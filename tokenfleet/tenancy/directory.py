@@ -28,7 +28,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from typing import Any, Generic, TypeVar
 
 import sqlalchemy as sa
@@ -40,6 +41,8 @@ from tokenfleet.tenancy.models import TenantQuota
 from tokenfleet.tenancy.quota import BUDGETS, QuotaLimits, TenantQuotas
 
 _MISSING = "-"
+#: how often a process writes its keys' last use to the database
+LAST_USED_EVERY_S = 60.0
 log = logging.getLogger("tokenfleet.tenancy")
 #: database errors that mean "unreachable" (not a bad query): served from stale memory
 _DB_DOWN: tuple[type[Exception], ...] = (sa.exc.OperationalError, sa.exc.InterfaceError)
@@ -90,6 +93,10 @@ class TenantContext:
     allowed_regions: tuple[str, ...] = ()
     quotas: TenantQuotas = field(default_factory=TenantQuotas)
     disabled: bool = False
+    #: the API key that authenticated this request and its own limits (set by
+    #: :meth:`TenantDirectory.authenticate`; not part of the tenant's cached record)
+    key_id: int | None = None
+    key_limits: QuotaLimits | None = None
 
     def allows_model(self, model: str) -> bool:
         return not self.allowed_models or model in self.allowed_models
@@ -164,6 +171,26 @@ def load_tenant(session: Any, tenant_id: str) -> TenantContext | None:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Key:
+    """What the request path needs of an API key: its tenant, id and own limits."""
+
+    tenant_id: str
+    key_id: int
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(
+            [self.tenant_id, self.key_id, self.requests_per_minute, self.tokens_per_minute]
+        )
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> _Key:
+        tenant_id, key_id, rpm, tpm = json.loads(raw)
+        return cls(str(tenant_id), int(key_id), rpm, tpm)
+
+
 class TenantDirectory:
     """Cached API-key authentication and tenant lookup; thread-safe."""
 
@@ -192,32 +219,83 @@ class TenantDirectory:
         self.stale_served = 0
         self._warned_at = -1e18
         self._lock = threading.Lock()
-        self._keys: _Memo[str | None] = _Memo(max_entries)
+        self._keys: _Memo[_Key | None] = _Memo(max_entries)
         self._tenants: _Memo[TenantContext | None] = _Memo(max_entries)
+        #: keys authenticated since the last write of ``api_keys.last_used_at``
+        self._used: dict[str, float] = {}
+        self._used_flushed_s = time.monotonic()
+        self._flushing = False
 
     # ---- cache keys --------------------------------------------------------
     def _key_entry(self, digest: str) -> str:
-        return f"{self.prefix}:apikey:{digest}"
+        # "apikey2": JSON with the key's id and limits (plain "apikey" held only the
+        # tenant id; the new name keeps processes of either version off the other's)
+        return f"{self.prefix}:apikey2:{digest}"
 
     def _tenant_entry(self, tenant_id: str) -> str:
         return f"{self.prefix}:tenant:{tenant_id}"
 
     # ---- reads -----------------------------------------------------------------
     def authenticate(self, plaintext: str) -> TenantContext | None:
-        """The active tenant owning this key, else None (unknown, revoked, disabled)."""
+        """The active tenant owning this key, else None (unknown, revoked, expired,
+        disabled), with the key's id and own limits."""
         ctx = self.lookup(plaintext)
         if ctx is None or ctx.disabled:
             return None
         return ctx
 
     def lookup(self, plaintext: str) -> TenantContext | None:
-        """The tenant owning this key, disabled or not (None: unknown or revoked key)."""
+        """The tenant owning this key, disabled or not (None: unknown, revoked or
+        expired key), with the key's id and own limits."""
         if not plaintext:
             return None
-        tenant_id = self._tenant_of_key(hash_api_key(plaintext))
-        if tenant_id is None:
+        digest = hash_api_key(plaintext)
+        key = self._key(digest)
+        if key is None:
             return None
-        return self.tenant(tenant_id)
+        ctx = self.tenant(key.tenant_id)
+        if ctx is None:
+            return None
+        self._note_use(digest)
+        limits = QuotaLimits(
+            requests_per_minute=key.requests_per_minute, tokens_per_minute=key.tokens_per_minute
+        )
+        return replace(ctx, key_id=key.key_id, key_limits=None if limits.unlimited else limits)
+
+    # ---- last use of a key (admin UI), written off the request path ---------------
+    def _note_use(self, digest: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._used[digest] = time.time()
+            due = not self._flushing and now - self._used_flushed_s >= LAST_USED_EVERY_S
+            if due:
+                self._flushing = True
+                self._used_flushed_s = now
+        if due:
+            threading.Thread(target=self.flush_last_used, name="key-last-used", daemon=True).start()
+
+    def flush_last_used(self) -> int:
+        """Write the keys' last use to ``api_keys.last_used_at`` (one UPDATE per key,
+        at most once a minute per process); returns how many keys were written."""
+        with self._lock:
+            used, self._used = self._used, {}
+        try:
+            if not used:
+                return 0
+            with self.engine.begin() as conn:
+                for digest, ts in used.items():
+                    conn.execute(
+                        sa.update(ApiKey)
+                        .where(ApiKey.key_sha256 == digest)
+                        .values(last_used_at=datetime.fromtimestamp(ts, UTC))
+                    )
+            return len(used)
+        except Exception:
+            log.debug("last use of API keys not written", exc_info=True)
+            return 0
+        finally:
+            with self._lock:
+                self._flushing = False
 
     def _remember(self, memo: _Memo[Any], key: str, value: Any, now: float) -> None:
         with self._lock:
@@ -239,32 +317,44 @@ class TenantDirectory:
             )
         return value
 
-    def _tenant_of_key(self, digest: str) -> str | None:
+    def _key(self, digest: str) -> _Key | None:
+        """The active key with this digest (not revoked, not expired), else None."""
         now = self.clock()
         with self._lock:
-            found, fresh, tid = self._keys.get(digest, now)
+            found, fresh, key = self._keys.get(digest, now)
         if found and fresh:
-            return tid
+            return key
         raw = self.redis.get(self._key_entry(digest))
         if raw is not None:
-            tid = None if raw == _MISSING.encode() else raw.decode()
+            key = None if raw == _MISSING.encode() else _Key.from_json(raw)
         else:
             try:
                 with self.engine.connect() as conn:
-                    tid = conn.execute(
-                        sa.select(ApiKey.tenant_id).where(
-                            ApiKey.key_sha256 == digest, ApiKey.revoked_at.is_(None)
+                    row = conn.execute(
+                        sa.select(
+                            ApiKey.tenant_id,
+                            ApiKey.id,
+                            ApiKey.requests_per_minute,
+                            ApiKey.tokens_per_minute,
+                            ApiKey.expires_at,
+                        ).where(
+                            ApiKey.key_sha256 == digest,
+                            ApiKey.revoked_at.is_(None),
+                            sa.or_(ApiKey.expires_at.is_(None), ApiKey.expires_at > sa.func.now()),
                         )
-                    ).scalar_one_or_none()
+                    ).first()
             except _DB_DOWN as exc:
-                stale: str | None = self._stale(self._keys, digest, now, exc)
+                stale: _Key | None = self._stale(self._keys, digest, now, exc)
                 return stale
+            key = None if row is None else _Key(str(row[0]), int(row[1]), row[2], row[3])
+            ttl_ms = self.redis_ttl_ms if key else 5000
+            if row is not None and row[4] is not None:  # never cached past its expiry
+                left_ms = int((row[4] - datetime.now(UTC)).total_seconds() * 1000)
+                ttl_ms = max(1, min(ttl_ms, left_ms))
             # unknown keys are cached briefly too: a guessing client cannot hammer PostgreSQL
-            self.redis.set(
-                self._key_entry(digest), tid or _MISSING, px=self.redis_ttl_ms if tid else 5000
-            )
-        self._remember(self._keys, digest, tid, now)
-        return tid
+            self.redis.set(self._key_entry(digest), key.to_json() if key else _MISSING, px=ttl_ms)
+        self._remember(self._keys, digest, key, now)
+        return key
 
     def tenant(self, tenant_id: str) -> TenantContext | None:
         now = self.clock()

@@ -25,22 +25,32 @@ def _color(name: str, i: int) -> str:
     return PALETTE.get(name, _FALLBACK[i % len(_FALLBACK)])
 
 
-def _nice_max(v: float) -> float:
-    if v <= 0:
-        return 1.0
-    exp = 10.0 ** math.floor(math.log10(v))
-    for m in (1, 2, 2.5, 5, 10):
-        if v <= m * exp:
-            return m * exp
-    return 10 * exp
+#: legend and drawing order: the tiers in priority order, then other names by name
+ORDER = {"interactive": 0, "long_context": 1, "batch": 2}
+
+
+def _ordered(names: Sequence[str]) -> list[str]:
+    return sorted(names, key=lambda n: (ORDER.get(n, len(ORDER)), n))
+
+
+def nice_ticks(v_max: float, target: int = 4) -> list[float]:
+    """0 .. top in steps of 1, 2 or 5 x 10^k (never 1.25 or 3.75), about ``target``
+    steps, top >= ``v_max``."""
+    if v_max <= 0:
+        return [0.0, 1.0, 2.0, 3.0, 4.0]
+    raw = v_max / target
+    exp = 10.0 ** math.floor(math.log10(raw))
+    step = next(m * exp for m in (1, 2, 5, 10) if raw <= m * exp * (1 + 1e-9))
+    n = math.ceil(v_max / step - 1e-9)
+    return [round(k * step, 10) for k in range(n + 1)]
 
 
 def _fmt(v: float) -> str:
+    if v >= 10_000:
+        return f"{v / 1000:.0f}k"
     if v >= 100:
         return f"{v:.0f}"
-    if v >= 1:
-        return f"{v:.1f}".rstrip("0").rstrip(".")
-    return f"{v:.2f}".rstrip("0").rstrip(".") or "0"
+    return f"{v:.3f}".rstrip("0").rstrip(".") or "0"
 
 
 def line_chart(
@@ -53,15 +63,23 @@ def line_chart(
     height: int = 180,
     chart_id: str = "",
 ) -> Markup:
-    """An SVG line chart of ``{name: [(unix time, value or None), ...]}``."""
-    left, right, top, bottom = 44, 10, 26, 34
+    """An SVG line chart of ``{name: [(unix time, value or None), ...]}``.
+
+    The SVG scales to its container (``viewBox``, CSS ``width: 100%``), so a phone
+    shows it whole; the first and last time labels are anchored inside the plot;
+    the legend lists tiers in priority order on every chart and wraps.
+    """
+    series = {n: series[n] for n in _ordered(list(series))}
+    left, right, top, bottom = 44, 12, 26, 34
+    legend_rows = _legend_rows(list(series), width - left)
+    height += 14 * (len(legend_rows) - 1)
     pw, ph = width - left - right, height - top - bottom
     xs = [t for pts in series.values() for t, _ in pts]
     ys = [v for pts in series.values() for _, v in pts if v is not None]
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" role="img" '
-        f'id="{escape(chart_id)}" viewBox="0 0 {width} {height}" width="{width}" '
-        f'height="{height}" aria-label="{escape(title)}">',
+        f'id="{escape(chart_id)}" viewBox="0 0 {width} {height}" '
+        f'preserveAspectRatio="xMinYMin meet" aria-label="{escape(title)}">',
         f'<text x="{left}" y="16" class="chart-title">{escape(title)}'
         f"{(' (' + escape(unit) + ')') if unit else ''}</text>",
     ]
@@ -74,7 +92,8 @@ def line_chart(
     x0, x1 = min(xs), max(xs)
     if x1 <= x0:
         x1 = x0 + 1
-    top_v = y_max if y_max is not None else _nice_max(max(ys))
+    ticks = [y_max * k / 4 for k in range(5)] if y_max is not None else nice_ticks(max(ys))
+    top_v = ticks[-1]
 
     def px(t: float) -> float:
         return left + (t - x0) / (x1 - x0) * pw
@@ -82,21 +101,25 @@ def line_chart(
     def py(v: float) -> float:
         return top + ph - min(max(v, 0.0), top_v) / top_v * ph
 
-    for k in range(5):
-        v = top_v * k / 4
+    for v in ticks:
         y = py(v)
         parts.append(
             f'<line x1="{left}" x2="{left + pw}" y1="{y:.1f}" y2="{y:.1f}" '
             f'class="grid"/><text x="{left - 4}" y="{y + 3:.1f}" text-anchor="end" '
-            f'class="tick">{_fmt(v)}</text>'
+            f'class="tick ytick">{_fmt(v)}</text>'
         )
-    for t in (x0, (x0 + x1) / 2, x1):
-        label = datetime.fromtimestamp(t, UTC).strftime("%H:%M")
+    fmt = "%H:%M" if x1 - x0 >= 600 else "%H:%M:%S"  # short spans: three distinct labels
+    shown: set[str] = set()
+    for t, anchor in ((x0, "start"), ((x0 + x1) / 2, "middle"), (x1, "end")):
+        label = datetime.fromtimestamp(t, UTC).strftime(fmt)
+        if label in shown:
+            continue
+        shown.add(label)
         parts.append(
-            f'<text x="{px(t):.1f}" y="{top + ph + 14}" text-anchor="middle" '
+            f'<text x="{px(t):.1f}" y="{top + ph + 14}" text-anchor="{anchor}" '
             f'class="tick">{label}</text>'
         )
-    lx = left
+    where = {name: (row, x) for row, names in enumerate(legend_rows) for name, x in names}
     for i, (name, pts) in enumerate(series.items()):
         color = _color(name, i)
         runs: list[list[str]] = [[]]
@@ -114,13 +137,28 @@ def line_chart(
                     f'<polyline fill="none" stroke="{color}" stroke-width="2" '
                     f'points="{" ".join(run)}"/>'
                 )
+        row, lx = where[name]
+        ly = top + ph + 24 + 14 * row
         parts.append(
-            f'<rect x="{lx}" y="{height - 12}" width="10" height="4" fill="{color}"/>'
-            f'<text x="{lx + 14}" y="{height - 7}" class="legend">{escape(name)}</text>'
+            f'<rect x="{lx}" y="{ly}" width="10" height="4" fill="{color}"/>'
+            f'<text x="{lx + 14}" y="{ly + 5}" class="legend">{escape(name)}</text>'
         )
-        lx += 22 + 7 * len(name)
     parts.append("</svg>")
     return Markup("".join(parts))
+
+
+def _legend_rows(names: list[str], room: float, left: float = 44) -> list[list[tuple[str, float]]]:
+    """Legend entries placed left to right, wrapping to a new row when full."""
+    rows: list[list[tuple[str, float]]] = [[]]
+    x = left
+    for name in names:
+        w = 22 + 6.5 * len(name)
+        if rows[-1] and x + w > left + room:
+            rows.append([])
+            x = left
+        rows[-1].append((name, x))
+        x += w
+    return rows
 
 
 def share_bars(shares: dict[str, float], *, width: int = 460) -> Markup:
@@ -129,10 +167,10 @@ def share_bars(shares: dict[str, float], *, width: int = 460) -> Markup:
     height = 8 + row * max(1, len(shares))
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" id="tier-shares" '
-        f'viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
-        f'aria-label="tier shares">'
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="tier shares">'
     ]
-    for i, (tier, share) in enumerate(sorted(shares.items())):
+    for i, tier in enumerate(_ordered(list(shares))):
+        share = shares[tier]
         y = 4 + i * row
         w = max(0.0, min(1.0, share)) * (width - 190)
         parts.append(

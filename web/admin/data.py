@@ -1,8 +1,10 @@
 """What the admin dashboard shows, read from the ledger and the live state.
 
 Ledger series (per tier, per minute over the last ``window_s``): goodput
-(requests finished within SLO per second) and attainment (see
-``tokenfleet.service.queries`` for the definitions). Live state (from Redis,
+(output tokens per second of requests that finished within their SLO, the
+product's definition), attainment (share of requests within SLO, in %) and
+output tokens per second of every completed request, for the whole fleet or
+one tenant. Live state (from Redis,
 when this process has the live path): instances and health, tier shares and
 admission knobs, queue depth per tier, sampled every few seconds by
 :class:`QueueSampler` so the chart has history.
@@ -29,31 +31,54 @@ _EXCLUDED = [
 ]
 
 
+Series = dict[str, list[tuple[float, float | None]]]
+
+
 def tier_series(
-    engine: Engine, *, window_s: float = 1800.0, bucket_s: int = 60, now: datetime | None = None
-) -> dict[str, dict[str, list[tuple[float, float | None]]]]:
-    """{"goodput": {tier: [(t, rps)]}, "attainment": {tier: [(t, 0..1 or None)]}}."""
+    engine: Engine,
+    *,
+    window_s: float = 1800.0,
+    bucket_s: int = 60,
+    now: datetime | None = None,
+    tenant: str | None = None,
+) -> dict[str, Series]:
+    """Per tier, one point per ``bucket_s`` of arrivals: ``goodput`` (output
+    tokens/s within SLO), ``attainment`` (% within SLO) and ``output`` (output
+    tokens/s of all completed requests); only ``tenant``'s requests if given."""
     until = now or datetime.now(UTC)
     since = until - timedelta(seconds=window_s)
     bucket = sa.func.floor(sa.extract("epoch", RequestRow.arrival_ts) / bucket_s)
-    completed = sa.func.sum(
-        sa.case((RequestRow.status == RequestStatus.COMPLETED.value, 1), else_=0)
-    )
+    met = RequestRow.status == RequestStatus.COMPLETED.value
+    done = RequestRow.status.in_([RequestStatus.COMPLETED.value, RequestStatus.SLO_MISSED.value])
+    completed = sa.func.sum(sa.case((met, 1), else_=0))
+    good_tokens = sa.func.sum(sa.case((met, RequestRow.completion_tokens), else_=0))
+    all_tokens = sa.func.sum(sa.case((done, RequestRow.completion_tokens), else_=0))
     eligible = sa.func.sum(sa.case((RequestRow.status.in_(_EXCLUDED), 0), else_=1))
     stmt = (
-        sa.select(RequestRow.tier, bucket.label("b"), completed.label("c"), eligible.label("e"))
+        sa.select(
+            RequestRow.tier,
+            bucket.label("b"),
+            completed.label("c"),
+            eligible.label("e"),
+            good_tokens.label("g"),
+            all_tokens.label("o"),
+        )
         .where(RequestRow.arrival_ts >= since, RequestRow.arrival_ts < until)
         .group_by(RequestRow.tier, bucket)
         .order_by(bucket)
     )
-    good: dict[str, list[tuple[float, float | None]]] = {}
-    att: dict[str, list[tuple[float, float | None]]] = {}
+    if tenant is not None:
+        stmt = stmt.where(RequestRow.tenant_id == tenant)
+    good: Series = {}
+    att: Series = {}
+    out: Series = {}
     with engine.connect() as conn:
-        for tier, b, c, e in conn.execute(stmt):
+        for tier, b, c, e, g, o in conn.execute(stmt):
             t = float(b) * bucket_s + bucket_s / 2
-            good.setdefault(tier, []).append((t, int(c or 0) / bucket_s))
-            att.setdefault(tier, []).append((t, (int(c or 0) / int(e)) if e else None))
-    return {"goodput": good, "attainment": att}
+            good.setdefault(tier, []).append((t, int(g or 0) / bucket_s))
+            out.setdefault(tier, []).append((t, int(o or 0) / bucket_s))
+            att.setdefault(tier, []).append((t, (100.0 * int(c or 0) / int(e)) if e else None))
+    return {"goodput": good, "attainment": att, "output": out}
 
 
 def share_history(engine: Engine, *, limit: int = 15, scan: int = 2000) -> list[dict[str, Any]]:
@@ -174,3 +199,39 @@ class QueueSampler:
     def series(self) -> dict[str, list[tuple[float, float | None]]]:
         tiers = sorted({t for _, q in self.samples for t in q} | {"interactive", "batch"})
         return {t: [(ts, float(q.get(t, 0))) for ts, q in self.samples] for t in tiers}
+
+
+def models_view(gateway: Any) -> list[dict[str, Any]]:
+    """One row per (model, version, DC): deployed by the topology and/or served by
+    live instances, with how many instances are healthy (ready) out of how many."""
+    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
+
+    def row(model: str, version: str, dc: str) -> dict[str, Any]:
+        key = (model, version or "-", dc)
+        if key not in rows:
+            rows[key] = {
+                "model": model,
+                "version": version or "-",
+                "dc": dc,
+                "region": "",
+                "deployed": 0,
+                "profile": "",
+                "instances": 0,
+                "healthy": 0,
+            }
+        return rows[key]
+
+    if gateway is None:
+        return []
+    selector = getattr(gateway, "dc_selector", None)
+    topo = getattr(selector, "topology", None)
+    for name, dc in (getattr(topo, "datacenters", None) or {}).items():
+        for d in dc.deployments:
+            r = row(d.model, d.version, name)
+            r.update(region=dc.region, deployed=d.instances, profile=d.profile)
+    now = time.time()
+    for i in gateway.state.instances():
+        r = row(i.model, i.model_version, i.dc)
+        r["instances"] += 1
+        r["healthy"] += 1 if i.is_healthy(now, gateway.live.stale_after_s) else 0
+    return [rows[k] for k in sorted(rows)]

@@ -8,7 +8,7 @@ write the audit log in the same transaction as the change.
 from __future__ import annotations
 
 import math
-from datetime import UTC
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -45,6 +45,9 @@ admin_bp = Blueprint(
 )
 
 LIMIT_LABELS = {
+    "expires_days": "expires in (days)",
+    "key_requests_per_minute": "the key's requests / min",
+    "key_tokens_per_minute": "the key's tokens / min",
     "requests_per_minute": "requests / min",
     "tokens_per_minute": "tokens / min",
     "max_concurrent_requests": "concurrent requests",
@@ -182,11 +185,15 @@ def _dashboard_context() -> dict[str, Any]:
         "goodput_chart": charts.line_chart(
             series["goodput"],
             title="goodput per tier",
-            unit="req/s within SLO",
+            unit="output tokens/s within SLO",
             chart_id="chart-goodput",
         ),
         "attainment_chart": charts.line_chart(
-            series["attainment"], title="SLO attainment", y_max=1.0, chart_id="chart-attainment"
+            series["attainment"],
+            title="SLO attainment",
+            unit="% of requests",
+            y_max=100.0,
+            chart_id="chart-attainment",
         ),
         "queue_chart": charts.line_chart(
             smp.series() if smp else {},
@@ -281,12 +288,26 @@ def tenant_detail(tenant_id: str) -> Any:
     new_key = session.pop("new_key", None)
     if new_key and new_key.get("tenant") != tenant_id:
         new_key = None
+    series = data.tier_series(s.engine, tenant=tenant_id, window_s=6 * 3600, bucket_s=300)
     return render_template(
         "admin/tenant.html",
         admin=session["admin_user"],
+        usage_chart=charts.line_chart(
+            series["output"],
+            title=f"{tenant_id}: output tokens/s, last 6 h",
+            unit="5-min means",
+            chart_id="chart-tenant-output",
+        ),
+        goodput_chart=charts.line_chart(
+            series["goodput"],
+            title=f"{tenant_id}: goodput, last 6 h",
+            unit="output tokens/s within SLO",
+            chart_id="chart-tenant-goodput",
+        ),
         t=ctx,
         now=now,
         keys=tenants.list_keys(s.engine, tenant_id),
+        now_utc=datetime.now(UTC),
         usage=usage_for(s.engine, tenant_id)[:14],
         new_key=new_key,
     )
@@ -334,11 +355,15 @@ def tenant_settings(tenant_id: str) -> Any:
 def key_create(tenant_id: str) -> Any:
     s = svc()
     try:
+        days = _form_limit("expires_days")
         key, info = tenants.create_key(
             s.engine,
             tenant_id,
             actor=auth.actor(),
             name=(request.form.get("name") or "").strip() or None,
+            expires_at=datetime.now(UTC) + timedelta(days=days) if days else None,
+            requests_per_minute=_form_limit("key_requests_per_minute"),
+            tokens_per_minute=_form_limit("key_tokens_per_minute"),
             cache=s.directory,
         )
     except TokenFleetError as exc:
@@ -372,6 +397,39 @@ def batch_list() -> Any:
     )
 
 
+@admin_bp.get("/batches/<batch_id>")
+@auth.login_required
+def batch_detail(batch_id: str) -> Any:
+    """One batch: its timeline, counts and why it failed (the job's ``errors``)."""
+    s = svc()
+    owner = jobs.batch_owner(s.engine, batch_id)
+    if owner is None:
+        abort(404, description=f"no batch {batch_id}")
+    row = jobs.get_batch(s.engine, owner, batch_id)
+    if row is None:
+        abort(404, description=f"no batch {batch_id}")
+    return render_template(
+        "admin/batch.html",
+        admin=session["admin_user"],
+        b=jobs.batch_object(row) | {"tenant_id": owner},
+        lines=jobs.line_counts(s.engine, batch_id),
+    )
+
+
+# ---- models --------------------------------------------------------------------------------
+@admin_bp.get("/models")
+@auth.login_required
+def models() -> Any:
+    gw = current_app.extensions.get("tokenfleet")
+    try:
+        rows, error = data.models_view(gw), ""
+    except Exception as exc:  # noqa: BLE001 - show the page anyway
+        rows, error = [], f"live state store unavailable ({exc.__class__.__name__})"
+    if gw is None:
+        error = "this process does not run the live request path"
+    return render_template("admin/models.html", admin=session["admin_user"], rows=rows, error=error)
+
+
 @admin_bp.post("/batches/<batch_id>/cancel")
 @auth.login_required
 def batch_cancel(batch_id: str) -> Any:
@@ -403,6 +461,4 @@ def audit() -> Any:
 
 @admin_bp.app_template_filter("utc")
 def _utc(ts: int) -> str:
-    from datetime import datetime
-
     return datetime.fromtimestamp(int(ts), UTC).strftime("%Y-%m-%d %H:%M") if ts else ""

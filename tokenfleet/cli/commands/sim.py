@@ -16,6 +16,17 @@ from typing import Any
 from tokenfleet.errors import ConfigError, TokenFleetError
 
 DEFAULT_POLICIES = ["round_robin", "llmd_weighted", "sglang_cache_aware", "dynamo_kv"]
+#: every router of tokenfleet.core.routing.ROUTERS, for --help without importing the
+#: routers on every CLI call (a test keeps the two equal)
+ROUTER_NAMES = (
+    "tokenpilot",
+    "round_robin",
+    "random",
+    "least_requests",
+    "llmd_weighted",
+    "sglang_cache_aware",
+    "dynamo_kv",
+)
 
 
 def _positive_float(name: str, allow_zero: bool = False) -> Callable[[str], float]:
@@ -144,7 +155,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
         "--policy",
         action="append",
         metavar="NAME",
-        help="router policy; repeat to compare (default: the peer routers)",
+        help="router policy, one of: " + ", ".join(ROUTER_NAMES) + "; repeat to compare "
+        "(default: " + ", ".join(DEFAULT_POLICIES) + ")",
     )
     pol.add_argument(
         "--admission",
@@ -350,14 +362,49 @@ def _force_progress() -> bool:
     return os.environ.get("TOKENFLEET_PROGRESS") == "1"
 
 
-def _print_table(runs: Sequence[Any], title: str) -> None:
-    from rich.console import Console
+def _table(title: str) -> Any:
+    """A compact table: light rules, one space of padding, so a comparison of
+    many policies fits a 100-column terminal without truncating a name."""
+    from rich import box
     from rich.table import Table
+
+    return Table(
+        title=title,
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1),
+        collapse_padding=True,
+        pad_edge=False,
+        show_edge=False,
+    )
+
+
+def _header(name: str, left: bool = False) -> tuple[str, str]:
+    """(header, justify): headers on two lines keep number columns narrow."""
+    head = "done/\ntotal" if name == "done/total" else name.replace(" ", "\n", 1)
+    return head, "left" if left else "right"
+
+
+def _print(t: Any, console: Any = None) -> None:
+    """Print ``t`` with no cell ever cut ("toke..."): each column is at least as
+    wide as its longest cell; a terminal too narrow wraps lines instead."""
+    from rich.console import Console
+
+    for col in t.columns:
+        cells = [str(c) for c in col.cells] + str(col.header).splitlines()
+        col.min_width = max((len(c) for c in cells), default=0)
+        col.no_wrap = True
+        col.overflow = "fold"
+    if console is None:
+        console = Console(width=None if sys.stdout.isatty() else 160)
+    console.print(t)
+
+
+def _print_table(runs: Sequence[Any], title: str, console: Any = None) -> None:
 
     def f(v: Any, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
         return "-" if v is None else fmt.format(v * scale)
 
-    t = Table(title=title)
+    t = _table(title)
     for col in (
         "policy",
         "done/total",
@@ -372,7 +419,7 @@ def _print_table(runs: Sequence[Any], title: str) -> None:
         "util",
         "wall s",
     ):
-        t.add_column(col, justify="right" if col != "policy" else "left")
+        t.add_column(*_header(col, left=col == "policy"))
     for r in runs:
         s = r.summary
         t.add_row(
@@ -389,7 +436,7 @@ def _print_table(runs: Sequence[Any], title: str) -> None:
             f(s["utilization"], 100, "{:.0f}%"),
             f"{r.wall_s:.1f}",
         )
-    Console(width=None if sys.stdout.isatty() else 160).print(t)
+    _print(t, console)
 
 
 def _describe(args: argparse.Namespace, load: float | None, rate_label: str = "") -> str:
@@ -448,7 +495,13 @@ def run_sim(args: argparse.Namespace) -> int:
         _write_json(args.json, data)
     if args.plot:
         paths = plot_runs(
-            {getattr(r, "label", r.policy): r.records for r in runs}, Path(args.plot), title
+            {getattr(r, "label", r.policy): r.records for r in runs},
+            Path(args.plot),
+            title,
+            slo=settings.slo,
+            goodput_tok_s={
+                getattr(r, "label", r.policy): r.summary["goodput_tok_s"] or 0.0 for r in runs
+            },
         )
         if admissions:
             from tokenfleet.sim.plots_slomax import plot_admission
@@ -460,10 +513,8 @@ def run_sim(args: argparse.Namespace) -> int:
 
 def _print_tiers(runs: Sequence[Any]) -> None:
     """Per-tier outcomes of admission runs (strict goodput rule)."""
-    from rich.console import Console
-    from rich.table import Table
 
-    t = Table(title="per tier")
+    t = _table("per tier")
     for col in (
         "run",
         "tier",
@@ -476,7 +527,7 @@ def _print_tiers(runs: Sequence[Any]) -> None:
         "duplicates",
         "wasted GPU-s",
     ):
-        t.add_column(col, justify="left" if col in ("run", "tier") else "right")
+        t.add_column(*_header(col, left=col in ("run", "tier")))
     for r in runs:
         for tier, m in sorted(r.summary.get("per_tier", {}).items()):
             att = m.get("slo_attainment")
@@ -492,7 +543,7 @@ def _print_tiers(runs: Sequence[Any]) -> None:
                 str(m["duplicates"]),
                 f"{m['wasted_gpu_s']:.1f}",
             )
-    Console(width=None if sys.stdout.isatty() else 160).print(t)
+    _print(t)
 
 
 def _workload_facts(args: argparse.Namespace, reqs: Sequence[Any], settings: Any) -> dict[str, Any]:
@@ -560,8 +611,6 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 def _run_fleet(args: argparse.Namespace) -> int:
     """``--topology``: one scenario, several DC-selection policies (tokenfleet.sim.fleet)."""
-    from rich.console import Console
-    from rich.table import Table
 
     from tokenfleet.core.fleet import FLEET
     from tokenfleet.sim.fleet import load_scenario, run_fleets
@@ -588,8 +637,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
         f"{Path(args.topology).name} | {len(sc.topology.datacenters)} sites | "
         f"{sc.duration_s:g} s | seed {args.seed}"
     )
-    width = None if sys.stdout.isatty() else 160
-    t = Table(title=title)
+    t = _table(title)
     for col in (
         "fleet",
         "done/total",
@@ -604,7 +652,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
         "rollbacks",
         "wall s",
     ):
-        t.add_column(col, justify="left" if col == "fleet" else "right")
+        t.add_column(*_header(col, left=col == "fleet"))
     for r in runs:
         s = r.summary
         t.add_row(
@@ -621,8 +669,8 @@ def _run_fleet(args: argparse.Namespace) -> int:
             str(len(r.rollbacks)),
             f"{r.wall_s:.1f}",
         )
-    Console(width=width).print(t)
-    t = Table(title="per datacenter")
+    _print(t)
+    t = _table("per datacenter")
     for col in (
         "fleet",
         "DC",
@@ -633,7 +681,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
         "mean load",
         "replicas at end",
     ):
-        t.add_column(col, justify="left" if col in ("fleet", "DC", "replicas at end") else "right")
+        t.add_column(*_header(col, left=col in ("fleet", "DC", "replicas at end")))
     for r in runs:
         for dc, d in r.per_dc.items():
             att = d["slo_attainment"]
@@ -647,7 +695,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
                 f"{d['load_mean']:.2f}",
                 ", ".join(f"{k} x{v}" for k, v in d["replicas_end"].items()),
             )
-    Console(width=width).print(t)
+    _print(t)
     if args.json:
         _write_json(
             args.json,

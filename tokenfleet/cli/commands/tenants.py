@@ -225,10 +225,24 @@ def _cmd_update(args: argparse.Namespace, st: _Stores) -> int:
 
 
 def _cmd_key_create(args: argparse.Namespace, st: _Stores) -> int:
+    from datetime import UTC, datetime, timedelta
+
     from tokenfleet.tenancy import admin
 
+    expires = None
+    if args.expires_days is not None:
+        if args.expires_days <= 0:
+            raise ConfigError("--expires-days must be > 0")
+        expires = datetime.now(UTC) + timedelta(days=args.expires_days)
     key, info = admin.create_key(
-        st.engine, args.tenant_id, actor=args.actor, name=args.name, cache=st.cache
+        st.engine,
+        args.tenant_id,
+        actor=args.actor,
+        name=args.name,
+        expires_at=expires,
+        requests_per_minute=args.rpm,
+        tokens_per_minute=args.tpm,
+        cache=st.cache,
     )
     if args.quiet:
         print(key)
@@ -255,10 +269,48 @@ def _cmd_key_list(args: argparse.Namespace, st: _Stores) -> int:
     from tokenfleet.tenancy import admin
 
     keys = admin.list_keys(st.engine, args.tenant_id)
-    print(f"{'id':>5} {'tenant':<20} {'prefix':<12} {'name':<16} status")
+    from datetime import UTC, datetime
+
+    now = datetime.now(UTC)
+    print(
+        f"{'id':>5} {'tenant':<20} {'prefix':<12} {'name':<16} {'expires':<16} "
+        f"{'last used':<16} {'key limits':<20} status"
+    )
     for k in keys:
-        status = f"revoked {k.revoked_at:%Y-%m-%d %H:%M}" if k.revoked_at else "active"
-        print(f"{k.id:>5} {k.tenant_id:<20} {k.prefix:<12} {(k.name or ''):<16} {status}")
+        if k.revoked_at:
+            status = f"revoked {k.revoked_at:%Y-%m-%d %H:%M}"
+        elif k.expires_at and k.expires_at <= now:
+            status = "expired"
+        else:
+            status = "active"
+        expires = f"{k.expires_at:%Y-%m-%d %H:%M}" if k.expires_at else "never"
+        used = f"{k.last_used_at:%Y-%m-%d %H:%M}" if k.last_used_at else "-"
+        own = " ".join(
+            f"{name}={v}"
+            for name, v in (("rpm", k.requests_per_minute), ("tpm", k.tokens_per_minute))
+            if v is not None
+        )
+        print(
+            f"{k.id:>5} {k.tenant_id:<20} {k.prefix:<12} {(k.name or ''):<16} {expires:<16} "
+            f"{used:<16} {own or '-':<20} {status}"
+        )
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace, st: _Stores) -> int:
+    import os
+
+    from tokenfleet.tenancy.demo import ensure_demo_key
+
+    cfg = config_from_args(args)
+    data_dir = cfg.resolved_data_dir()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    configured = cfg.api_key or os.environ.get("TOKENFLEET_API_KEY") or None
+    demo = ensure_demo_key(st.engine, data_dir, configured_key=configured, cache=st.cache)
+    if args.quiet:
+        print(demo.key)
+    else:
+        print(f"{demo.key}   (tenant {demo.tenant}; {demo.note})")
     return 0
 
 
@@ -358,6 +410,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("tenant_id")
     p.add_argument("--name", default=None, help="label shown in listings")
     p.add_argument("--quiet", "-q", action="store_true", help="print only the key")
+    p.add_argument(
+        "--expires-days", type=float, default=None, help="refuse the key after this many days"
+    )
+    p.add_argument(
+        "--rpm", type=int, default=None, help="this key's own requests/min (on top of the tenant's)"
+    )
+    p.add_argument(
+        "--tpm", type=int, default=None, help="this key's own tokens/min (on top of the tenant's)"
+    )
     p.set_defaults(func=_with_stores(_cmd_key_create))
     p = ksub.add_parser("revoke", help="revoke by key id, display prefix or full key")
     _common(p)
@@ -368,6 +429,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     _common(p)
     p.add_argument("tenant_id", nargs="?", default=None)
     p.set_defaults(func=_with_stores(_cmd_key_list))
+
+    p = sub.add_parser(
+        "demo",
+        help="the demo tenant and its API key, as `tokenfleet up` keeps them: created once, "
+        "the key saved in the data dir; prints the key",
+    )
+    _common(p)
+    p.add_argument("--quiet", "-q", action="store_true", help="print only the key")
+    p.set_defaults(func=_with_stores(_cmd_demo))
 
     p = subparsers.add_parser(
         "admin-user", help="create an admin login for the web UI (or change its password)"

@@ -15,8 +15,8 @@ import argparse
 import http.client
 import json
 import os
-import secrets
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -72,6 +72,20 @@ def register(subparsers: Any) -> None:
         "dc-west in us-west)",
     )
     p.add_argument("--loglevel", default="INFO")
+    p.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=None,
+        help="log lines of every process as text (default) or one JSON object per "
+        "line (also: TOKENFLEET_LOG_FORMAT)",
+    )
+    p.add_argument(
+        "--flower",
+        action="store_true",
+        help="also run Flower (Celery monitoring; needs the 'flower' extra) on "
+        "--flower-port, behind basic auth; the login is printed",
+    )
+    p.add_argument("--flower-port", type=int, default=5555, help="Flower's port (default 5555)")
     p.set_defaults(func=run)
 
 
@@ -119,11 +133,11 @@ def run(args: argparse.Namespace) -> int:
     data_dir.mkdir(parents=True, exist_ok=True)
     host = args.host or cfg.api_host
     port = args.port if args.port is not None else cfg.api_port
-    api_key = (
-        cfg.api_key
-        or os.environ.get("TOKENFLEET_API_KEY")
-        or "tf-demo-" + secrets.token_urlsafe(18)
-    )
+    configured_key = cfg.api_key or os.environ.get("TOKENFLEET_API_KEY") or None
+    _check_port_free(host, port)  # before anything starts: a taken port fails now, with why
+    if args.flower:
+        _check_flower_installed()
+        _check_port_free(host, args.flower_port, flag="--flower-port")
     topology = (
         args.topology
         or os.environ.get("TOKENFLEET_TOPOLOGY")
@@ -151,12 +165,21 @@ def run(args: argparse.Namespace) -> int:
     sup = Supervisor(data_dir / "logs")
     try:
         endpoints = stack.start()
+        demo = _demo_key(endpoints, data_dir, configured_key, live.redis_prefix)
+        api_key = demo.key
         env = dict(os.environ)
         env.update(endpoints.as_env())
         env.update(live.as_env())
         env["TOKENFLEET_DATA_DIR"] = str(data_dir)
-        env["TOKENFLEET_SEED_API_KEYS"] = f"{api_key}=demo"
+        if not endpoints.database_url:  # no tenancy without a database: a seed key
+            env["TOKENFLEET_SEED_API_KEYS"] = f"{api_key}=demo"
         env.pop("TOKENFLEET_API_KEY", None)
+        if args.log_format:
+            env["TOKENFLEET_LOG_FORMAT"] = args.log_format
+        flower_login = None
+        if args.flower:  # workers send heartbeats and task events for Flower to show
+            env["TOKENFLEET_WORKER_EVENTS"] = "true"
+            flower_login = _flower_login(data_dir)
         env["PYTHONUNBUFFERED"] = "1"
         py = [sys.executable, "-m", "tokenfleet.cli.main"]
         engines: list[str] = []
@@ -236,10 +259,21 @@ def run(args: argparse.Namespace) -> int:
             ],
             env,
         )
+        flower_url = None
+        if flower_login is not None:
+            assert endpoints.broker_url is not None
+            sup.start(
+                "flower",
+                [sys.executable, "-m", "celery", "--broker", endpoints.broker_url, "flower"]
+                + [f"--address={host}", f"--port={args.flower_port}"],
+                # the login in the environment, not on the command line (ps shows that)
+                dict(env, FLOWER_BASIC_AUTH=flower_login, FLOWER_UNAUTHENTICATED_API="false"),
+            )
+            flower_url = f"http://{host}:{args.flower_port}"
         url = f"http://{host}:{port}"
         _wait_ready(sup, url, len(engines), stopping)
         if not stopping["flag"]:
-            _banner(url, api_key, data_dir)
+            _banner(url, demo, data_dir, args, flower=(flower_url, flower_login))
         # the long cycle's replica targets (beat -> Redis): prewarm and retire engines
         from tokenfleet.live.replicas import LocalReplicas
         from tokenfleet.live.state import LiveState
@@ -336,29 +370,151 @@ def _wait_ready(
         )
 
 
-def _banner(url: str, api_key: str, data_dir: Path) -> None:
+def _check_flower_installed() -> None:
+    import importlib.util
+
+    from tokenfleet.errors import ConfigError
+
+    if importlib.util.find_spec("flower") is None:
+        raise ConfigError(
+            "--flower needs Flower, an optional extra: pip install 'tokenfleet[flower]' "
+            "(in a checkout: .venv/bin/pip install -e '.[flower]')"
+        )
+
+
+def _flower_login(data_dir: Path) -> str:
+    """``admin:<password>`` for Flower's basic auth, kept in the data dir (0600) so a
+    saved login survives restarts, like the demo key."""
+    import secrets
+
+    path = data_dir / "flower-login"
+    if path.exists():
+        login = path.read_text().strip()
+        if ":" in login:
+            return login
+    login = "admin:" + secrets.token_urlsafe(12)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(login + "\n")
+    return login
+
+
+def _check_port_free(host: str, port: int, flag: str = "--port") -> None:
+    """Fail at once, with the reason, when the API could not bind its port: the
+    API would otherwise exit, be restarted, and say why only in its log."""
+    from tokenfleet.errors import ConfigError
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the API binds
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot listen on {host}:{port} ({exc.strerror or exc}); another "
+                "process has the port. Stop it, or choose a port: "
+                + (
+                    "`tokenfleet up --port 8080` (`make up PORT=8080`)"
+                    if flag == "--port"
+                    else f"`tokenfleet up {flag} 5556`"
+                )
+            ) from None
+
+
+def _demo_key(endpoints: Any, data_dir: Path, configured_key: str | None, prefix: str) -> Any:
+    """The printed key: an ``api_keys`` row of the real tenant ``demo``, kept in
+    the data dir so it survives restarts (:mod:`tokenfleet.tenancy.demo`)."""
+    from tokenfleet.tenancy.demo import DemoKey, ensure_demo_key
+
+    if not endpoints.database_url:
+        import secrets
+
+        key = configured_key or "tf-demo-" + secrets.token_urlsafe(18)
+        return DemoKey(key, "demo", "a seed key: no database, so no tenancy")
+    import redis
+
+    from tokenfleet.service.db import make_engine
+    from tokenfleet.tenancy.directory import TenantDirectory
+
+    engine = make_engine(endpoints.database_url, pool_size=1)
+    client = redis.Redis.from_url(endpoints.redis_url) if endpoints.redis_url else None
+    try:
+        cache = TenantDirectory(engine, client, prefix=prefix) if client is not None else None
+        return ensure_demo_key(engine, data_dir, configured_key=configured_key, cache=cache)
+    finally:
+        engine.dispose()
+        if client is not None:
+            client.close()
+
+
+def _program(name: str) -> str:
+    """How to call this environment's ``name`` from the user's shell: bare if the
+    shell finds this one on PATH, else its path (``.venv/bin/name`` in a checkout)."""
+    import shutil
+
+    bindir = Path(os.path.abspath(sys.executable)).parent  # not resolved: the venv's own bin
+    mine = bindir / name
+    found = shutil.which(name)
+    if found and Path(os.path.abspath(found)) == mine:
+        return name
+    try:
+        return str(mine.relative_to(Path.cwd()))
+    except ValueError:
+        return str(mine)
+
+
+def _banner(
+    url: str,
+    demo: Any,
+    data_dir: Path,
+    args: argparse.Namespace,
+    flower: tuple[str | None, str | None] = (None, None),
+) -> None:
     model = "meta-llama/Llama-3.1-8B-Instruct"
+    api_key = demo.key
     try:
         status, body = _get(url, "/v1/models", headers={"Authorization": f"Bearer {api_key}"})
         if status == 200:
             model = json.loads(body)["data"][0]["id"]
     except (OSError, ValueError, KeyError, IndexError):
         pass
+    tf = _program("tokenfleet")
+    py = _program("python")
+    where = f" --data-dir {args.data_dir}" if args.data_dir else ""
+    if args.config:
+        where += f" --config {args.config}"
+    flower_line = ""
+    if flower[0]:
+        flower_line = (
+            f"  Flower:    {flower[0]}   (login {flower[1]}; kept in {data_dir / 'flower-login'})\n"
+        )
+    venv = ""
+    if tf != "tokenfleet":
+        activate = Path(tf).parent / "activate"
+        venv = (
+            f"\n  `tokenfleet` is not on your PATH: run `source {activate}` first, or call\n"
+            f"  {Path(tf).parent}/tokenfleet and {py} as below.\n"
+        )
     print(
         f"""
 TokenFleet is up.
 
-  API:      {url}/v1   (OpenAPI: {url}/openapi.json, metrics: {url}/metrics)
-  API key:  {api_key}
-  Logs:     {data_dir / "logs"}
-
+  API:       {url}/v1   (OpenAPI: {url}/openapi.json, metrics: {url}/metrics)
+  API key:   {api_key}   (tenant "{demo.tenant}"; {demo.note})
+  Admin UI:  {url}/admin   (create a login first: {tf} admin-user admin{where})
+  Logs:      {data_dir / "logs"}   (api.log has one line per request)
+{flower_line}{venv}
 Try it:
 
   curl {url}/v1/chat/completions \\
     -H "Authorization: Bearer {api_key}" -H "Content-Type: application/json" \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
 
-  python -c "from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='{api_key}'); print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello!'}}], max_tokens=32).choices[0].message.content)"
+  {py} -c "from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='{api_key}'); print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello!'}}], max_tokens=32).choices[0].message.content)"
+
+  # the demo tenant is a real one: list it, give it quotas
+  {tf} tenants list{where}
+  {tf} tenants set-quota demo --rpm 60{where}
 
 Press Ctrl-C to stop.
 """,

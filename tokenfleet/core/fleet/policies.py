@@ -300,12 +300,15 @@ class SkyLB(BaseSelector):
                 return DCDecision(
                     c.name,
                     spilled=c.name != home,
-                    reason=f"spill:{remote:.2f}" if local is not None else "failover",
+                    reason=f"spill:{remote:.2f}"
+                    if local is not None
+                    else ("failover" if home is not None else "nearest"),
                 )
         if local is not None:
             return DCDecision(local.name, spilled=False, reason="local:no-room-elsewhere")
         # no home here at all and every candidate is full: the nearest one
-        return DCDecision(by_rtt[0].name, spilled=by_rtt[0].name != home, reason="failover:full")
+        why = "failover:full" if home is not None else "nearest:full"
+        return DCDecision(by_rtt[0].name, spilled=by_rtt[0].name != home, reason=why)
 
 
 # ---------------------------------------------------------------------------
@@ -444,8 +447,10 @@ class FleetMind(BaseSelector):
                 best.dc.name,
                 best.ttft_s,
                 best.raw_s,
-                True,
-                "spill" if hp is not None else "failover",
+                home is not None,
+                # no home DC at all (a tenant without one, an API outside every DC)
+                # is not a failover: there was nothing to fail over from
+                "spill" if hp is not None else ("failover" if home is not None else "best"),
             )
         if hp is not None:
             return DCDecision(hp.dc.name, hp.ttft_s, hp.raw_s, False, "home:no-better")
@@ -454,7 +459,8 @@ class FleetMind(BaseSelector):
         for q in preds.values():
             if _better(q, p, self.tie_s):
                 p = q
-        return DCDecision(p.dc.name, p.ttft_s, p.raw_s, True, "failover:over-slo")
+        why = "failover:over-slo" if home is not None else "best:over-slo"
+        return DCDecision(p.dc.name, p.ttft_s, p.raw_s, home is not None, why)
 
     def on_first_token(self, event: FleetFirstToken) -> None:
         pred = event.predicted_dc_ttft_s

@@ -110,10 +110,17 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
         self._start_view()
 
     def validate(
-        self, body: Any, *, tenant: str, tier_hint: str = "", slo_class: str | None = None
+        self,
+        body: Any,
+        *,
+        tenant: str,
+        tier_hint: str = "",
+        slo_class: str | None = None,
+        kind: str = "chat",
     ) -> ChatRequest:
         """``body`` (parsed JSON) as a :class:`ChatRequest`, checked against the
-        models the live instances serve; its prompt is tokenized here, once."""
+        models the live instances serve; its prompt is tokenized here, once.
+        ``kind="completion"``: a legacy ``/v1/completions`` body."""
         try:
             models = self.models()
         except redis.RedisError as exc:
@@ -129,6 +136,7 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
             tier_hint=tier_hint,
             slo_class=slo_class,
             tokenize=self.tokenizer_for(model) if isinstance(model, str) else tokenize_chat,
+            kind=kind,
         )
 
     def tokenizer_for(self, model: str) -> Callable[[Sequence[Any]], ChatPrompt]:

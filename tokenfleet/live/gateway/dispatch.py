@@ -298,7 +298,7 @@ class Dispatcher:
         except redis.RedisError:
             pass
         if self.metrics is not None:
-            self.metrics.finished(info.tier, "rejected")
+            self.metrics.finished(info.tier, "rejected", tenant=info.tenant)
         raise AtCapacity(
             f"TokenFleet is at capacity for {info.tier} requests ({reason}); "
             "retry after the indicated delay",

@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any
 
+from tokenfleet.core.tiers import SLOConfig, meets_slo
 from tokenfleet.core.types import CompletionEvent, FirstTokenEvent, KVEvent
 from tokenfleet.live.gateway.dispatch import Dispatched
 from tokenfleet.live.relay import RelayEvent
@@ -29,6 +30,7 @@ class Feedback:
     index: Any
     index_lock: threading.Lock
     metrics: Any
+    slo: SLOConfig
 
     def first_token_feedback(self, d: Dispatched) -> None:
         """Run the first token's feedback (router, admission, FleetMind, metrics)
@@ -108,7 +110,21 @@ class Feedback:
                 self.dc_selector.finished(
                     d.dc_ticket, d.request.info, "completed", done.output_tokens
                 )
+        info = d.request.info
+        out = int(usage.get("completion_tokens", 0))
+        # the SLO as the API saw it (the worker's ledger row applies the same rule):
+        # the metrics' status and the access log's outcome
+        first = d.first_token_s if d.first_token_s is not None else now
+        met = meets_slo(
+            self.slo.slo_for(info.tier),
+            status="completed",
+            input_tokens=int(usage.get("prompt_tokens", info.input_tokens)),
+            ttft_s=first - info.arrival_s,
+            tpot_s=(now - first) / (out - 1) if out > 1 else None,
+            e2e_s=now - info.arrival_s,
+            deadline_in_s=info.deadline_s - info.arrival_s if info.deadline_s is not None else None,
+        )
+        status = "completed" if met else "slo_missed"
+        d.extra["outcome"] = status
         if self.metrics is not None:
-            self.metrics.finished(
-                d.request.info.tier, "completed", int(usage.get("completion_tokens", 0))
-            )
+            self.metrics.finished(info.tier, status, out, tenant=info.tenant)

@@ -24,7 +24,7 @@ from tokenfleet.live.gateway.errors import (
     ModelNotFound,
     NoCapacity,
 )
-from tokenfleet.tokenizer import ChatPrompt, tokenize_chat
+from tokenfleet.tokenizer import ChatPrompt, tokenize_chat, tokenize_prompt, tokenize_token_ids
 
 TIER_HEADER = "X-TokenFleet-Tier"
 #: default output budget when the client gives none (vLLM uses all the context left)
@@ -119,9 +119,15 @@ def validate_chat(
     tier_hint: str = "",
     slo_class: str | None = None,
     tokenize: Callable[[Sequence[Any]], ChatPrompt] = tokenize_chat,
+    kind: str = "chat",
 ) -> ChatRequest:
     """Check ``body`` against the served ``models`` ({name: context length});
-    ``tokenize`` is the served model's (default: the emulator's byte tokenizer)."""
+    ``tokenize`` is the served model's (default: the emulator's byte tokenizer).
+
+    ``kind="completion"``: a legacy ``/v1/completions`` body (``prompt``, see
+    :func:`completion_prompt`) instead of ``messages``; everything after the
+    prompt (budget, tier, quota, routing) is the chat path's.
+    """
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     model = body.get("model")
@@ -129,9 +135,16 @@ def validate_chat(
         raise InvalidRequest("you must provide a model parameter", param="model")
     if not isinstance(model, str):
         raise InvalidRequest("'model' must be a string", param="model")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("'messages' must be a non-empty array of messages", param="messages")
+    if kind == "completion":
+        messages: Any = []
+        completion = completion_prompt(body.get("prompt"))
+    else:
+        messages = body.get("messages")
+        completion = None
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequest(
+                "'messages' must be a non-empty array of messages", param="messages"
+            )
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidRequest(
@@ -176,7 +189,7 @@ def validate_chat(
             param="model",
         )
     try:
-        prompt = tokenize(messages)
+        prompt = tokenize(messages) if completion is None else completion
     except ValueError as exc:
         raise InvalidRequest(str(exc), param="messages") from None
     input_tokens = prompt.input_tokens
@@ -228,7 +241,7 @@ def validate_chat(
     info = replace(info, tier=tier, deadline_s=deadline)
     engine_body: dict[str, Any] = {
         "model": model,
-        "messages": messages,
+        **({"messages": messages} if completion is None else {"prompt": body["prompt"]}),
         "max_tokens": max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -247,6 +260,26 @@ def validate_chat(
         deadline_s=deadline,
         budget=budget,
         max_tokens_implicit=implicit,
+    )
+
+
+def completion_prompt(prompt: Any) -> ChatPrompt:
+    """A ``/v1/completions`` prompt, tokenized once: a string, a list of token ids,
+    or a list of exactly one of those (``n`` prompts per request are not supported)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequest("'prompt' must not be empty", param="prompt")
+        return tokenize_prompt(prompt)
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        try:
+            return tokenize_token_ids(prompt)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="prompt") from None
+    raise InvalidRequest(
+        "'prompt' must be a non-empty string or array of token ids (one prompt per request)",
+        param="prompt",
     )
 
 

@@ -231,7 +231,7 @@ class Watcher:
         self.state.cancel(info.request_id)
         # the row: recorded by events() with every error it relays
         if self.metrics is not None:
-            self.metrics.finished(info.tier, status)
+            self.metrics.finished(info.tier, status, tenant=info.tenant)
         self._settle_dc_choice(d, status)
         return RelayEvent(
             "err",
@@ -262,7 +262,7 @@ class Watcher:
                 )
             )
             if self.metrics is not None:
-                self.metrics.finished(info.tier, "cancelled")
+                self.metrics.finished(info.tier, "cancelled", tenant=info.tenant)
         self._settle_dc_choice(d, "cancelled")
 
     def _ledger_end(self, d: Dispatched, ev: RelayEvent) -> None:
