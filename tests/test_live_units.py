@@ -491,3 +491,22 @@ def test_pool_queues_pause_while_the_engine_has_prefill_queued(state: LiveState)
     assert rt.desired_queues() == worker_queues("dcp", "p1")
     rt.reserved["m1"] = "interactive"  # a message on its way counts as a full budget
     assert rt.desired_queues() == affinity_only
+
+
+def test_up_engine_option_names_dc_url_and_optional_kv_and_tokenizer() -> None:
+    """``tokenfleet up --engine`` serves engines it did not start (real vLLM)."""
+    from tokenfleet.cli.commands.up import ExternalEngine, parse_engine
+    from tokenfleet.errors import ConfigError
+
+    assert parse_engine("dc-east=http://10.0.0.5:8000/") == ExternalEngine(
+        "dc-east", "http://10.0.0.5:8000"
+    )
+    e = parse_engine("dc-west=http://h:8000,kv=tcp://h:5557,tokenizer=/models/llama")
+    assert (e.dc, e.kv, e.tokenizer) == ("dc-west", "tcp://h:5557", "/models/llama")
+    for bad, why in [
+        ("http://h:8000", "DC=URL"),
+        ("dc-east=h:8000", "http://"),
+        ("dc-east=http://h:8000,zmq=tcp://h:1", "unknown option"),
+    ]:
+        with pytest.raises(ConfigError, match=why):
+            parse_engine(bad)

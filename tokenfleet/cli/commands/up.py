@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,52 @@ def register(subparsers: Any) -> None:
         "--flower-port, behind basic auth; the login is printed",
     )
     p.add_argument("--flower-port", type=int, default=5555, help="Flower's port (default 5555)")
+    p.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="DC=URL[,kv=ENDPOINT][,tokenizer=DIR]",
+        help="serve engines this command did not start (e.g. vLLM): one worker per "
+        "--engine, in datacenter DC; kv= subscribes to its KV events "
+        "(vLLM's --kv-events-config endpoint), tokenizer= names the model directory "
+        "when vLLM's model root is not a local path. Repeat per engine; no emulators "
+        "are started then",
+    )
     p.set_defaults(func=run)
+
+
+@dataclass(frozen=True, slots=True)
+class ExternalEngine:
+    """One ``--engine DC=URL[,kv=ENDPOINT][,tokenizer=DIR]``."""
+
+    dc: str
+    url: str
+    kv: str = ""
+    tokenizer: str = ""
+
+
+def parse_engine(text: str) -> ExternalEngine:
+    """Parse one ``--engine`` value; :class:`ConfigError` says what is wrong."""
+    from tokenfleet.errors import ConfigError
+
+    head, *opts = text.split(",")
+    dc, sep, url = head.partition("=")
+    if not sep or not dc.strip() or not url.strip():
+        raise ConfigError(
+            f"--engine {text!r}: expected DC=URL[,kv=ENDPOINT][,tokenizer=DIR], e.g. "
+            "dc-east=http://10.0.0.5:8000,kv=tcp://10.0.0.5:5557"
+        )
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"--engine {text!r}: the engine URL must start with http:// or https://")
+    extra: dict[str, str] = {}
+    for opt in opts:
+        key, sep, value = opt.partition("=")
+        if not sep or key not in ("kv", "tokenizer") or not value:
+            raise ConfigError(
+                f"--engine {text!r}: unknown option {opt!r}; use kv=ENDPOINT or tokenizer=DIR"
+            )
+        extra[key] = value
+    return ExternalEngine(dc.strip(), url.strip().rstrip("/"), **extra)
 
 
 _TAKEN: set[int] = set()
@@ -128,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.instances_per_dc < 1:
         raise ConfigError("--instances-per-dc must be >= 1")
+    external = [parse_engine(e) for e in args.engine]
     cfg = config_from_args(args)
     data_dir = cfg.resolved_data_dir()
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -151,7 +198,14 @@ def run(args: argparse.Namespace) -> int:
     )
     from tokenfleet.live.dc_select import load_topology
 
-    load_topology(live.topology)  # a bad file fails here, with the field named
+    topo = load_topology(live.topology)  # a bad file fails here, with the field named
+    known = set(topo.datacenters)
+    for e in external:
+        if e.dc not in known:
+            raise ConfigError(
+                f"--engine {e.dc}={e.url}: datacenter {e.dc!r} is not in the topology "
+                f"({', '.join(sorted(known))}); use one of those or pass --topology"
+            )
     stopping = {"flag": False}
 
     def _signal(signum: int, _frame: object) -> None:
@@ -210,7 +264,9 @@ def run(args: argparse.Namespace) -> int:
             )
             return f"engine-{inst}", f"http://127.0.0.1:{eport}"
 
-        def start_worker(dc: str, inst: str, engine_url: str) -> str:
+        def start_worker(dc: str, inst: str, engine_url: str, tokenizer: str = "") -> str:
+            kv = ["--kv-events", kv_of[inst]] if kv_of.get(inst) else []
+            tok = ["--tokenizer", tokenizer] if tokenizer else []
             sup.start(
                 f"worker-{inst}",
                 py
@@ -226,8 +282,8 @@ def run(args: argparse.Namespace) -> int:
                     args.profile,
                     "--slots",
                     str(args.slots),
-                    "--kv-events",
-                    kv_of[inst],
+                    *kv,
+                    *tok,
                     "--loglevel",
                     args.loglevel,
                 ],
@@ -236,12 +292,19 @@ def run(args: argparse.Namespace) -> int:
             )
             return f"worker-{inst}"
 
-        for dc in DEFAULT_DCS:
-            for k in range(args.instances_per_dc):
-                inst = f"{dc.split('-')[-1]}-{k}"
-                _child, engine_url = start_engine(dc, inst)
-                start_worker(dc, inst, engine_url)
+        if external:  # engines someone else runs (vLLM): workers only
+            for k, e in enumerate(external):
+                inst = f"{e.dc.split('-')[-1]}-x{k}"
+                kv_of[inst] = e.kv
+                start_worker(e.dc, inst, e.url, e.tokenizer)
                 engines.append(inst)
+        else:
+            for dc in DEFAULT_DCS:
+                for k in range(args.instances_per_dc):
+                    inst = f"{dc.split('-')[-1]}-{k}"
+                    _child, engine_url = start_engine(dc, inst)
+                    start_worker(dc, inst, engine_url)
+                    engines.append(inst)
         sup.start("beat", py + ["beat", "--loglevel", args.loglevel], env)
         sup.start(
             "api",
@@ -282,7 +345,8 @@ def run(args: argparse.Namespace) -> int:
         replicas = LocalReplicas(
             sup,
             state,
-            base={dc: args.instances_per_dc for dc in DEFAULT_DCS},
+            # external engines are not ours to start or stop: no replica plan then
+            base={} if external else {dc: args.instances_per_dc for dc in DEFAULT_DCS},
             start_engine=start_engine,
             start_worker=start_worker,
             healthy=_healthy,
@@ -310,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-            if time.monotonic() >= next_plan_check:
+            if not external and time.monotonic() >= next_plan_check:
                 next_plan_check = time.monotonic() + 1.0
                 try:
                     for line in replicas.reconcile():

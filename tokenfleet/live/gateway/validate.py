@@ -86,6 +86,21 @@ SERVICE_TIERS = ("auto", "default", "flex")
 KNOWN_FIELDS = (
     frozenset(HANDLED) | frozenset(PASSTHROUGH) | frozenset(IGNORED) | frozenset(UNSUPPORTED)
 )
+#: every field a legacy ``/v1/completions`` body may carry: the chat fields that
+#: make sense without messages, plus ``prompt`` and the legacy-only features
+COMPLETION_FIELDS = (KNOWN_FIELDS - {"messages", "max_completion_tokens"}) | {
+    "prompt",
+    "echo",
+    "suffix",
+    "best_of",
+}
+#: legacy-only features TokenFleet does not implement, with their "off" value
+COMPLETION_UNSUPPORTED: dict[str, str] = {
+    "echo": "false",
+    "suffix": "null",
+    "best_of": "1",
+    "logprobs": "null",
+}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_SEQUENCES = 4
 MAX_METADATA_PAIRS = 16
@@ -179,7 +194,7 @@ def validate_chat(
     for name in ("user", "safety_identifier", "prompt_cache_key"):
         if body.get(name) is not None and not isinstance(body.get(name), str):
             raise InvalidRequest(f"'{name}' must be a string", param=name)
-    check_fields(body)
+    check_fields(body, kind)
     if model not in models:
         if not models:
             raise NoCapacity("no engine instance is up yet; retry shortly")
@@ -296,22 +311,26 @@ def _opt_int(body: Mapping[str, Any], name: str) -> int | None:
     return v
 
 
-def check_fields(body: Mapping[str, Any]) -> None:
+def check_fields(body: Mapping[str, Any], kind: str = "chat") -> None:
     """Refuse unknown fields, unimplemented features and out-of-range sampling values.
 
     Why so strict: a field the server silently drops changes the answer
     without telling the client (``temperature: "hot"``, ``tools`` that are
     never called); OpenAI itself answers 400 for each of these.
     """
+    known = COMPLETION_FIELDS if kind == "completion" else KNOWN_FIELDS
+    unsupported = dict(UNSUPPORTED)
+    if kind == "completion":
+        unsupported.update(COMPLETION_UNSUPPORTED)
     for name in body:
-        if name not in KNOWN_FIELDS:
+        if name not in known:
             raise InvalidRequest(
                 f"Unrecognized request argument supplied: {name}. Remove it; see "
                 "docs/live.md (request fields) for the fields TokenFleet accepts.",
                 param=str(name),
                 code="unknown_parameter",
             )
-    for name, allowed in UNSUPPORTED.items():
+    for name, allowed in unsupported.items():
         if name in body and not _is_off(name, body[name]):
             raise InvalidRequest(
                 f"'{name}' is not supported by TokenFleet; remove it or set it to {allowed}.",
@@ -386,6 +405,10 @@ def _is_off(name: str, v: Any) -> bool:
         return isinstance(v, dict) and v.get("type") == "text" and len(v) == 1
     if name == "logprobs":
         return v is False
+    if name == "echo":
+        return v is False
+    if name == "best_of":
+        return bool(v == 1)
     if name == "modalities":
         return bool(v == ["text"])
     return False
