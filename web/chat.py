@@ -7,13 +7,19 @@ answer or as server-sent events -> reconcile the quota with the usage. The
 worker writes the ledger row; nothing comes back up through this view but the
 stream. Refusals are raised (``GatewayError``, ``TenancyError``, ``ApiError``)
 and turned into OpenAI-shaped responses by ``web.create_app``'s handlers.
+
+Each request holds a place in the process's in-flight bound from the moment
+it is authenticated until its response ends (``gw.inflight``: over it, a 503
+at once). A client that closes its connection while the request waits for
+its answer (streamed or not) cancels it: the wait asks the socket
+(:func:`web.server.client_gone`).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 from flask import Blueprint, Response, current_app, request
@@ -22,6 +28,10 @@ from tokenfleet.live.gateway import TIER_HEADER, Dispatched, Gateway
 from tokenfleet.live.relay import RelayEvent
 from web.errors import ApiError
 from web.quota import ChatQuota
+from web.server import client_gone
+
+#: the status logged for a request whose client left before its answer (nginx's)
+CLIENT_CLOSED = 499
 
 chat_bp = Blueprint("openai", __name__, url_prefix="/v1")
 
@@ -51,6 +61,17 @@ def chat_completions() -> Response:
     principal = current_app.extensions["tokenfleet.auth"].authenticate(
         request.headers.get("Authorization")
     )
+    gw.inflight.enter()  # over the process's bound: 503 now, before any work
+    try:
+        return _chat(gw, principal)
+    except BaseException:
+        gw.inflight.leave()
+        raise
+
+
+def _chat(gw: Gateway, principal: Any) -> Response:
+    """The request once it holds its place; the place is released when the
+    response ends (by ``_sse`` or ``_finish`` for a stream, here otherwise)."""
     body = parse_json_body()
     req = gw.validate(
         body,
@@ -59,23 +80,36 @@ def chat_completions() -> Response:
         tier_hint=request.headers.get(TIER_HEADER, "") or "",
     )
     quota = ChatQuota.admit(current_app.extensions.get("tokenfleet.quota"), principal, req)
+    gone = client_gone(request.environ)
     try:
         d = gw.dispatch(req)
-        events = gw.events(d)
+        events = gw.events(d, client_gone=gone)
         if not req.stream:
-            resp, usage = _complete(d, events)
+            try:
+                resp, usage = _complete(d, events)
+            finally:
+                events.close()
+            if usage is None and resp.status_code == CLIENT_CLOSED:
+                gw.cancel(d)
             quota.finish(usage)
+            gw.inflight.leave()
             return resp
         # Hold the response until the first real event so an error before any
         # token still gets its proper HTTP status; after that, errors are events.
-        first = next((ev for ev in events if ev.kind in ("d", "end", "err")), None)
+        first = next((ev for ev in events if ev.kind in ("d", "end", "err", "gone")), None)
+        if first is not None and first.kind == "gone":
+            events.close()
+            gw.cancel(d)
+            quota.finish(None)
+            gw.inflight.leave()
+            return Response(b"", status=CLIENT_CLOSED)
         if first is None or first.kind == "err":
             raise _event_error(first)
     except BaseException:
         quota.refund()
         raise
     return Response(
-        _sse(gw, d, first, events, quota),
+        _Stream(_sse(gw, d, first, events, quota), lambda: _never_ran(gw, d, events, quota)),
         mimetype="text/event-stream",
         headers={
             "Cache-Control": "no-cache",
@@ -108,9 +142,38 @@ def _chunk(d: Dispatched, delta: dict[str, Any], finish: str | None = None) -> b
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
+class _Stream:
+    """A streamed body whose clean-up runs even if the server never started it
+    (a generator's ``finally`` runs only once it has started)."""
+
+    def __init__(self, gen: Generator[bytes, None, None], never_ran: Any) -> None:
+        self._gen = gen
+        self._never_ran = never_ran
+        self._started = False
+
+    def __iter__(self) -> Iterator[bytes]:
+        self._started = True
+        return self._gen
+
+    def close(self) -> None:
+        self._gen.close()
+        if not self._started:
+            self._started = True
+            self._never_ran()
+
+
+def _never_ran(gw: Gateway, d: Dispatched, events: Iterator[RelayEvent], quota: ChatQuota) -> None:
+    close = getattr(events, "close", None)
+    if close is not None:
+        close()
+    gw.cancel(d)
+    quota.finish(None)
+    gw.inflight.leave()
+
+
 def _sse(
     gw: Gateway, d: Dispatched, first: RelayEvent, events: Iterator[RelayEvent], quota: ChatQuota
-) -> Iterator[bytes]:
+) -> Generator[bytes, None, None]:
     r = d.request
     finished = False
     usage: dict[str, Any] | None = None
@@ -128,6 +191,8 @@ def _sse(
                     yield _chunk(d, {"content": ev.text})
             elif ev.kind == "idle":
                 yield b": keep-alive\n\n"
+            elif ev.kind == "gone":
+                return  # the client left: cancelled below
             elif ev.kind == "end":
                 finished = True
                 usage = ev.usage
@@ -160,6 +225,7 @@ def _sse(
         if not finished:
             gw.cancel(d)
         quota.finish(usage)
+        gw.inflight.leave()
 
 
 def _complete(
@@ -170,6 +236,8 @@ def _complete(
     for ev in events:
         if ev.kind == "d":
             parts.append(ev.text)
+        elif ev.kind == "gone":
+            return Response(b"", status=CLIENT_CLOSED), None  # the caller cancels
         elif ev.kind == "err":
             raise _event_error(ev)
         elif ev.kind == "end":

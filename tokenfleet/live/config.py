@@ -164,6 +164,21 @@ class LiveConfig:
             "the next request (0: hand it straight back to cheroot's selector)."
         ),
     )
+    api_max_inflight: int = field(
+        default=4096,
+        metadata=_doc(
+            "Chat requests (streams included) one API process holds at once; the next is "
+            "answered 503 with Retry-After at once (0: no bound). The server's thread pool "
+            "grows to this plus a reserve, so /health never waits behind chat requests."
+        ),
+    )
+    shed_wait_factor: float = field(
+        default=1.0,
+        metadata=_doc(
+            "Refuse (429, Retry-After) a request whose predicted queue wait in its datacenter "
+            "exceeds this times its tier's TTFT limit (0: never; only with an admission policy)."
+        ),
+    )
     #: admission policy in tokenfleet.core.admission.ADMISSION ("none" admits everything)
     admission: str = field(
         default="slomax",

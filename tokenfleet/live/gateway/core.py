@@ -29,10 +29,12 @@ from tokenfleet.live.dc_select import LiveDCSelector, load_topology
 from tokenfleet.live.gateway.dispatch import Dispatcher
 from tokenfleet.live.gateway.errors import StoreUnavailable
 from tokenfleet.live.gateway.feedback import Feedback
+from tokenfleet.live.gateway.overload import InflightBound, WaitPredictor
 from tokenfleet.live.gateway.refresh import LiveView
 from tokenfleet.live.gateway.validate import ChatRequest, validate_chat
 from tokenfleet.live.gateway.watch import Watcher
 from tokenfleet.live.redis_transport import TRANSPORT_PATH, PipelinePublisher, same_database
+from tokenfleet.live.relay import RelayHub
 from tokenfleet.live.state import LiveState
 
 
@@ -98,7 +100,16 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
         #: tenant id -> regions its record allows (set by the tenancy layer; () = any)
         self.tenant_regions = None
         self.metrics: Any = None  # the API's metrics (web.metrics.ApiMetrics), if any
+        #: the front door's load shedding (overload.py)
+        self.inflight = InflightBound(live.api_max_inflight)
+        self.wait_predictor = WaitPredictor(self.slo, live.shed_wait_factor)
         self._start_view()
+        #: every stream this process waits on, read by one thread (relay.py)
+        self.relay_hub = RelayHub(state)
+
+    def close(self) -> None:
+        self.relay_hub.close()
+        super().close()
 
     def validate(
         self, body: Any, *, tenant: str, tier_hint: str = "", slo_class: str | None = None

@@ -6,7 +6,10 @@ that the request is still being served: a worker that died before the first
 token gets its request re-sent elsewhere (:mod:`tokenfleet.live.resend`, the
 same rule the workers use), one that died after it ends the stream with an
 error event, and a request queued for an instance that went away is re-sent
-to a live one. The request timeout and a client that went away settle it here.
+to a live one. The request timeout and a client that went away settle it here;
+``client_gone`` lets the caller say the client closed its connection while the
+request waits (a non-streamed request writes nothing until its end, so only
+the socket tells).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -49,13 +52,20 @@ class Watcher:
         def _settle_dc_choice(self, d: Dispatched, status: str) -> None: ...
         def _on_complete(self, d: Dispatched, ev: RelayEvent) -> None: ...
 
-    def events(self, d: Dispatched) -> Iterator[RelayEvent]:
-        """Relay events of one request, with the lost-worker and timeout checks."""
-        reader = RelayReader(self.state, d.request.info.request_id, block_ms=250)
+    def events(
+        self, d: Dispatched, client_gone: Callable[[], bool] | None = None
+    ) -> Generator[RelayEvent, None, None]:
+        """Relay events of one request, with the lost-worker and timeout checks.
+
+        Whenever nothing came for a quarter second, ``client_gone()`` is asked;
+        when it says so the iteration ends with a ``gone`` event and the caller
+        cancels the request (:meth:`cancel`)."""
         deadline = d.request.info.arrival_s + self.live.request_timeout_s
         redis_down_since: list[float] = []
 
         def on_idle() -> RelayEvent | None:
+            if client_gone is not None and client_gone():
+                return RelayEvent("gone")
             now = time.time()
             if now > deadline:
                 return self._settle(
@@ -85,7 +95,12 @@ class Watcher:
                     )
                 return None
 
-        for ev in reader.events(on_idle):
+        source = (
+            d.sub.events(on_idle, idle_ms=250)
+            if d.sub is not None
+            else RelayReader(self.state, d.request.info.request_id, block_ms=250).events(on_idle)
+        )
+        for ev in source:
             if ev.kind == "d" and d.first_token_s is None:
                 d.first_token_s = time.time()
                 d.first_token_due = ev.instance or d.instance
@@ -227,6 +242,8 @@ class Watcher:
     def cancel(self, d: Dispatched) -> None:
         """The client went away: stop the engine work and settle as cancelled."""
         info = d.request.info
+        if d.sub is not None:
+            d.sub.close()
         try:
             self.state.cancel(info.request_id)
             won, _ = self.state.finish(info.request_id, "cancelled")
