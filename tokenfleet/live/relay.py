@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,7 +145,7 @@ class RelayReader:
         self.block_ms = block_ms
         self.last_id = "0-0"
 
-    def events(self, on_idle: Callable[[], RelayEvent | None]) -> Iterator[RelayEvent]:
+    def events(self, on_idle: Callable[[], RelayEvent | None]) -> Generator[RelayEvent, None, None]:
         """Events until ``end``/``err``. ``on_idle`` runs whenever nothing came
         for ``block_ms``; it may return a terminal event (timeout, lost
         worker) that ends the iteration, or raise; otherwise an ``idle`` event
@@ -192,7 +192,7 @@ class Subscription:
 
     def events(
         self, on_idle: Callable[[], RelayEvent | None], idle_ms: int = 250
-    ) -> Iterator[RelayEvent]:
+    ) -> Generator[RelayEvent, None, None]:
         """Same contract as :meth:`RelayReader.events`: events until ``end`` or
         ``err``; ``on_idle`` runs when nothing came for ``idle_ms``. The
         subscription is closed when the iteration ends (or is closed)."""

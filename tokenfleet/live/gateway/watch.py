@@ -57,8 +57,8 @@ class Watcher:
     ) -> Generator[RelayEvent, None, None]:
         """Relay events of one request, with the lost-worker and timeout checks.
 
-        Whenever nothing came for a quarter second, ``client_gone()`` is asked;
-        when it says so the iteration ends with a ``gone`` event and the caller
+        ``client_gone()`` is asked whenever nothing came for a quarter second,
+        and every quarter second while tokens come; when it says so the iteration ends with a ``gone`` event and the caller
         cancels the request (:meth:`cancel`)."""
         deadline = d.request.info.arrival_s + self.live.request_timeout_s
         redis_down_since: list[float] = []
@@ -100,7 +100,17 @@ class Watcher:
             if d.sub is not None
             else RelayReader(self.state, d.request.info.request_id, block_ms=250).events(on_idle)
         )
+        gone_checked = time.monotonic()
         for ev in source:
+            if client_gone is not None and ev.kind == "d":
+                # tokens flowing leave no idle moment: ask the socket every quarter second
+                now_m = time.monotonic()
+                if now_m - gone_checked >= 0.25:
+                    gone_checked = now_m
+                    if client_gone():
+                        source.close()
+                        yield RelayEvent("gone")
+                        return
             if ev.kind == "d" and d.first_token_s is None:
                 d.first_token_s = time.time()
                 d.first_token_due = ev.instance or d.instance
