@@ -127,15 +127,17 @@ async def http_request(
 
 
 def chat_body(model: str, tokens: int, stream: bool) -> bytes:
-    return json.dumps(
-        {
-            "model": model,
-            "stream": stream,
-            "max_tokens": tokens,
-            "vllm_xargs": {"output_tokens": tokens},
-            "messages": [{"role": "user", "content": "Tell me a short story about a fleet."}],
-        }
-    ).encode()
+    """``tokens`` > 0: exactly that many output tokens; 0: no ``max_tokens``, the
+    emulator draws the length (lognormal, median 128 tokens), as a plain chat."""
+    body: dict[str, Any] = {
+        "model": model,
+        "stream": stream,
+        "messages": [{"role": "user", "content": "Tell me a short story about a fleet."}],
+    }
+    if tokens > 0:
+        body["max_tokens"] = tokens
+        body["vllm_xargs"] = {"output_tokens": tokens}
+    return json.dumps(body).encode()
 
 
 async def probe_health(host: str, port: int, stop: asyncio.Event, probes: Probes) -> None:
@@ -206,12 +208,18 @@ async def run_streams(
 
 
 async def run_rate(
-    host: str, port: int, model: str, rate: float, duration_s: float, timeout_s: float
+    host: str,
+    port: int,
+    model: str,
+    rate: float,
+    duration_s: float,
+    timeout_s: float,
+    tokens: int,
 ) -> dict[str, Any]:
     stop = asyncio.Event()
     probes = Probes()
     prober = asyncio.create_task(probe_health(host, port, stop, probes))
-    body = chat_body(model, 16, False)
+    body = chat_body(model, tokens, False)
     hdr = {"Authorization": f"Bearer {API_KEY}"}
     n = int(rate * duration_s)
     tasks = []
@@ -349,6 +357,9 @@ def main() -> int:
     ap.add_argument("--rates", default="20,50,100", help="comma list of req/s ('' = skip)")
     ap.add_argument("--duration-s", type=float, default=30.0)
     ap.add_argument("--client-timeout-s", type=float, default=30.0)
+    ap.add_argument(
+        "--chat-tokens", type=int, default=0, help="rates: output tokens (0: the emulator draws)"
+    )
     ap.add_argument("--rate-time-scale", type=float, default=1.0, help="(restart) for rates")
     ap.add_argument("--abandon", type=int, default=20)
     ap.add_argument("--settle-s", type=float, default=120.0)
@@ -408,6 +419,7 @@ def main() -> int:
                                 rate,
                                 args.duration_s,
                                 args.client_timeout_s,
+                                args.chat_tokens,
                             )
                         )
                         r["api_rss_mib"] = rss_mib(pid)

@@ -58,8 +58,9 @@ class Watcher:
         """Relay events of one request, with the lost-worker and timeout checks.
 
         ``client_gone()`` is asked whenever nothing came for a quarter second,
-        and every quarter second while tokens come; when it says so the iteration ends with a ``gone`` event and the caller
-        cancels the request (:meth:`cancel`)."""
+        and every quarter second while tokens come; when it says so the
+        iteration ends with a ``gone`` event and the caller cancels the
+        request (:meth:`cancel`)."""
         deadline = d.request.info.arrival_s + self.live.request_timeout_s
         redis_down_since: list[float] = []
 
