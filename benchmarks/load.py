@@ -288,9 +288,11 @@ def threads_of(pid: int | None) -> int | None:
     return None
 
 
-def ledger_counts(data_dir: Path, since_ts: float, settle_s: float) -> dict[str, int]:
+def ledger_counts(
+    data_dir: Path, since_ts: float, settle_s: float, expect: int = 0
+) -> dict[str, int]:
     """Status counts of the ledger rows that arrived since ``since_ts``, once no
-    row is ``in_flight`` (or after ``settle_s``)."""
+    row is ``in_flight`` and ``expect`` rows are there (or after ``settle_s``)."""
     import sqlalchemy as sa
 
     from tokenfleet.service.config import load_config
@@ -313,7 +315,8 @@ def ledger_counts(data_dir: Path, since_ts: float, settle_s: float) -> dict[str,
                     {"t": since_ts},
                 ).all()
             counts = {str(s): int(c) for s, c in rows}
-            if not counts.get("in_flight") or time.monotonic() > deadline:
+            settled = not counts.get("in_flight") and sum(counts.values()) >= expect
+            if settled or time.monotonic() > deadline:
                 return counts
             time.sleep(2.0)
     finally:
@@ -405,10 +408,18 @@ def main() -> int:
                         )
                         r["api_rss_mib"] = rss_mib(pid)
                         r["api_threads"] = threads_of(pid)
-                        r["ledger"] = ledger_counts(data_dir, since, args.settle_s)
+                        r["ledger"] = ledger_counts(data_dir, since, args.settle_s, n)
                         res[f"streams_{n}"] = r
                         print(json.dumps({f"streams_{n}": r}), flush=True)
                 else:
+                    if args.abandon:  # first: on a quiet stack, so its rows are its own
+                        since = time.time()
+                        asyncio.run(run_abandon(host, args.port, model, args.abandon))
+                        res["abandon"] = {
+                            "requests": args.abandon,
+                            "ledger": ledger_counts(data_dir, since, args.settle_s, args.abandon),
+                        }
+                        print(json.dumps({"abandon": res["abandon"]}), flush=True)
                     for rate in [float(x) for x in args.rates.split(",") if x]:
                         since = time.time()
                         r = asyncio.run(
@@ -423,17 +434,9 @@ def main() -> int:
                             )
                         )
                         r["api_rss_mib"] = rss_mib(pid)
-                        r["ledger"] = ledger_counts(data_dir, since, args.settle_s)
+                        r["ledger"] = ledger_counts(data_dir, since, args.settle_s, r["requests"])
                         res[f"rate_{rate:g}"] = r
                         print(json.dumps({f"rate_{rate:g}": r}), flush=True)
-                    if args.abandon:
-                        since = time.time()
-                        asyncio.run(run_abandon(host, args.port, model, args.abandon))
-                        res["abandon"] = {
-                            "requests": args.abandon,
-                            "ledger": ledger_counts(data_dir, since, args.settle_s),
-                        }
-                        print(json.dumps({"abandon": res["abandon"]}), flush=True)
                 out[phase] = res
             finally:
                 up.send_signal(signal.SIGINT)
