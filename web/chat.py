@@ -10,9 +10,12 @@ and turned into OpenAI-shaped responses by ``web.create_app``'s handlers.
 
 Each request holds a place in the process's in-flight bound from the moment
 it is authenticated until its response ends (``gw.inflight``: over it, a 503
-at once). A client that closes its connection while the request waits for
-its answer (streamed or not) cancels it: the wait asks the socket
-(:func:`web.server.client_gone`).
+at once), and goes through the front gate for its CPU work up to the
+dispatch (``gw.front_gate``: a few requests at a time, so that the threads
+competing for the interpreter stay few and ``/health`` is answered at once;
+one that cannot enter within ``api_front_wait_s`` gets a 503). A client that
+closes its connection while the request waits for its answer (streamed or
+not) cancels it: the wait asks the socket (:func:`web.server.client_gone`).
 """
 
 from __future__ import annotations
@@ -71,18 +74,28 @@ def chat_completions() -> Response:
 
 def _chat(gw: Gateway, principal: Any) -> Response:
     """The request once it holds its place; the place is released when the
-    response ends (by ``_sse`` or ``_finish`` for a stream, here otherwise)."""
-    body = parse_json_body()
-    req = gw.validate(
-        body,
-        tenant=principal.tenant,
-        slo_class=principal.slo_class,
-        tier_hint=request.headers.get(TIER_HEADER, "") or "",
-    )
-    quota = ChatQuota.admit(current_app.extensions.get("tokenfleet.quota"), principal, req)
+    response ends (by ``_sse`` or ``_never_ran`` for a stream, here otherwise).
+    Its CPU work up to the dispatch runs through the front gate (a few at a
+    time, the rest wait a bounded time or are refused)."""
+    gw.front_gate.enter()
+    try:
+        body = parse_json_body()
+        req = gw.validate(
+            body,
+            tenant=principal.tenant,
+            slo_class=principal.slo_class,
+            tier_hint=request.headers.get(TIER_HEADER, "") or "",
+        )
+        quota = ChatQuota.admit(current_app.extensions.get("tokenfleet.quota"), principal, req)
+        try:
+            d = gw.dispatch(req)
+        except BaseException:
+            quota.refund()
+            raise
+    finally:
+        gw.front_gate.leave()
     gone = client_gone(request.environ)
     try:
-        d = gw.dispatch(req)
         events = gw.events(d, client_gone=gone)
         if not req.stream:
             try:

@@ -172,6 +172,20 @@ class LiveConfig:
             "grows to this plus a reserve, so /health never waits behind chat requests."
         ),
     )
+    api_front_slots: int = field(
+        default=8,
+        metadata=_doc(
+            "Chat requests of one API process doing their CPU work before the dispatch (parse, "
+            "tokenize, route, publish) at once; the others wait (0: no gate)."
+        ),
+    )
+    api_front_wait_s: float = field(
+        default=0.5,
+        metadata=_doc(
+            "How long a chat request waits for the front gate before it is answered 503 with "
+            "Retry-After."
+        ),
+    )
     shed_wait_factor: float = field(
         default=1.0,
         metadata=_doc(

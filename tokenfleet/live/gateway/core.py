@@ -29,13 +29,16 @@ from tokenfleet.live.dc_select import LiveDCSelector, load_topology
 from tokenfleet.live.gateway.dispatch import Dispatcher
 from tokenfleet.live.gateway.errors import StoreUnavailable
 from tokenfleet.live.gateway.feedback import Feedback
-from tokenfleet.live.gateway.overload import InflightBound, WaitPredictor
+from tokenfleet.live.gateway.overload import FrontGate, InflightBound, WaitPredictor
 from tokenfleet.live.gateway.refresh import LiveView
 from tokenfleet.live.gateway.validate import ChatRequest, validate_chat
 from tokenfleet.live.gateway.watch import Watcher
 from tokenfleet.live.redis_transport import TRANSPORT_PATH, PipelinePublisher, same_database
 from tokenfleet.live.relay import RelayHub
 from tokenfleet.live.state import LiveState
+
+#: /health answers from the refresh thread's copy of the instances up to this age
+HEALTH_MAX_AGE_S = 1.0
 
 
 def make_admission(name: str) -> Any:
@@ -102,6 +105,7 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
         self.metrics: Any = None  # the API's metrics (web.metrics.ApiMetrics), if any
         #: the front door's load shedding (overload.py)
         self.inflight = InflightBound(live.api_max_inflight)
+        self.front_gate = FrontGate(live.api_front_slots, live.api_front_wait_s)
         self.wait_predictor = WaitPredictor(self.slo, live.shed_wait_factor)
         self._start_view()
         #: every stream this process waits on, read by one thread (relay.py)
@@ -132,9 +136,14 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
         )
 
     def health(self) -> dict[str, Any]:
-        """Redis and the instances as ``/health`` reports them (raises RedisError)."""
-        self.state.r.ping()
-        infos = self.state.instances()
+        """Redis and the instances as ``/health`` reports them (raises RedisError).
+
+        From the refresh thread's copy when it read Redis within the last
+        second (that read is the proof Redis answers), so a busy process
+        answers without a round trip; otherwise Redis is asked here."""
+        infos = self.instances(max_age_s=HEALTH_MAX_AGE_S)
+        if time.monotonic() - self._infos_at > HEALTH_MAX_AGE_S:
+            self.state.r.ping()
         now = time.time()
         healthy = {i.instance_id for i in infos if i.is_healthy(now, self.live.stale_after_s)}
         return {

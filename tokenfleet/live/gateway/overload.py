@@ -10,6 +10,15 @@ client can act on:
   this process needs, at its measured rate of finishing requests, to finish
   as many as were refused in the last second plus one: the refused clients
   come back spread over the time the process needs to make room for them.
+* **the front gate** (:class:`FrontGate`): a request's CPU work before its
+  dispatch (parse, tokenize, route, publish: about 4-10 ms on the 2-core
+  development machine) runs for at most ``api_front_slots`` requests at a
+  time. Threads past it block on a semaphore instead of competing for the
+  interpreter's lock, so ``/health``, the token relay and the requests
+  already admitted keep their turns; a request that cannot enter within
+  ``api_front_wait_s`` is answered 503 (``Retry-After`` as for the bound).
+  Without it, 200 arrivals a second made hundreds of threads runnable and
+  ``/health`` took up to 15 s (docs/benchmarks.md, "Overload").
 * **predicted wait over the tier's SLO** (:class:`WaitPredictor`): the
   requests queued in the chosen datacenter's broker queues ahead of this one
   (its tier and the tiers served before it), divided by the rate at which
@@ -100,6 +109,40 @@ class InflightBound:
         with self._lock:
             self.inflight -= 1
             self._finished.add(time.monotonic())
+
+
+class FrontGate:
+    """At most ``slots`` requests in their CPU-bound front half at once."""
+
+    def __init__(self, slots: int, wait_s: float) -> None:
+        self.slots = slots
+        self.wait_s = wait_s
+        self._sem = threading.BoundedSemaphore(max(1, slots))
+        self._lock = threading.Lock()
+        self._passed = _RateMeter()
+        self._refused = _RateMeter(window_s=1.0)
+
+    def enter(self) -> None:
+        if self.slots <= 0 or self._sem.acquire(timeout=self.wait_s):
+            return
+        now = time.monotonic()
+        with self._lock:
+            self._refused.add(now)
+            rate = self._passed.rate(now)
+            waiting = self._refused.count(now) + 1
+        retry = waiting / rate if rate > 0 else RATE_WINDOW_S
+        raise Overloaded(
+            "this API process cannot take more requests this second; "
+            "retry after the indicated delay (or send to another replica)",
+            retry_after_s=retry,
+        )
+
+    def leave(self) -> None:
+        if self.slots <= 0:
+            return
+        self._sem.release()
+        with self._lock:
+            self._passed.add(time.monotonic())
 
 
 class WaitPredictor:
