@@ -279,3 +279,40 @@ def test_many_concurrent_streams_get_tokens_or_a_clean_refusal(live_stack: Any) 
         assert all(1 <= int(r) <= 120 for _, r in refused)
         assert ok, "nothing was served"
         assert _wait_for(lambda: stack.gateway.inflight.inflight == 0, 60)
+
+
+# -- the relay hub: one reader for every stream of the process -------------------------------
+def test_relay_hub_delivers_every_stream_in_order_and_ends_each() -> None:
+    from tests.support.stores import embedded_redis, temp_data_dir
+    from tokenfleet.live.relay import RelayHub, RelayWriter
+    from tokenfleet.live.state import LiveState
+
+    n = 300  # above RelayHub.PAUSE_FROM: the batched reads
+    with temp_data_dir() as d, embedded_redis(d) as server:
+        state = LiveState.from_url(server.url, prefix="hub")
+        hub = RelayHub(state)
+        try:
+            subs = {}
+            for i in range(n):
+                rid = f"r{i}"
+                subs[rid] = hub.subscribe(rid)
+                if i % 50 == 0:
+                    hub.wake_now()
+            hub.wake_now()
+            writers = {rid: RelayWriter(state, rid, ttl_s=60) for rid in subs}
+            for k in range(3):
+                for rid, w in writers.items():
+                    w.delta(f"{rid}-{k} ", 1)
+            for w in writers.values():
+                w.end("stop", {"completion_tokens": 3})
+            for rid, sub in subs.items():
+
+                def never_idle() -> None:
+                    raise AssertionError("a stream went quiet")
+
+                events = list(sub.events(never_idle, idle_ms=10_000))
+                assert [e.kind for e in events] == ["d", "d", "d", "end"]
+                assert "".join(e.text for e in events) == f"{rid}-0 {rid}-1 {rid}-2 "
+            assert len(hub) == 0  # every finished stream left the hub's set
+        finally:
+            hub.close()
