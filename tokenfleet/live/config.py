@@ -180,7 +180,7 @@ class LiveConfig:
         ),
     )
     api_front_wait_s: float = field(
-        default=0.5,
+        default=2.0,
         metadata=_doc(
             "How long a chat request waits for the front gate before it is answered 503 with "
             "Retry-After."
