@@ -59,6 +59,18 @@ class Result:
     sent_at: float = 0.0
 
 
+class Open:
+    """How many streams are open and past their first byte now, and the peak."""
+
+    now = 0
+    peak = 0
+
+    @classmethod
+    def add(cls, n: int) -> None:
+        cls.now += n
+        cls.peak = max(cls.peak, cls.now)
+
+
 @dataclass
 class Probes:
     latencies_s: list[float] = field(default_factory=list)
@@ -101,8 +113,15 @@ async def http_request(
             status_line = first.split(b"\r\n", 1)[0].split()
             res.status = int(status_line[1]) if len(status_line) > 1 else 0
             data = bytearray(first)
-            while chunk := await reader.read(65536):
-                data += chunk
+            streaming = res.status == 200 and b"text/event-stream" in first
+            if streaming:
+                Open.add(1)
+            try:
+                while chunk := await reader.read(65536):
+                    data += chunk
+            finally:
+                if streaming:
+                    Open.add(-1)
             for line in bytes(data).split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
                 if line.lower().startswith(b"retry-after:"):
                     res.retry_after = line.split(b":", 1)[1].strip().decode()
@@ -204,6 +223,7 @@ async def run_streams(
     await prober
     out = summarize(list(results), probes)
     out["wall_s"] = round(time.monotonic() - t0, 1)
+    out["peak_open_streams"] = Open.peak
     return out
 
 
@@ -366,6 +386,7 @@ def main() -> int:
     ap.add_argument("--rate-time-scale", type=float, default=1.0, help="(restart) for rates")
     ap.add_argument("--abandon", type=int, default=20)
     ap.add_argument("--settle-s", type=float, default=120.0)
+    ap.add_argument("--admission", default=None, help="up --admission (default: slomax)")
     ap.add_argument("--out", default=None, help="write the JSON here too")
     args = ap.parse_args()
 
@@ -386,6 +407,8 @@ def main() -> int:
             cmd = [sys.executable, "-m", "tokenfleet.cli.main", "up", "--port", str(args.port)]
             cmd += ["--data-dir", str(data_dir), "--time-scale", str(ts)]
             cmd += ["--slots", str(slots), "--loglevel", "WARNING"]
+            if args.admission:
+                cmd += ["--admission", args.admission]
             up = subprocess.Popen(cmd, cwd=args.src, env=env, stdout=log, stderr=log)
             try:
                 wait_http(host, args.port, 180)
