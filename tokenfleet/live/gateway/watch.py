@@ -33,6 +33,11 @@ from tokenfleet.service.writer import RequestRecord
 
 log = logging.getLogger("tokenfleet.api")
 
+#: a waiting request looks at its client, deadline and worker this often (ms)
+IDLE_MS = 500
+#: an SSE keep-alive comment is sent after this long without any event (seconds)
+KEEPALIVE_S = 5.0
+
 
 class Watcher:
     """Part of :class:`~tokenfleet.live.gateway.Gateway`: waiting for the answer."""
@@ -57,7 +62,7 @@ class Watcher:
     ) -> Generator[RelayEvent, None, None]:
         """Relay events of one request, with the lost-worker and timeout checks.
 
-        ``client_gone()`` is asked whenever nothing came for a quarter second,
+        ``client_gone()`` is asked whenever nothing came for ``IDLE_MS``,
         and every quarter second while tokens come; when it says so the
         iteration ends with a ``gone`` event and the caller cancels the
         request (:meth:`cancel`)."""
@@ -75,8 +80,11 @@ class Watcher:
                     504,
                     f"request not finished within {self.live.request_timeout_s:.0f}s",
                 )
-            # the lost-worker check costs two Redis reads: at most twice a lease period
-            if now - d.state_checked_s < min(1.0, self.live.lease_ttl_s / 2):
+            # the lost-worker check costs two Redis reads: at most twice a lease
+            # period, and only after that long without an entry (entries coming
+            # mean a worker is writing them)
+            period = min(1.0, self.live.lease_ttl_s / 2)
+            if now - d.state_checked_s < period or now - last_entry[0] < period:
                 return None
             d.state_checked_s = now
             try:
@@ -96,15 +104,26 @@ class Watcher:
                     )
                 return None
 
+        last_entry = [0.0]  # wall time of the last entry from the stream
         source = (
-            d.sub.events(on_idle, idle_ms=250)
+            d.sub.events(on_idle, idle_ms=IDLE_MS)
             if d.sub is not None
             else RelayReader(self.state, d.request.info.request_id, block_ms=250).events(on_idle)
         )
         gone_checked = time.monotonic()
+        quiet_since = gone_checked
         for ev in source:
+            if ev.kind == "idle":
+                # a keep-alive comment after KEEPALIVE_S of silence, not at every
+                # idle tick: with thousands of slow streams those writes were
+                # most of the process's work (client_gone notices a closed socket)
+                if time.monotonic() - quiet_since < KEEPALIVE_S:
+                    continue
+            else:
+                last_entry[0] = time.time()
+            quiet_since = time.monotonic()
             if client_gone is not None and ev.kind == "d":
-                # tokens flowing leave no idle moment: ask the socket every quarter second
+                # tokens flowing leave no idle moment: ask the socket every quarter second too
                 now_m = time.monotonic()
                 if now_m - gone_checked >= 0.25:
                     gone_checked = now_m
