@@ -138,12 +138,11 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
     def health(self) -> dict[str, Any]:
         """Redis and the instances as ``/health`` reports them (raises RedisError).
 
-        From the refresh thread's copy when it read Redis within the last
-        second (that read is the proof Redis answers), so a busy process
-        answers without a round trip; otherwise Redis is asked here."""
+        Redis is pinged (it answers now, or /health says it is down); the
+        instances come from the refresh thread's copy when it is at most a
+        second old, so a busy process answers with one round trip."""
+        self.state.r.ping()
         infos = self.instances(max_age_s=HEALTH_MAX_AGE_S)
-        if time.monotonic() - self._infos_at > HEALTH_MAX_AGE_S:
-            self.state.r.ping()
         now = time.time()
         healthy = {i.instance_id for i in infos if i.is_healthy(now, self.live.stale_after_s)}
         return {
