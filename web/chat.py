@@ -176,12 +176,14 @@ class _Stream:
 
 
 def _never_ran(gw: Gateway, d: Dispatched, events: Iterator[RelayEvent], quota: ChatQuota) -> None:
-    close = getattr(events, "close", None)
-    if close is not None:
-        close()
-    gw.cancel(d)
-    quota.finish(None)
-    gw.inflight.leave()
+    try:
+        close = getattr(events, "close", None)
+        if close is not None:
+            close()
+        gw.cancel(d)
+        quota.finish(None)
+    finally:
+        gw.inflight.leave()
 
 
 def _sse(
@@ -235,10 +237,12 @@ def _sse(
                 yield b"event: error\ndata: " + json.dumps(err).encode() + b"\n\n"
                 return
     finally:
-        if not finished:
-            gw.cancel(d)
-        quota.finish(usage)
-        gw.inflight.leave()
+        try:
+            if not finished:
+                gw.cancel(d)
+            quota.finish(usage)
+        finally:
+            gw.inflight.leave()  # whatever the clean-up raised: the place comes back
 
 
 def _complete(
