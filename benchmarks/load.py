@@ -387,6 +387,9 @@ def main() -> int:
     ap.add_argument("--abandon", type=int, default=20)
     ap.add_argument("--settle-s", type=float, default=120.0)
     ap.add_argument("--admission", default=None, help="up --admission (default: slomax)")
+    ap.add_argument(
+        "--env", action="append", default=[], help="KEY=VALUE for up's processes (repeatable)"
+    )
     ap.add_argument("--out", default=None, help="write the JSON here too")
     args = ap.parse_args()
 
@@ -403,6 +406,7 @@ def main() -> int:
             data_dir.parent.mkdir(parents=True, exist_ok=True)
             env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENFLEET_")}
             env.update(PYTHONPATH=args.src, TOKENFLEET_API_KEY=API_KEY, PYTHONUNBUFFERED="1")
+            env.update(kv.split("=", 1) for kv in args.env)
             log = open(data_dir.parent / f"up-{phase}.log", "wb")  # noqa: SIM115
             cmd = [sys.executable, "-m", "tokenfleet.cli.main", "up", "--port", str(args.port)]
             cmd += ["--data-dir", str(data_dir), "--time-scale", str(ts)]
