@@ -343,6 +343,24 @@ def ledger_counts(
         engine.dispose()
 
 
+def disconnects(host: str, port: int) -> dict[str, float]:
+    """The API's ``tokenfleet_client_disconnects_total`` by how it noticed."""
+    import http.client
+
+    try:
+        c = http.client.HTTPConnection(host, port, timeout=30)
+        c.request("GET", "/metrics")
+        text = c.getresponse().read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("tokenfleet_client_disconnects_total{"):
+            how = line.split('how="', 1)[1].split('"', 1)[0]
+            out[how] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def wait_http(host: str, port: int, timeout_s: float) -> None:
     import http.client
 
@@ -435,6 +453,7 @@ def main() -> int:
                         )
                         r["api_rss_mib"] = rss_mib(pid)
                         r["api_threads"] = threads_of(pid)
+                        r["api_disconnects"] = disconnects(host, args.port)
                         r["ledger"] = ledger_counts(data_dir, since, args.settle_s, n)
                         res[f"streams_{n}"] = r
                         print(json.dumps({f"streams_{n}": r}), flush=True)

@@ -103,6 +103,7 @@ def _chat(gw: Gateway, principal: Any) -> Response:
             finally:
                 events.close()
             if usage is None and resp.status_code == CLIENT_CLOSED:
+                _disconnect(gw, "socket_eof")
                 gw.cancel(d)
             quota.finish(usage)
             gw.inflight.leave()
@@ -111,6 +112,7 @@ def _chat(gw: Gateway, principal: Any) -> Response:
         # token still gets its proper HTTP status; after that, errors are events.
         first = next((ev for ev in events if ev.kind in ("d", "end", "err", "gone")), None)
         if first is not None and first.kind == "gone":
+            _disconnect(gw, "socket_eof")
             events.close()
             gw.cancel(d)
             quota.finish(None)
@@ -153,6 +155,11 @@ def _chunk(d: Dispatched, delta: dict[str, Any], finish: str | None = None) -> b
         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
     }
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _disconnect(gw: Gateway, how: str) -> None:
+    if gw.metrics is not None:
+        gw.metrics.disconnect(how)
 
 
 class _Stream:
@@ -207,6 +214,7 @@ def _sse(
             elif ev.kind == "idle":
                 yield b": keep-alive\n\n"
             elif ev.kind == "gone":
+                _disconnect(gw, "socket_eof")
                 return  # the client left: cancelled below
             elif ev.kind == "end":
                 finished = True
@@ -236,6 +244,9 @@ def _sse(
                 }
                 yield b"event: error\ndata: " + json.dumps(err).encode() + b"\n\n"
                 return
+    except GeneratorExit:
+        _disconnect(gw, "write_failed")
+        raise
     finally:
         try:
             if not finished:
