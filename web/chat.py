@@ -13,13 +13,22 @@ it), and every answer, errors included, carries ``X-Request-Id``.
 The legacy completions API (a ``prompt`` string or token ids; what many tools
 and vLLM's own benchmark send) takes the very same path; only the request's
 prompt field and the answer's shape (:class:`_Shape`) differ.
+
+Each request holds a place in the process's in-flight bound from the moment
+it is authenticated until its response ends (``gw.inflight``: over it, a 503
+at once), and goes through the front gate for its CPU work up to the
+dispatch (``gw.front_gate``: a few requests at a time, so that the threads
+competing for the interpreter stay few and ``/health`` is answered at once;
+one that cannot enter within ``api_front_wait_s`` gets a 503). A client that
+closes its connection while the request waits for its answer (streamed or
+not) cancels it: the wait asks the socket (:func:`web.server.client_gone`).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import redis
@@ -31,6 +40,10 @@ from tokenfleet.live.relay import RelayEvent
 from web.errors import ApiError
 from web.limits import read_json
 from web.quota import ChatQuota
+from web.server import client_gone
+
+#: the status logged for a request whose client left before its answer (nginx's)
+CLIENT_CLOSED = 499
 
 chat_bp = Blueprint("openai", __name__, url_prefix="/v1")
 
@@ -110,48 +123,95 @@ def _serve(shape: _Shape) -> Response:
         request.headers.get("Authorization")
     )
     g.tf_tenant = principal.tenant  # for the metrics and the access log of a refusal
-    body = read_json()
-    if not shape.chat and isinstance(body, dict) and body.get("max_tokens") is None:
-        # the legacy API's default output budget (OpenAI's and vLLM's), not chat's
-        body["max_tokens"] = LEGACY_DEFAULT_MAX_TOKENS
     tier_hint = request.headers.get(TIER_HEADER, "") or ""
-    req: ChatRequest | None = None
     try:
-        req = gw.validate(
-            body,
-            tenant=principal.tenant,
-            slo_class=principal.slo_class,
-            tier_hint=tier_hint,
-            kind=shape.kind,
-        )
-        g.tf_tier = req.info.tier
-        g.tf_request_id = req.info.request_id
-        quota = ChatQuota.admit(current_app.extensions.get("tokenfleet.quota"), principal, req)
-    except Exception as exc:
-        _record_refusal(gw, principal.tenant, body, req, tier_hint, exc)
+        gw.inflight.enter()  # over the process's bound: 503 now, before any work
+    except Exception as exc:  # refused unread: the row has no model, tier from the header
+        _record_refusal(gw, principal.tenant, None, None, tier_hint, exc)
         raise
     try:
+        return _serve_held(gw, principal, shape)
+    except BaseException:
+        gw.inflight.leave()
+        raise
+
+
+def _serve_held(gw: Gateway, principal: Any, shape: _Shape) -> Response:
+    """The request once it holds its place; the place is released when the
+    response ends (by ``_sse`` or ``_never_ran`` for a stream, here otherwise).
+    Its CPU work up to the dispatch runs through the front gate (a few at a
+    time, the rest wait a bounded time or are refused)."""
+    try:
+        gw.front_gate.enter()
+    except Exception as exc:
+        _record_refusal(
+            gw, principal.tenant, None, None, request.headers.get(TIER_HEADER, "") or "", exc
+        )
+        raise
+    try:
+        body = read_json()
+        if not shape.chat and isinstance(body, dict) and body.get("max_tokens") is None:
+            # the legacy API's default output budget (OpenAI's and vLLM's), not chat's
+            body["max_tokens"] = LEGACY_DEFAULT_MAX_TOKENS
+        tier_hint = request.headers.get(TIER_HEADER, "") or ""
+        req: ChatRequest | None = None
         try:
-            d = gw.dispatch(req)
+            req = gw.validate(
+                body,
+                tenant=principal.tenant,
+                slo_class=principal.slo_class,
+                tier_hint=tier_hint,
+                kind=shape.kind,
+            )
+            g.tf_tier = req.info.tier
+            g.tf_request_id = req.info.request_id
+            quota = ChatQuota.admit(current_app.extensions.get("tokenfleet.quota"), principal, req)
         except Exception as exc:
             _record_refusal(gw, principal.tenant, body, req, tier_hint, exc)
             raise
+        try:
+            d = gw.dispatch(req)
+        except BaseException as exc:
+            quota.refund()
+            if isinstance(exc, Exception):
+                _record_refusal(gw, principal.tenant, body, req, tier_hint, exc)
+            raise
         g.tf_dispatched = d
-        events = gw.events(d)
+    finally:
+        gw.front_gate.leave()
+    gone = client_gone(request.environ)
+    try:
+        events = gw.events(d, client_gone=gone)
         if not req.stream:
-            resp, usage = _complete(shape, d, events)
+            try:
+                resp, usage = _complete(shape, d, events)
+            finally:
+                events.close()
+            if usage is None and resp.status_code == CLIENT_CLOSED:
+                d.extra["outcome"] = "cancelled"
+                _disconnect(gw, "socket_eof")
+                gw.cancel(d)
             quota.finish(usage)
+            gw.inflight.leave()
             return resp
         # Hold the response until the first real event so an error before any
         # token still gets its proper HTTP status; after that, errors are events.
-        first = next((ev for ev in events if ev.kind in ("d", "end", "err")), None)
+        first = next((ev for ev in events if ev.kind in ("d", "end", "err", "gone")), None)
+        if first is not None and first.kind == "gone":
+            d.extra["outcome"] = "cancelled"
+            _disconnect(gw, "socket_eof")
+            events.close()
+            gw.cancel(d)
+            quota.finish(None)
+            gw.inflight.leave()
+            return Response(b"", status=CLIENT_CLOSED)
         if first is None or first.kind == "err":
             raise _event_error(first)
     except BaseException:
         quota.refund()
         raise
     return Response(
-        _sse(shape, gw, d, first, events, quota),
+        _Stream(_sse(shape, gw, d, first, events, quota), lambda: _never_ran(gw, d, events, quota)),
         mimetype="text/event-stream",
         headers={
             "Cache-Control": "no-cache",
@@ -201,6 +261,43 @@ def _event_error(ev: RelayEvent | None) -> ApiError:
     )
 
 
+def _disconnect(gw: Gateway, how: str) -> None:
+    if gw.metrics is not None:
+        gw.metrics.disconnect(how)
+
+
+class _Stream:
+    """A streamed body whose clean-up runs even if the server never started it
+    (a generator's ``finally`` runs only once it has started)."""
+
+    def __init__(self, gen: Generator[bytes, None, None], never_ran: Any) -> None:
+        self._gen = gen
+        self._never_ran = never_ran
+        self._started = False
+
+    def __iter__(self) -> Iterator[bytes]:
+        self._started = True
+        return self._gen
+
+    def close(self) -> None:
+        self._gen.close()
+        if not self._started:
+            self._started = True
+            self._never_ran()
+
+
+def _never_ran(gw: Gateway, d: Dispatched, events: Iterator[RelayEvent], quota: ChatQuota) -> None:
+    try:
+        close = getattr(events, "close", None)
+        if close is not None:
+            close()
+        d.extra["outcome"] = "cancelled"
+        gw.cancel(d)
+        quota.finish(None)
+    finally:
+        gw.inflight.leave()
+
+
 def _sse(
     shape: _Shape,
     gw: Gateway,
@@ -208,7 +305,7 @@ def _sse(
     first: RelayEvent,
     events: Iterator[RelayEvent],
     quota: ChatQuota,
-) -> Iterator[bytes]:
+) -> Generator[bytes, None, None]:
     r = d.request
     finished = False
     usage: dict[str, Any] | None = None
@@ -227,6 +324,9 @@ def _sse(
                     yield shape.chunk(d, ev.text)
             elif ev.kind == "idle":
                 yield b": keep-alive\n\n"
+            elif ev.kind == "gone":
+                _disconnect(gw, "socket_eof")
+                return  # the client left: cancelled below
             elif ev.kind == "end":
                 finished = True
                 usage = ev.usage
@@ -249,11 +349,17 @@ def _sse(
                 }
                 yield b"event: error\ndata: " + json.dumps(err).encode() + b"\n\n"
                 return
+    except GeneratorExit:
+        _disconnect(gw, "write_failed")
+        raise
     finally:
-        if not finished:
-            d.extra["outcome"] = "cancelled"
-            gw.cancel(d)
-        quota.finish(usage)
+        try:
+            if not finished:
+                d.extra["outcome"] = "cancelled"
+                gw.cancel(d)
+            quota.finish(usage)
+        finally:
+            gw.inflight.leave()  # whatever the clean-up raised: the place comes back
 
 
 def _complete(
@@ -264,6 +370,8 @@ def _complete(
     for ev in events:
         if ev.kind == "d":
             parts.append(ev.text)
+        elif ev.kind == "gone":
+            return Response(b"", status=CLIENT_CLOSED), None  # the caller cancels
         elif ev.kind == "err":
             d.extra["outcome"] = "error"
             raise _event_error(ev)

@@ -85,6 +85,14 @@ class ApiMetrics:
             ["dc", "reason"],
             registry=self.registry,
         )
+        self.disconnects = Counter(
+            "tokenfleet_client_disconnects",
+            "Requests whose client left before the end, by how the API noticed: "
+            "socket_eof (the socket said so while waiting) or write_failed (the "
+            "server stopped the stream, e.g. a failed write).",
+            ["how"],
+            registry=self.registry,
+        )
         self.registry.register(_LiveStateCollector(gateway))
 
     def tenant_label(self, tenant: str | None) -> str:
@@ -98,6 +106,9 @@ class ApiMetrics:
                 return "_other"
             self._tenants.add(tenant)
         return tenant
+
+    def disconnect(self, how: str) -> None:
+        self.disconnects.labels(how).inc()
 
     def dc_decision(self, dc: str, reason: str) -> None:
         self.dc_decisions.labels(dc, reason.split(":")[0] or "none").inc()

@@ -30,6 +30,21 @@ trivial streaming Flask route (``benchmarks/api_ingress.py``, 50
 requests/s on one connection): time to first chunk p50 lower in 10 of 13
 alternated pairs of runs, by 0.12 ms at the median (1.21-1.49 ms without);
 docs/benchmarks.md.
+
+**The pool grows with the connections** (up to ``max_threads``). A stream
+holds its thread while it waits (its tokens come from the process's one relay
+reader, :class:`tokenfleet.live.relay.RelayHub`, not from a Redis connection
+of its own), so the number of streams a process holds is a thread count, not
+a queue: with the former fixed pool of 128, the 129th request waited unseen in
+the accept queue, and so did ``/health``. Now a connection that finds no idle
+thread gets a new one; the chat view refuses, with a 503 at once, what is
+over the process's in-flight bound (``LiveConfig.api_max_inflight``), and the
+pool's ceiling is that bound plus a reserve, so ``/health`` and ``/metrics``
+always find a thread. Threads above the base count that stay idle are retired.
+
+:func:`client_gone` tells a waiting request whether its client closed the
+connection (EOF on the socket), so a non-streamed request, which writes
+nothing until its answer, is cancelled as a stream would be.
 """
 
 from __future__ import annotations
@@ -37,9 +52,13 @@ from __future__ import annotations
 import io
 import logging
 import select
+import socket
 import threading
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from cheroot.workers.threadpool import WorkerThread
 from cheroot.wsgi import Gateway_10
 from cheroot.wsgi import Server as _CherootServer
 
@@ -59,6 +78,52 @@ MAX_HEADER_BYTES = 64 * 1024
 LINGER_S = 1.0
 #: how often a lingering thread looks at the pool (queued connections, stop)
 _LINGER_STEP_S = 0.05
+#: threads above the ceiling of chat requests: /health, /metrics, /v1/models
+RESERVE_THREADS = 64
+#: threads added at once when a connection finds none idle
+_GROW_STEP = 16
+#: threads above the base count idle this long are retired
+_RETIRE_IDLE_S = 30.0
+#: the WSGI environ key of the request's connection (see :func:`client_gone`)
+CONN_KEY = "tokenfleet.conn"
+
+
+def client_gone(environ: Mapping[str, Any]) -> Callable[[], bool] | None:
+    """A check that says whether the client of this request closed its
+    connection: the socket is readable and reading would return EOF (or it
+    reports a hang-up). Pipelined bytes of a next request are not EOF. None
+    when the server does not expose the connection (another WSGI server)."""
+    conn = environ.get(CONN_KEY)
+    sock = getattr(conn, "socket", None)
+    if sock is None:
+        return None
+    try:
+        fd = sock.fileno()
+    except OSError:
+        return lambda: True
+    poller = select.poll()
+    rdhup = getattr(select, "POLLRDHUP", 0)
+    poller.register(fd, select.POLLIN | select.POLLPRI | rdhup)
+    plain = isinstance(sock, socket.socket) and type(sock) is socket.socket
+
+    def gone() -> bool:
+        try:
+            events = poller.poll(0)
+        except OSError:
+            return True
+        for _fd, ev in events:
+            if ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL | rdhup):
+                return True
+            if ev & select.POLLIN and plain:
+                try:
+                    return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"")
+                except BlockingIOError:
+                    return False
+                except OSError:
+                    return True
+        return False
+
+    return gone
 
 
 class _OneWriteGateway(Gateway_10):
@@ -66,7 +131,13 @@ class _OneWriteGateway(Gateway_10):
 
     Cheroot writes them separately; the first write wakes the client, which
     then waits for the second: for a stream, the first token. One write means
-    one wake-up and one system call fewer on the time-to-first-token path."""
+    one wake-up and one system call fewer on the time-to-first-token path.
+    It also puts the connection in the environ (:data:`CONN_KEY`)."""
+
+    def get_environ(self) -> Any:
+        env: dict[str, Any] = super().get_environ()  # type: ignore[no-untyped-call]
+        env[CONN_KEY] = self.req.conn
+        return env
 
     def write(self, chunk: bytes) -> None:
         req = self.req
@@ -85,9 +156,44 @@ class _OneWriteGateway(Gateway_10):
 
 
 class _LingeringServer(_CherootServer):
-    """cheroot's WSGI server whose pool threads linger on a busy connection."""
+    """cheroot's WSGI server whose pool threads linger on a busy connection,
+    and whose pool grows when a connection finds no idle thread."""
 
     linger_s = LINGER_S
+    _last_retire = 0.0
+    _idle_since = 0.0
+
+    def process_conn(self, conn: Any) -> None:
+        # runs on the selector thread: never wait here (cheroot's own grow()
+        # sleeps until each new thread is up)
+        pool = self.requests
+        try:
+            idle = pool.idle
+            if idle <= pool.qsize and len(pool._threads) < pool.max:
+                n = min(_GROW_STEP, int(pool.max - len(pool._threads)))
+                for _ in range(n):
+                    worker = WorkerThread(self)  # type: ignore[no-untyped-call]
+                    worker.name = f"CP Server {worker.name!s}"
+                    worker.start()
+                    pool._threads.append(worker)
+            self._maybe_retire(pool, idle)
+        except Exception:  # serve with the threads there are
+            log.exception("could not grow the server's thread pool")
+        super().process_conn(conn)
+
+    def _maybe_retire(self, pool: Any, idle: int) -> None:
+        """Retire threads above the base count that have been idle a while."""
+        now = time.monotonic()
+        extra = len(pool._threads) - pool.min
+        if extra <= 0 or idle < 2 * _GROW_STEP:
+            self._idle_since = 0.0
+            return
+        if not self._idle_since:
+            self._idle_since = now
+        if now - self._idle_since < _RETIRE_IDLE_S or now - self._last_retire < _RETIRE_IDLE_S:
+            return
+        self._last_retire = now
+        pool.shrink(min(extra, idle - _GROW_STEP))
 
     def _may_linger(self) -> bool:
         pool = self.requests
@@ -132,12 +238,20 @@ class ApiServer:
         port: int = 0,
         threads: int = 128,
         linger_s: float = LINGER_S,
+        max_threads: int | None = None,
     ) -> None:
+        """``threads`` start and stay; the pool grows to ``max_threads``
+        (default: the app's ``api_max_inflight`` plus :data:`RESERVE_THREADS`)."""
+        if max_threads is None:
+            live = getattr(app, "extensions", {}).get("tokenfleet")
+            bound = getattr(getattr(live, "live", None), "api_max_inflight", 0) or 4096
+            max_threads = bound + RESERVE_THREADS
         self._server = _LingeringServer(
             (host, port),
             app,
             numthreads=max(1, threads),
-            request_queue_size=256,
+            max=max(threads, max_threads),
+            request_queue_size=1024,
             timeout=KEEPALIVE_S,
             shutdown_timeout=2,
         )

@@ -236,6 +236,35 @@ class LiveConfig:
             'https, directly or per X-Forwarded-Proto), "true" or "false".'
         ),
     )
+    api_max_inflight: int = field(
+        default=4096,
+        metadata=_doc(
+            "Chat requests (streams included) one API process holds at once; the next is "
+            "answered 503 with Retry-After at once (0: no bound). The server's thread pool "
+            "grows to this plus a reserve, so /health never waits behind chat requests."
+        ),
+    )
+    api_front_slots: int = field(
+        default=8,
+        metadata=_doc(
+            "Chat requests of one API process doing their CPU work before the dispatch (parse, "
+            "tokenize, route, publish) at once; the others wait (0: no gate)."
+        ),
+    )
+    api_front_wait_s: float = field(
+        default=2.0,
+        metadata=_doc(
+            "How long a chat request waits for the front gate before it is answered 503 with "
+            "Retry-After."
+        ),
+    )
+    shed_wait_factor: float = field(
+        default=1.0,
+        metadata=_doc(
+            "Refuse (429, Retry-After) a request whose predicted queue wait in its datacenter "
+            "exceeds this times its tier's TTFT limit (0: never; only with an admission policy)."
+        ),
+    )
     #: admission policy in tokenfleet.core.admission.ADMISSION ("none" admits everything)
     admission: str = field(
         default="slomax",

@@ -54,7 +54,16 @@ class TenancyServices:
         from tokenfleet.service.db import make_engine
 
         eng = engine or make_engine(database_url, pool_size=10)
-        client = redis.Redis.from_url(redis_url, socket_connect_timeout=2, health_check_interval=30)
+        # a blocking pool: redis-py's default pool refuses its 101st concurrent user
+        # (MaxConnectionsError), and every stream that ends records its usage here
+        pool = redis.BlockingConnectionPool.from_url(
+            redis_url,
+            max_connections=512,
+            timeout=5.0,
+            socket_connect_timeout=2,
+            health_check_interval=30,
+        )
+        client = redis.Redis(connection_pool=pool)
         directory = TenantDirectory(
             eng, client, prefix=prefix, max_entries=auth_cache_entries, stale_s=auth_stale_s
         )

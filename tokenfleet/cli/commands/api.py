@@ -32,8 +32,8 @@ def register(subparsers: Any) -> None:
         "--threads",
         type=int,
         default=128,
-        help="server threads = requests in flight at once, streams included; "
-        "more wait in the accept queue (default 128)",
+        help="server threads kept ready (default 128); the pool grows with the "
+        "connections up to api_max_inflight plus a reserve for /health and /metrics",
     )
     p.add_argument("--loglevel", default="INFO")
     p.set_defaults(func=run)

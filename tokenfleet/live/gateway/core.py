@@ -32,13 +32,18 @@ from tokenfleet.live.dc_select import LiveDCSelector, load_topology
 from tokenfleet.live.gateway.dispatch import Dispatcher
 from tokenfleet.live.gateway.errors import StoreUnavailable
 from tokenfleet.live.gateway.feedback import Feedback
+from tokenfleet.live.gateway.overload import FrontGate, InflightBound, WaitPredictor
 from tokenfleet.live.gateway.refresh import LiveView
 from tokenfleet.live.gateway.validate import ChatRequest, validate_chat
 from tokenfleet.live.gateway.watch import Watcher
 from tokenfleet.live.redis_transport import TRANSPORT_PATH, PipelinePublisher, same_database
+from tokenfleet.live.relay import RelayHub
 from tokenfleet.live.state import LiveState
 from tokenfleet.service.writer import RequestRecord
 from tokenfleet.tokenizer import ChatPrompt, tokenize_chat
+
+#: /health answers from the refresh thread's copy of the instances up to this age
+HEALTH_MAX_AGE_S = 1.0
 
 
 def make_admission(name: str) -> Any:
@@ -107,7 +112,17 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
         self.tenant_regions = None
         self.metrics: Any = None  # the API's metrics (web.metrics.ApiMetrics), if any
         self._tokenizers: dict[str, Callable[[Sequence[Any]], ChatPrompt]] = {}
+        #: the front door's load shedding (overload.py)
+        self.inflight = InflightBound(live.api_max_inflight)
+        self.front_gate = FrontGate(live.api_front_slots, live.api_front_wait_s)
+        self.wait_predictor = WaitPredictor(self.slo, live.shed_wait_factor)
         self._start_view()
+        #: every stream this process waits on, read by one thread (relay.py)
+        self.relay_hub = RelayHub(state)
+
+    def close(self) -> None:
+        self.relay_hub.close()
+        super().close()
 
     def validate(
         self,
@@ -180,9 +195,13 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
         self._ledger(row)
 
     def health(self) -> dict[str, Any]:
-        """Redis and the instances as ``/health`` reports them (raises RedisError)."""
+        """Redis and the instances as ``/health`` reports them (raises RedisError).
+
+        Redis is pinged (it answers now, or /health says it is down); the
+        instances come from the refresh thread's copy when it is at most a
+        second old, so a busy process answers with one round trip."""
         self.state.r.ping()
-        infos = self.state.instances()
+        infos = self.instances(max_age_s=HEALTH_MAX_AGE_S)
         now = time.time()
         healthy = {i.instance_id for i in infos if i.is_healthy(now, self.live.stale_after_s)}
         return {

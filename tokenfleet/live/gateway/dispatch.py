@@ -35,6 +35,7 @@ from tokenfleet.live.gateway.errors import (
 from tokenfleet.live.gateway.validate import ChatRequest
 from tokenfleet.live.jobs import TASK_CHAT, ChatJob, send_chat_job
 from tokenfleet.live.queues import affinity_queue, pool_queue
+from tokenfleet.live.relay import RelayHub, Subscription
 from tokenfleet.live.state import InstanceInfo, LiveState
 from tokenfleet.service.writer import RequestRecord
 
@@ -65,6 +66,8 @@ class Dispatched:
     tokens: int = 0  # completion tokens relayed so far
     state_checked_s: float = 0.0
     dc_ticket: DCTicket | None = None  # the DC choice's accounting, settled at the end
+    #: the request's stream as this process's relay hub delivers it
+    sub: Subscription | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -101,6 +104,8 @@ class Dispatcher:
     metrics: Any
     tenant_regions: Callable[[str], Sequence[str]] | None
     _publisher: Any
+    relay_hub: RelayHub
+    wait_predictor: Any
     _dc_views_at: float
     _depths: dict[str, int]
     _depths_at: float
@@ -173,13 +178,19 @@ class Dispatcher:
             # request state, queue depth, accounting, counters and (when the broker
             # is this Redis) the task itself: one round trip, the state first, so a
             # worker never takes a task whose state is missing (the id is a fresh
-            # uuid, so no existence check is needed)
+            # uuid, so no existence check is needed); the stream is subscribed to
+            # first, and the same round trip wakes the relay hub
+            sub = self.relay_hub.subscribe(info.request_id)
             try:
                 self._dispatch_writes(req, job, target, affinity, cached, dc_choice)
             except KombuError as exc:
+                sub.close()
                 raise StoreUnavailable(
                     f"the message broker is unavailable ({exc.__class__.__name__}); retry shortly"
                 ) from None
+            except BaseException:
+                sub.close()
+                raise
             self._ledger(
                 ledger_record(info, "in_flight", admitted_ts=admitted, dc=target.dc, attempts=1)
             )
@@ -206,6 +217,7 @@ class Dispatcher:
             dispatch_s=admitted,
             affinity=affinity,
             dc_ticket=ticket,
+            sub=sub,
         )
 
     # -- admission ----------------------------------------------------------------------
@@ -221,6 +233,7 @@ class Dispatcher:
         )
 
         self._refresh_admission_knobs()
+        self._shed_late(req, views, now)
         loads = []
         infos = {i.instance_id: i for i in self.instances()}
         for v in views:
@@ -245,6 +258,30 @@ class Dispatcher:
         if decision.action == ADMIT and decision.instance_ids:
             return tuple(decision.instance_ids)
         return None
+
+    def _shed_late(self, req: ChatRequest, views: list[Any], now: float) -> None:
+        """Refuse (429) a request whose predicted queue wait in its datacenter is
+        over its tier's limit (:class:`~tokenfleet.live.gateway.overload.WaitPredictor`)."""
+        from tokenfleet.live.gateway.refresh import QUEUE_DEPTHS_MAX_AGE_S
+
+        dcs = {v.dc for v in views}
+        if len(dcs) != 1:
+            return  # DC selection off: admission alone
+        dc = next(iter(dcs))
+        if time.monotonic() - self._depths_at > QUEUE_DEPTHS_MAX_AGE_S:
+            try:
+                self._refresh_depths()
+            except redis.RedisError:
+                return
+        ids = [v.instance_id for v in views]
+
+        def totals() -> list[int]:
+            return [a.dispatched_total for a in self.accounting.get(ids).values()]
+
+        try:
+            self.wait_predictor.check(req.info, dc, self._depths, totals)
+        except AtCapacity as exc:
+            self._reject(req, str(exc), exc.retry_after_s, dc, message=exc.message)
 
     def _broker_queues(self, dcs: set[str], info: RequestInfo) -> dict[str, Any]:
         """What waits in the chosen DC's broker queues, per tier, as admission totals.
@@ -287,7 +324,12 @@ class Dispatcher:
         )
 
     def _reject(
-        self, req: ChatRequest, reason: str, retry_after_s: float | None, dc: str | None = None
+        self,
+        req: ChatRequest,
+        reason: str,
+        retry_after_s: float | None,
+        dc: str | None = None,
+        message: str | None = None,
     ) -> None:
         info = req.info
         self._ledger(
@@ -300,7 +342,8 @@ class Dispatcher:
         if self.metrics is not None:
             self.metrics.finished(info.tier, "rejected", tenant=info.tenant)
         raise AtCapacity(
-            f"TokenFleet is at capacity for {info.tier} requests ({reason}); "
+            message
+            or f"TokenFleet is at capacity for {info.tier} requests ({reason}); "
             "retry after the indicated delay",
             retry_after_s=retry_after_s if retry_after_s is not None else 1.0,
         )
@@ -430,6 +473,7 @@ class Dispatcher:
             if dc_choice is not None and dc_choice[1] not in (None, target.dc):
                 # beat's planner needs each DC's spilled-in share (rollback rule)
                 b.count(**{f"spilled_in:{target.dc}": 1})
+            self.relay_hub.wake(b.pipe)
             if joined is not None:
                 # a KombuError here leaves the batch unsent: nothing to undo
                 joined.publish(

@@ -128,6 +128,14 @@ class NoCapacity(GatewayError):
     retry_after_s = 2.0
 
 
+class Overloaded(GatewayError):
+    """This API process holds as many requests as it may; retry later or elsewhere."""
+
+    status = 503
+    code = "server_overloaded"
+    retry_after_s = 1.0
+
+
 class StoreUnavailable(GatewayError):
     """Redis (live state) or the message broker is down or restarting."""
 

@@ -6,10 +6,13 @@ that the request is still being served: a worker that died before the first
 token gets its request re-sent elsewhere (:mod:`tokenfleet.live.resend`, the
 same rule the workers use), one that died after it ends the stream with an
 error event, and a request queued for an instance that went away is re-sent
-to a live one. The request timeout and a client that went away settle it here.
-Every end it relays is also recorded in the ledger (:mod:`.rows`), so a
-request keeps its final row when the worker that served it dies before its
-ledger writer flushed, or when the end is the API's own verdict.
+to a live one. The request timeout and a client that went away settle it here;
+``client_gone`` lets the caller say the client closed its connection while the
+request waits (a non-streamed request writes nothing until its end, so only
+the socket tells). Every end it relays is also recorded in the ledger
+(:mod:`.rows`), so a request keeps its final row when the worker that served
+it dies before its ledger writer flushed, or when the end is the API's own
+verdict.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -39,6 +42,11 @@ from tokenfleet.service.writer import RequestRecord
 
 log = logging.getLogger("tokenfleet.api")
 
+#: a waiting request looks at its client, deadline and worker this often (ms)
+IDLE_MS = 500
+#: an SSE keep-alive comment is sent after this long without any event (seconds)
+KEEPALIVE_S = 5.0
+
 
 class Watcher:
     """Part of :class:`~tokenfleet.live.gateway.Gateway`: waiting for the answer."""
@@ -58,13 +66,21 @@ class Watcher:
         def _settle_dc_choice(self, d: Dispatched, status: str) -> None: ...
         def _on_complete(self, d: Dispatched, ev: RelayEvent) -> None: ...
 
-    def events(self, d: Dispatched) -> Iterator[RelayEvent]:
-        """Relay events of one request, with the lost-worker and timeout checks."""
-        reader = RelayReader(self.state, d.request.info.request_id, block_ms=250)
+    def events(
+        self, d: Dispatched, client_gone: Callable[[], bool] | None = None
+    ) -> Generator[RelayEvent, None, None]:
+        """Relay events of one request, with the lost-worker and timeout checks.
+
+        ``client_gone()`` is asked whenever nothing came for ``IDLE_MS``,
+        and every quarter second while tokens come; when it says so the
+        iteration ends with a ``gone`` event and the caller cancels the
+        request (:meth:`cancel`)."""
         deadline = d.request.info.arrival_s + self.live.request_timeout_s
         redis_down_since: list[float] = []
 
         def on_idle() -> RelayEvent | None:
+            if client_gone is not None and client_gone():
+                return RelayEvent("gone")
             now = time.time()
             if now > deadline:
                 return self._settle(
@@ -73,8 +89,11 @@ class Watcher:
                     504,
                     f"request not finished within {self.live.request_timeout_s:.0f}s",
                 )
-            # the lost-worker check costs two Redis reads: at most twice a lease period
-            if now - d.state_checked_s < min(1.0, self.live.lease_ttl_s / 2):
+            # the lost-worker check costs two Redis reads: at most twice a lease
+            # period, and only after that long without an entry (entries coming
+            # mean a worker is writing them)
+            period = min(1.0, self.live.lease_ttl_s / 2)
+            if now - d.state_checked_s < period or now - last_entry[0] < period:
                 return None
             d.state_checked_s = now
             try:
@@ -96,7 +115,33 @@ class Watcher:
                     )
                 return None
 
-        for ev in reader.events(on_idle):
+        last_entry = [0.0]  # wall time of the last entry from the stream
+        source = (
+            d.sub.events(on_idle, idle_ms=IDLE_MS)
+            if d.sub is not None
+            else RelayReader(self.state, d.request.info.request_id, block_ms=250).events(on_idle)
+        )
+        gone_checked = time.monotonic()
+        quiet_since = gone_checked
+        for ev in source:
+            if ev.kind == "idle":
+                # a keep-alive comment after KEEPALIVE_S of silence, not at every
+                # idle tick: with thousands of slow streams those writes were
+                # most of the process's work (client_gone notices a closed socket)
+                if time.monotonic() - quiet_since < KEEPALIVE_S:
+                    continue
+            else:
+                last_entry[0] = time.time()
+            quiet_since = time.monotonic()
+            if client_gone is not None and ev.kind == "d":
+                # tokens flowing leave no idle moment: ask the socket every quarter second too
+                now_m = time.monotonic()
+                if now_m - gone_checked >= 0.25:
+                    gone_checked = now_m
+                    if client_gone():
+                        source.close()
+                        yield RelayEvent("gone")
+                        return
             if ev.kind == "d" and d.first_token_s is None:
                 d.first_token_s = time.time()
                 d.first_token_due = ev.instance or d.instance
@@ -244,6 +289,8 @@ class Watcher:
     def cancel(self, d: Dispatched) -> None:
         """The client went away: stop the engine work and settle as cancelled."""
         info = d.request.info
+        if d.sub is not None:
+            d.sub.close()
         try:
             self.state.cancel(info.request_id)
             won, _ = self.state.finish(info.request_id, "cancelled")
