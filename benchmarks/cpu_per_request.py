@@ -38,8 +38,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.*, tests.support
 
-from benchmarks.live_overhead import _Caller, wakeup_rtt_us
+from benchmarks.live_overhead import wakeup_rtt_us
 from tests.support.stack import API_KEY, InstanceSpec, LiveStack
+from tokenfleet.live.httpclient import KeepAliveClient
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 #: roles summed into the control plane's figure (engines and the client are not)
@@ -115,6 +116,37 @@ def _self_cpu_s() -> float:
     return t.user + t.system
 
 
+class _Caller(KeepAliveClient):
+    """Reads every answer to its end, so the keep-alive connection is reusable
+    (``read1`` at a Content-Length end does not release an ``http.client`` response)."""
+
+    def call(self, body: dict[str, Any]) -> int:
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+        try:
+            resp = self.request(
+                "POST", "/v1/chat/completions", body=json.dumps(body).encode(), headers=headers
+            )
+            data = resp.read()
+        except Exception:
+            self.drop()
+            raise
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {data[:120]!r}")
+        return len(data)
+
+
+def redis_commands(stack: LiveStack) -> dict[str, tuple[int, int]]:
+    """Redis ``INFO commandstats``: command -> (calls, CPU microseconds)."""
+    import redis
+
+    r = redis.Redis.from_url(stack.redis.url)
+    try:
+        stats = r.info("commandstats")
+    finally:
+        r.close()
+    return {k.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for k, v in stats.items()}
+
+
 def make_prompt(prompt_tokens: int, shared_fraction: float, i: int) -> list[dict[str, str]]:
     """Chat messages of about ``prompt_tokens`` byte-tokenizer tokens (4 bytes
     each); the system message, ``shared_fraction`` of it, is the same for every
@@ -139,7 +171,7 @@ def run_config(
     shared_fraction: float,
     idle_rate: dict[str, float],
 ) -> dict[str, Any]:
-    client = _Caller(stack.url, API_KEY)
+    client = _Caller(stack.url, timeout_s=120)
     base: dict[str, Any] = {
         "model": stack.model,
         "stream": stream,
@@ -168,6 +200,7 @@ def run_config(
     time.sleep(1.0)
     pids = stack_pids(stack)
     before = cpu_by_role(pids)
+    cmds0 = redis_commands(stack)
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=64) as pool:
         for k, body in enumerate(bodies[3:]):
@@ -178,7 +211,16 @@ def run_config(
     time.sleep(0.5)  # KV events, ledger flushes and accounting after the last end
     window_s = time.monotonic() - t0
     after = cpu_by_role(pids)
+    cmds1 = redis_commands(stack)
     used = {r: after[r] - before[r] for r in after if r in before}
+    redis_per_request = {
+        cmd: {
+            "calls": round((calls - cmds0.get(cmd, (0, 0))[0]) / requests, 1),
+            "cpu_us": round((us - cmds0.get(cmd, (0, 0))[1]) / requests, 1),
+        }
+        for cmd, (calls, us) in sorted(cmds1.items(), key=lambda kv: -kv[1][1])
+        if calls - cmds0.get(cmd, (0, 0))[0] >= requests / 2
+    }
     gross = {r: round(s * 1e3 / requests, 2) for r, s in sorted(used.items())}
     net = {
         r: round((s - idle_rate.get(r, 0.0) * window_s) * 1e3 / requests, 2)
@@ -194,6 +236,7 @@ def run_config(
         "window_s": round(window_s, 2),
         "gross_cpu_ms_per_request": gross,
         "net_cpu_ms_per_request": net,
+        "redis_commands_per_request": redis_per_request,
     }
 
 
@@ -223,6 +266,7 @@ def run_stack(args: argparse.Namespace, kv_events: bool) -> dict[str, Any]:
             engines_in_process=False,
             api_in_process=False,
             engine_kv_events=kv_events,
+            live_overrides=dict(args.live or []),
         )
         stack.start()
         try:
@@ -259,6 +303,14 @@ def _line(res: dict[str, Any]) -> str:
     )
 
 
+def _live_setting(text: str) -> tuple[str, Any]:
+    name, _, value = text.partition("=")
+    try:
+        return name, json.loads(value)
+    except ValueError:
+        return name, value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -277,6 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--time-scale", type=float, default=0.05, help="emulated engine time scale")
     p.add_argument("--idle-s", type=float, default=5.0, help="idle measurement before the load")
+    p.add_argument(
+        "--live",
+        type=_live_setting,
+        action="append",
+        metavar="NAME=VALUE",
+        help="a LiveConfig override for the stack, e.g. relay_flush_interval_s=0 (repeatable)",
+    )
     p.add_argument("--json", default=None, help="also write the report here")
     args = p.parse_args(argv)
     args.stream_modes = {"both": [False, True], "yes": [True], "no": [False]}[args.stream]

@@ -510,3 +510,46 @@ def test_up_engine_option_names_dc_url_and_optional_kv_and_tokenizer() -> None:
     ]:
         with pytest.raises(ConfigError, match=why):
             parse_engine(bad)
+
+
+def test_worker_relay_coalesces_tokens_within_the_flush_interval(
+    state: LiveState, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tokens after the first go out at most every ``relay_flush_interval_s``
+    (held text waits for the next piece or the end), all of them, in order."""
+    import workers.tasks as tasks
+
+    now = [100.0]
+    monkeypatch.setattr(tasks.time, "monotonic", lambda: now[0])
+
+    def entries(rid: str) -> list[tuple[str, int]]:
+        return [(f[b"t"].decode(), int(f[b"n"])) for _, f in state.r.xrange(state.stream_key(rid))]
+
+    # 0: one entry per engine flush, as before
+    c = tasks._RelayCoalescer(RelayWriter(state, "co0", 30, "i1"), 0.0)
+    for i in range(3):
+        c.add(f"w{i} ", 1)
+    c.flush()
+    assert entries("co0") == [("w0 ", 1), ("w1 ", 1), ("w2 ", 1)]
+
+    c = tasks._RelayCoalescer(RelayWriter(state, "co1", 30, "i1"), 0.02)
+    c.written()  # the first token's entry, at t=100
+    c.add("a", 1)
+    c.add("b", 2)  # both within 20 ms of it: held
+    assert entries("co1") == []
+    now[0] += 0.021
+    c.add("c", 1)  # the interval passed: all held text in one entry
+    assert entries("co1") == [("abc", 4)]
+    now[0] += 0.005
+    c.add("d", 1)
+    c.flush()  # the stream's end: nothing is left behind
+    c.flush()  # nothing held: no empty entry
+    assert entries("co1") == [("abc", 4), ("d", 1)]
+
+
+def test_relay_flush_interval_is_a_live_setting() -> None:
+    assert LiveConfig.load(env={}).relay_flush_interval_s == 0.02
+    off = LiveConfig.load(env={"TOKENFLEET_RELAY_FLUSH_INTERVAL_S": "0"})
+    assert off.relay_flush_interval_s == 0
+    with pytest.raises(ConfigError, match="relay_flush_interval_s"):
+        LiveConfig.load(env={}, relay_flush_interval_s=-1.0)
