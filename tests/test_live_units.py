@@ -553,3 +553,48 @@ def test_relay_flush_interval_is_a_live_setting() -> None:
     assert off.relay_flush_interval_s == 0
     with pytest.raises(ConfigError, match="relay_flush_interval_s"):
         LiveConfig.load(env={}, relay_flush_interval_s=-1.0)
+
+
+def test_refresh_thread_polls_queue_depths_only_while_requests_read_them() -> None:
+    """An API without requests does not read the queue depths 40 times a second;
+    once the dispatch reads them (``_depths``), the thread keeps them fresh."""
+    from tokenfleet.live.gateway.refresh import LiveView
+
+    polled = threading.Event()
+
+    class _State:
+        accounting = staticmethod(lambda ids: {})
+
+        def queued(self) -> dict[str, int]:
+            polled.set()
+            return {"dc-a.interactive": 2}
+
+        def instances(self) -> list[InstanceInfo]:
+            return []
+
+        def read_kv_events(self, last: str, block_ms: int = 0) -> tuple[str, list[KVEvent]]:
+            time.sleep(block_ms / 1000)
+            return last, []
+
+        def thresholds(self) -> dict[str, float]:
+            return {}
+
+        def spill_shares(self) -> dict[str, float]:
+            return {}
+
+    view = LiveView()
+    view.state = _State()  # type: ignore[assignment]
+    view.admission = object()
+    view.dc_selector = None
+    view._start_view()
+    try:
+        time.sleep(0.2)  # several depth periods (25 ms) with nobody reading them
+        assert not polled.is_set()
+        assert view._depths == {}  # a dispatch reads them: the thread polls again
+        assert polled.wait(5.0)
+        deadline = time.monotonic() + 5.0
+        while view._depths_copy != {"dc-a.interactive": 2} and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert view._depths == {"dc-a.interactive": 2}
+    finally:
+        view.close()
