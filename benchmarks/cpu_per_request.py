@@ -3,7 +3,8 @@ lengths (``python benchmarks/cpu_per_request.py``; issue #23).
 
 A live stack with every process separate (API, one Celery worker per engine,
 beat, Redis, PostgreSQL; emulated ``llama3-8b-h200`` engines as their own
-processes), the default router (TokenPilot) and admission (SLOMax). For each
+processes), the default router (TokenPilot) and admission (SLOMax), and
+LiveConfig's default periods (scrapes, beat, leases). For each
 configuration -- prompt length (default 1k, 8k and 32k tokens, 70 % of it a
 prefix shared by all requests, the rest unique), streamed or not, engines'
 vLLM KV events relayed or not -- it sends ``--requests`` chat completions,
@@ -249,6 +250,26 @@ def idle_cpu_rate(stack: LiveStack, seconds: float) -> dict[str, float]:
     return {r: (after[r] - before[r]) / seconds for r in after if r in before}
 
 
+def production_periods() -> dict[str, Any]:
+    """LiveConfig's defaults for what the test stack shortens (scrape, control
+    period, leases): background work costs per second, so test periods would
+    overstate it."""
+    from tokenfleet.live.config import LiveConfig
+
+    defaults = LiveConfig()
+    keys = (
+        "scrape_interval_s",
+        "stale_after_s",
+        "lease_ttl_s",
+        "engine_stall_timeout_s",
+        "affinity_dead_after_s",
+        "engine_unhealthy_s",
+        "control_period_s",
+        "request_timeout_s",
+    )
+    return {k: getattr(defaults, k) for k in keys}
+
+
 def run_stack(args: argparse.Namespace, kv_events: bool) -> dict[str, Any]:
     from tests.support.stores import temp_data_dir
 
@@ -266,7 +287,7 @@ def run_stack(args: argparse.Namespace, kv_events: bool) -> dict[str, Any]:
             engines_in_process=False,
             api_in_process=False,
             engine_kv_events=kv_events,
-            live_overrides=dict(args.live or []),
+            live_overrides={**production_periods(), **dict(args.live or [])},
         )
         stack.start()
         try:
