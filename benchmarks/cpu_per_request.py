@@ -348,7 +348,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-tokens", type=int, default=256)
     p.add_argument("--shared-fraction", type=float, default=0.7)
     p.add_argument("--engines", type=int, default=2)
-    p.add_argument("--time-scale", type=float, default=0.05, help="emulated engine time scale")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="emulated engine time scale (1: real decode speed; faster scales let tokens pile up"
+        " between reads, so they understate per-token costs by an amount that follows the"
+        " machine's speed)",
+    )
     p.add_argument("--idle-s", type=float, default=5.0, help="idle measurement before the load")
     p.add_argument(
         "--live",
