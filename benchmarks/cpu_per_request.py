@@ -12,6 +12,11 @@ open loop at ``--rate`` req/s, each forced to 256 output tokens
 (``vllm_xargs.output_tokens``), and reads user + system CPU of every process
 (and its children: PostgreSQL's backends) from ``/proc`` before and after.
 
+The engines run at real decode speed by default (``--time-scale 1``): at a
+fast scale several tokens land in one read of the engine's stream, how many
+depending on how late the worker is, so per-token costs shrink with the
+machine's speed.
+
 Why CPU and not latency: on a shared 2-core machine latency moves with the
 host's load, CPU time much less; and every CPU-ms the control plane spends is
 an ms the engines' neighbours (or the other processes of the path) wait.
