@@ -772,3 +772,23 @@ def test_cli_submit_wait_shows_progress_and_saves_the_output(
         ["batch", "submit", str(bad), "--base-url", "http://127.0.0.1:1/v1", "--api-key", "k"]
     )
     assert rc == 2 and "cannot reach the API" in capsys.readouterr().err
+
+
+def test_an_idle_runner_polls_the_database_less_often(env: Env) -> None:
+    """No batch in progress and no line running: poll at the housekeeping period
+    (bounded by ``idle_poll_s``), not every ``poll_s``; busy again once a round
+    sees a batch in progress."""
+    r = BatchRunner(
+        env.svc.engine,
+        env.svc.files,
+        None,
+        config=RunnerConfig(poll_s=0.2, idle_poll_s=1.0, housekeeping_s=1.0),
+    )
+    assert r._poll_s() == 0.2  # until a round has looked
+    r.release()
+    assert r._poll_s() == 1.0
+    assert RunnerConfig(poll_s=0.2, idle_poll_s=5.0, housekeeping_s=0.5).idle_poll_s == 5.0
+    r.cfg = RunnerConfig(poll_s=0.2, idle_poll_s=5.0, housekeeping_s=0.5)
+    assert r._poll_s() == 0.5
+    r._busy = True
+    assert r._poll_s() == 0.2

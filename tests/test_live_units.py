@@ -510,3 +510,91 @@ def test_up_engine_option_names_dc_url_and_optional_kv_and_tokenizer() -> None:
     ]:
         with pytest.raises(ConfigError, match=why):
             parse_engine(bad)
+
+
+def test_worker_relay_coalesces_tokens_within_the_flush_interval(
+    state: LiveState, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tokens after the first go out at most every ``relay_flush_interval_s``
+    (held text waits for the next piece or the end), all of them, in order."""
+    import workers.tasks as tasks
+
+    now = [100.0]
+    monkeypatch.setattr(tasks.time, "monotonic", lambda: now[0])
+
+    def entries(rid: str) -> list[tuple[str, int]]:
+        return [(f[b"t"].decode(), int(f[b"n"])) for _, f in state.r.xrange(state.stream_key(rid))]
+
+    # 0: one entry per engine flush, as before
+    c = tasks._RelayCoalescer(RelayWriter(state, "co0", 30, "i1"), 0.0)
+    for i in range(3):
+        c.add(f"w{i} ", 1)
+    c.flush()
+    assert entries("co0") == [("w0 ", 1), ("w1 ", 1), ("w2 ", 1)]
+
+    c = tasks._RelayCoalescer(RelayWriter(state, "co1", 30, "i1"), 0.02)
+    c.written()  # the first token's entry, at t=100
+    c.add("a", 1)
+    c.add("b", 2)  # both within 20 ms of it: held
+    assert entries("co1") == []
+    now[0] += 0.021
+    c.add("c", 1)  # the interval passed: all held text in one entry
+    assert entries("co1") == [("abc", 4)]
+    now[0] += 0.005
+    c.add("d", 1)
+    c.flush()  # the stream's end: nothing is left behind
+    c.flush()  # nothing held: no empty entry
+    assert entries("co1") == [("abc", 4), ("d", 1)]
+
+
+def test_relay_flush_interval_is_a_live_setting() -> None:
+    assert LiveConfig.load(env={}).relay_flush_interval_s == 0.02
+    off = LiveConfig.load(env={"TOKENFLEET_RELAY_FLUSH_INTERVAL_S": "0"})
+    assert off.relay_flush_interval_s == 0
+    with pytest.raises(ConfigError, match="relay_flush_interval_s"):
+        LiveConfig.load(env={}, relay_flush_interval_s=-1.0)
+
+
+def test_refresh_thread_polls_queue_depths_only_while_requests_read_them() -> None:
+    """An API without requests does not read the queue depths 40 times a second;
+    once the dispatch reads them (``_depths``), the thread keeps them fresh."""
+    from tokenfleet.live.gateway.refresh import LiveView
+
+    polled = threading.Event()
+
+    class _State:
+        accounting = staticmethod(lambda ids: {})
+
+        def queued(self) -> dict[str, int]:
+            polled.set()
+            return {"dc-a.interactive": 2}
+
+        def instances(self) -> list[InstanceInfo]:
+            return []
+
+        def read_kv_events(self, last: str, block_ms: int = 0) -> tuple[str, list[KVEvent]]:
+            time.sleep(block_ms / 1000)
+            return last, []
+
+        def thresholds(self) -> dict[str, float]:
+            return {}
+
+        def spill_shares(self) -> dict[str, float]:
+            return {}
+
+    view = LiveView()
+    view.state = _State()  # type: ignore[assignment]
+    view.admission = object()
+    view.dc_selector = None
+    view._start_view()
+    try:
+        time.sleep(0.2)  # several depth periods (25 ms) with nobody reading them
+        assert not polled.is_set()
+        assert view._depths == {}  # a dispatch reads them: the thread polls again
+        assert polled.wait(5.0)
+        deadline = time.monotonic() + 5.0
+        while view._depths_copy != {"dc-a.interactive": 2} and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert view._depths == {"dc-a.interactive": 2}
+    finally:
+        view.close()

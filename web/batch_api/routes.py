@@ -264,6 +264,8 @@ def create_batch() -> Response:
         completion_window=body.get("completion_window"),
         metadata=body.get("metadata"),
     )
+    if svc.runner is not None:  # an idle runner polls slowly: start the lines now
+        svc.runner.wake()
     return _json(jobs.batch_object(b))
 
 
