@@ -3,8 +3,10 @@
 A stream (not pub/sub) because a reader that attaches late, or reconnects
 after a Redis blip, still gets every entry from the start; and it lets the
 API thread block on exactly its own request (``XREAD BLOCK``) instead of
-holding a Celery ``AsyncResult.get()`` in a web thread. One entry per engine
-step (the engine writes a step's tokens in one chunk), not per token.
+holding a Celery ``AsyncResult.get()`` in a web thread. The first token is
+one entry at once; after it the worker batches what the engine sends into
+one entry at most every ``relay_flush_interval_s`` (20 ms) per request, not
+one per token (docs/benchmarks.md, "CPU per request").
 
 Entry kinds (field ``k``): ``d`` text delta (``t`` text, ``n`` tokens),
 ``end`` (``f`` finish reason, ``u`` usage JSON), ``err`` (``m`` message,
