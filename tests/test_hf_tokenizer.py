@@ -101,3 +101,13 @@ def test_template_errors_and_missing_files_say_what_is_wrong(
     tok = HFChatTokenizer(model_dir)
     with pytest.raises(ValueError, match="role"):
         tok.render([{"content": "no role"}])
+
+
+def test_completion_prompts_keep_special_tokens_and_ids_hash_as_given(model_dir: Path) -> None:
+    tok = HFChatTokenizer(model_dir, block_size_tokens=32)
+    text = "the router sends every prompt to a cache " * 20
+    p = tok.tokenize_text(text)
+    ids = tok._tok.encode(text, add_special_tokens=True).ids
+    assert p.input_tokens == len(ids)
+    assert p.block_hashes == tok.tokenize_ids(ids).block_hashes
+    assert p.block_hashes == split_engine_blocks(vllm_block_hashes(ids, 32), 32)

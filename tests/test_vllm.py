@@ -270,3 +270,25 @@ def test_an_engine_killed_mid_stream_ends_the_request_and_the_other_serves(
     assert len(mine) == 1 and mine[0]["instance"] == victim, mine
     assert mine[0]["status"] == "failed", mine
     assert max(rows, key=lambda x: x["id"])["instance"] == survivor
+
+
+def test_completions_prompts_are_counted_and_hashed_as_vllm_does(stack: LiveStack) -> None:
+    """Legacy ``/v1/completions``: the text as sent, with the tokenizer's special
+    tokens; the engine's KV events name the very blocks the router computed."""
+    client = stack.client()
+    text = f"story {time.time_ns()} " + "Once upon a time the router kept a prefix. " * 80
+    want = HFChatTokenizer(VLLM_MODEL, block_size_tokens=32).tokenize_text(text)
+    r = client.completions.create(model="tiny", prompt=text, max_tokens=4)
+    assert r.usage is not None and r.usage.prompt_tokens == want.input_tokens
+    gw = stack.gateway
+    know = gw.router.knowledge
+    probes = know.probes(want.block_hashes)
+    assert len(probes) >= 2
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with gw.router_lock:
+            exact = know.exact_instances & set(know.match(probes)[0])
+        if exact:
+            break
+        time.sleep(0.05)
+    assert exact, "the engine's KV events never named this prompt's blocks"

@@ -156,6 +156,18 @@ class HFChatTokenizer:
         hashes = vllm_block_hashes(ids, size, self._none_hash_seed)
         return ChatPrompt(text, len(ids), split_engine_blocks(hashes, size))
 
+    def tokenize_text(self, text: str) -> ChatPrompt:
+        """A ``/v1/completions`` prompt: the text as sent, with the tokenizer's
+        special tokens (vLLM's ``CompletionRequest.add_special_tokens`` is True)."""
+        ids = self._tok.encode(text, add_special_tokens=True).ids
+        return self.tokenize_ids(ids, text)
+
+    def tokenize_ids(self, ids: Sequence[int], text: str = "") -> ChatPrompt:
+        """A prompt given as token ids: vLLM hashes them as they are."""
+        size = self.block_size_tokens
+        hashes = vllm_block_hashes(ids, size, self._none_hash_seed)
+        return ChatPrompt(text, len(ids), split_engine_blocks(hashes, size))
+
 
 class _TemplateError(Exception):
     """A chat template's ``raise_exception`` (bad roles, alternation, ...)."""

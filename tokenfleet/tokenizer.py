@@ -28,7 +28,7 @@ import hashlib
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from tokenfleet.core.types import BLOCK_SIZE_TOKENS
 
@@ -193,6 +193,34 @@ def tokenize_token_ids(
     """A prompt given as token ids (``ValueError`` for an id out of range)."""
     stream = encode_token_ids(ids)
     return ChatPrompt("", len(ids), tuple(block_hashes(stream, block_size_tokens)))
+
+
+class PromptTokenizer(Protocol):
+    """How the API counts and hashes a request's prompt for one served model:
+    the emulator's byte tokenizer (:data:`BYTE_TOKENIZER`) or a real model's
+    (:class:`tokenfleet.hf_tokenizer.HFChatTokenizer`)."""
+
+    def tokenize_chat(self, messages: Sequence[Any]) -> ChatPrompt: ...
+
+    def tokenize_text(self, text: str) -> ChatPrompt: ...
+
+    def tokenize_ids(self, ids: Sequence[int]) -> ChatPrompt: ...
+
+
+class _ByteTokenizer:
+    """The emulator's tokenizer as a :class:`PromptTokenizer`."""
+
+    def tokenize_chat(self, messages: Sequence[Any]) -> ChatPrompt:
+        return tokenize_chat(messages)
+
+    def tokenize_text(self, text: str) -> ChatPrompt:
+        return tokenize_prompt(text)
+
+    def tokenize_ids(self, ids: Sequence[int]) -> ChatPrompt:
+        return tokenize_token_ids(ids)
+
+
+BYTE_TOKENIZER: PromptTokenizer = _ByteTokenizer()
 
 
 def chat_block_hashes(

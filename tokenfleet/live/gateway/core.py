@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -40,7 +39,7 @@ from tokenfleet.live.redis_transport import TRANSPORT_PATH, PipelinePublisher, s
 from tokenfleet.live.relay import RelayHub
 from tokenfleet.live.state import LiveState
 from tokenfleet.service.writer import RequestRecord
-from tokenfleet.tokenizer import ChatPrompt, tokenize_chat
+from tokenfleet.tokenizer import BYTE_TOKENIZER, PromptTokenizer
 
 #: /health answers from the refresh thread's copy of the instances up to this age
 HEALTH_MAX_AGE_S = 1.0
@@ -111,7 +110,7 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
         #: tenant id -> regions its record allows (set by the tenancy layer; () = any)
         self.tenant_regions = None
         self.metrics: Any = None  # the API's metrics (web.metrics.ApiMetrics), if any
-        self._tokenizers: dict[str, Callable[[Sequence[Any]], ChatPrompt]] = {}
+        self._tokenizers: dict[str, PromptTokenizer] = {}
         #: the front door's load shedding (overload.py)
         self.inflight = InflightBound(live.api_max_inflight)
         self.front_gate = FrontGate(live.api_front_slots, live.api_front_wait_s)
@@ -150,11 +149,11 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
             slo=self.slo,
             tier_hint=tier_hint,
             slo_class=slo_class,
-            tokenize=self.tokenizer_for(model) if isinstance(model, str) else tokenize_chat,
+            tokenizer=self.tokenizer_for(model) if isinstance(model, str) else BYTE_TOKENIZER,
             kind=kind,
         )
 
-    def tokenizer_for(self, model: str) -> Callable[[Sequence[Any]], ChatPrompt]:
+    def tokenizer_for(self, model: str) -> PromptTokenizer:
         """The tokenizer whose block hashes ``model``'s engines publish.
 
         A worker in front of a real vLLM serving a local model directory
@@ -168,16 +167,14 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
                 path, block = info.tokenizer, info.block_size_tokens
                 break
         if not path:
-            return tokenize_chat
+            return BYTE_TOKENIZER
         key = f"{path}@{block}"
         tok = self._tokenizers.get(key)
         if tok is None:
             try:
                 from tokenfleet.hf_tokenizer import HFChatTokenizer
 
-                tok = HFChatTokenizer(
-                    path, block_size_tokens=block or BLOCK_SIZE_TOKENS
-                ).tokenize_chat
+                tok = HFChatTokenizer(path, block_size_tokens=block or BLOCK_SIZE_TOKENS)
             except (ImportError, OSError, ValueError) as exc:
                 log.warning(
                     "model %s: cannot load its tokenizer from %s (%s); using the byte "
@@ -186,7 +183,7 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
                     path,
                     exc,
                 )
-                tok = tokenize_chat
+                tok = BYTE_TOKENIZER
             self._tokenizers[key] = tok
         return tok
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,7 +24,7 @@ from tokenfleet.live.gateway.errors import (
     ModelNotFound,
     NoCapacity,
 )
-from tokenfleet.tokenizer import ChatPrompt, tokenize_chat, tokenize_prompt, tokenize_token_ids
+from tokenfleet.tokenizer import BYTE_TOKENIZER, ChatPrompt, PromptTokenizer
 
 TIER_HEADER = "X-TokenFleet-Tier"
 #: default output budget when the client gives none (vLLM uses all the context left)
@@ -133,11 +133,11 @@ def validate_chat(
     slo: SLOConfig,
     tier_hint: str = "",
     slo_class: str | None = None,
-    tokenize: Callable[[Sequence[Any]], ChatPrompt] = tokenize_chat,
+    tokenizer: PromptTokenizer = BYTE_TOKENIZER,
     kind: str = "chat",
 ) -> ChatRequest:
     """Check ``body`` against the served ``models`` ({name: context length});
-    ``tokenize`` is the served model's (default: the emulator's byte tokenizer).
+    ``tokenizer`` is the served model's (default: the emulator's byte tokenizer).
 
     ``kind="completion"``: a legacy ``/v1/completions`` body (``prompt``, see
     :func:`completion_prompt`) instead of ``messages``; everything after the
@@ -152,7 +152,7 @@ def validate_chat(
         raise InvalidRequest("'model' must be a string", param="model")
     if kind == "completion":
         messages: Any = []
-        completion = completion_prompt(body.get("prompt"))
+        completion = completion_prompt(body.get("prompt"), tokenizer)
     else:
         messages = body.get("messages")
         completion = None
@@ -204,7 +204,7 @@ def validate_chat(
             param="model",
         )
     try:
-        prompt = tokenize(messages) if completion is None else completion
+        prompt = tokenizer.tokenize_chat(messages) if completion is None else completion
     except ValueError as exc:
         raise InvalidRequest(str(exc), param="messages") from None
     input_tokens = prompt.input_tokens
@@ -278,7 +278,7 @@ def validate_chat(
     )
 
 
-def completion_prompt(prompt: Any) -> ChatPrompt:
+def completion_prompt(prompt: Any, tokenizer: PromptTokenizer = BYTE_TOKENIZER) -> ChatPrompt:
     """A ``/v1/completions`` prompt, tokenized once: a string, a list of token ids,
     or a list of exactly one of those (``n`` prompts per request are not supported)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -286,10 +286,10 @@ def completion_prompt(prompt: Any) -> ChatPrompt:
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequest("'prompt' must not be empty", param="prompt")
-        return tokenize_prompt(prompt)
+        return tokenizer.tokenize_text(prompt)
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         try:
-            return tokenize_token_ids(prompt)
+            return tokenizer.tokenize_ids(prompt)
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="prompt") from None
     raise InvalidRequest(
