@@ -151,10 +151,7 @@ class HFChatTokenizer:
     def tokenize_chat(self, messages: Sequence[Any]) -> ChatPrompt:
         """Render, count and hash in one pass, like :func:`tokenfleet.tokenizer.tokenize_chat`."""
         text = self.render(messages)
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        size = self.block_size_tokens
-        hashes = vllm_block_hashes(ids, size, self._none_hash_seed)
-        return ChatPrompt(text, len(ids), split_engine_blocks(hashes, size))
+        return self.tokenize_ids(self._tok.encode(text, add_special_tokens=False).ids, text)
 
     def tokenize_text(self, text: str) -> ChatPrompt:
         """A ``/v1/completions`` prompt: the text as sent, with the tokenizer's

@@ -130,13 +130,13 @@ def _serve(shape: _Shape) -> Response:
         _record_refusal(gw, principal.tenant, None, None, tier_hint, exc)
         raise
     try:
-        return _serve_held(gw, principal, shape)
+        return _serve_held(gw, principal, shape, tier_hint)
     except BaseException:
         gw.inflight.leave()
         raise
 
 
-def _serve_held(gw: Gateway, principal: Any, shape: _Shape) -> Response:
+def _serve_held(gw: Gateway, principal: Any, shape: _Shape, tier_hint: str) -> Response:
     """The request once it holds its place; the place is released when the
     response ends (by ``_sse`` or ``_never_ran`` for a stream, here otherwise).
     Its CPU work up to the dispatch runs through the front gate (a few at a
@@ -144,16 +144,13 @@ def _serve_held(gw: Gateway, principal: Any, shape: _Shape) -> Response:
     try:
         gw.front_gate.enter()
     except Exception as exc:
-        _record_refusal(
-            gw, principal.tenant, None, None, request.headers.get(TIER_HEADER, "") or "", exc
-        )
+        _record_refusal(gw, principal.tenant, None, None, tier_hint, exc)
         raise
     try:
         body = read_json()
         if not shape.chat and isinstance(body, dict) and body.get("max_tokens") is None:
             # the legacy API's default output budget (OpenAI's and vLLM's), not chat's
             body["max_tokens"] = LEGACY_DEFAULT_MAX_TOKENS
-        tier_hint = request.headers.get(TIER_HEADER, "") or ""
         req: ChatRequest | None = None
         try:
             req = gw.validate(
