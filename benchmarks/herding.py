@@ -161,11 +161,15 @@ def plot(
             ax = axes[row][col]
             samples = results[(pol, routers)]
             for i, series in enumerate(zip(*samples, strict=False)):
-                ax.plot(range(len(series)), series, linewidth=0.8, label=f"i{i}")
+                # 10 s means: single long prompts spike for a second; herding
+                # is an instance that stays loaded while others idle.
+                w = 10
+                smooth = [sum(series[k : k + w]) / w for k in range(0, len(series) - w + 1, w)]
+                ax.plot([k * w for k in range(len(smooth))], smooth, linewidth=0.9, label=f"i{i}")
             ax.set_title(f"{pol}, {routers} router{'s' if routers > 1 else ''}", fontsize=10)
             ax.grid(True, alpha=0.3)
             if col == 0:
-                ax.set_ylabel("queued prefill (s)")
+                ax.set_ylabel("queued prefill (s), 10 s mean")
     for ax in axes[-1]:
         ax.set_xlabel("time (s)")
     axes[0][1].legend(fontsize=7, ncol=2, loc="upper right")

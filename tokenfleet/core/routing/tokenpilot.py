@@ -20,14 +20,15 @@ output length, capped by ``max_tokens``). ``kappa`` (one per engine profile)
 starts at 1 and is learned from observed/predicted TTFT, so a wrong profile
 corrects itself.
 
-Near-ties (a window that widens when scraped load shows router replicas we
-cannot see) are broken towards the prompt family's rendezvous-hash instance
-when blind routing there has been finding caches other replicas filled, and
-towards the instance with fewest of our own requests in flight otherwise. A
-request that names its conversation in OpenAI's ``prompt_cache_key`` (the
-field OpenAI asks clients to set so requests sharing a prefix route together)
-is its own family, so replicas agree on each conversation's instance instead
-of sending every conversation that shares a system prompt to one instance.
+Near-ties (a window that widens by the work router replicas we cannot see
+may have sent since the last scrape) are broken towards the prompt family's
+rendezvous-hash instance when blind routing there has been finding caches
+other replicas filled, and towards the instance with fewest of our own
+requests in flight otherwise. A request that names its conversation in
+OpenAI's ``prompt_cache_key`` (the field OpenAI asks clients to set so
+requests sharing a prefix route together) is its own family, so replicas
+agree on each conversation's instance instead of sending every conversation
+that shares a system prompt to one instance.
 
 Decision cost: one walk over ``prompt blocks / stride`` probe hashes plus a
 few dozen bytecodes per instance; everything that changes only on a scrape
