@@ -10,6 +10,7 @@ while the others sit near zero.
     .venv/bin/python benchmarks/herding.py                                  # conversations
     .venv/bin/python benchmarks/herding.py --trace ../shared/traces/mooncake_synthetic.jsonl
     .venv/bin/python benchmarks/herding.py --shared-state-ms 20   # replicas share accounting
+    .venv/bin/python benchmarks/herding.py --param mean_turns=20 --kv-events off
 """
 
 from __future__ import annotations
@@ -64,8 +65,19 @@ def run(reqs: list[TraceRequest], cfg: PoolConfig) -> tuple[dict[str, Any], list
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--trace", help="trace file (default: the synthetic conversations workload)")
+    ap.add_argument("--trace", help="trace file (default: a synthetic workload)")
+    ap.add_argument("--synthetic", default="conversations", help="generator (conversations)")
+    ap.add_argument(
+        "--param", action="append", default=[], metavar="KEY=VALUE", help="generator option"
+    )
     ap.add_argument("--requests", type=int, default=6000, help="synthetic requests (default 6000)")
+    ap.add_argument("--seed", type=int, default=0, help="workload and router seed")
+    ap.add_argument(
+        "--kv-events",
+        choices=("shipped", "on", "off"),
+        default="shipped",
+        help="engine KV events: each policy's shipped deployment (default), all, none",
+    )
     ap.add_argument("--load", type=float, default=0.8)
     ap.add_argument("--instances", type=int, default=8)
     ap.add_argument("--routers", type=int, default=4, help="replicas to compare with 1")
@@ -74,10 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default="out/bench/herding.png")
     args = ap.parse_args(argv)
     profile = get_profile("llama3-8b-h200")
+    options: dict[str, object] = {}
+    for kv in args.param:
+        key, _, value = kv.partition("=")
+        options[key] = float(value) if "." in value or "e" in value else int(value)
     base = (
         load_workload(args.trace)
         if args.trace
-        else generate("conversations", args.requests, 0, 10.0)
+        else generate(args.synthetic, args.requests, args.seed, 10.0, **options)
     )
     reqs = list(scale_to_load(base, args.load, profile, args.instances))
     policies = args.policy or ["tokenpilot", "dynamo_kv"]
@@ -85,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[tuple[str, int], list[list[float]]] = {}
     print(
         f"{'policy':12} {'routers':>7} {'TTFT p50':>9} {'p95':>7} {'TPOT p50':>9} "
-        f"{'goodput':>8} {'busiest share':>13} {'queue max/mean':>14}"
+        f"{'goodput':>8} {'SLO att.':>8} {'util':>5} {'busiest share':>13} {'queue max/mean':>14}"
     )
     for pol in policies:
         for n in (1, args.routers):
@@ -94,7 +110,10 @@ def main(argv: list[str] | None = None) -> int:
                 n_instances=args.instances,
                 router=pol,
                 n_routers=n,
-                kv_events=engines_publish_kv_events(pol),
+                kv_events=engines_publish_kv_events(pol)
+                if args.kv_events == "shipped"
+                else args.kv_events == "on",
+                seed=args.seed,
                 shared_state_s=shared if n > 1 else None,
             )
             summary, samples = run(reqs, cfg)
@@ -104,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{pol:12} {n:>7} {summary['ttft_p50_s']:9.3f} {summary['ttft_p95_s']:7.3f} "
                 f"{summary['tpot_p50_s'] * 1e3:7.1f}ms {summary['goodput_tok_s']:8.0f} "
+                f"{summary['slo_attainment']:8.1%} {summary['utilization']:5.0%} "
                 f"{max(totals) / sum(totals) if sum(totals) else 0:13.1%} "
                 f"{max(totals) / mean_q:14.2f}",
                 flush=True,
@@ -113,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         policies,
         args.routers,
         Path(args.plot),
-        f"{Path(args.trace).name if args.trace else 'conversations'}, load {args.load}"
+        f"{Path(args.trace).name if args.trace else args.synthetic}, load {args.load}"
         + ("" if shared is None else f", shared state {args.shared_state_ms:g} ms"),
     )
     print(f"plot: {args.plot}")
@@ -141,11 +161,15 @@ def plot(
             ax = axes[row][col]
             samples = results[(pol, routers)]
             for i, series in enumerate(zip(*samples, strict=False)):
-                ax.plot(range(len(series)), series, linewidth=0.8, label=f"i{i}")
+                # 10 s means: single long prompts spike for a second; herding
+                # is an instance that stays loaded while others idle.
+                w = 10
+                smooth = [sum(series[k : k + w]) / w for k in range(0, len(series) - w + 1, w)]
+                ax.plot([k * w for k in range(len(smooth))], smooth, linewidth=0.9, label=f"i{i}")
             ax.set_title(f"{pol}, {routers} router{'s' if routers > 1 else ''}", fontsize=10)
             ax.grid(True, alpha=0.3)
             if col == 0:
-                ax.set_ylabel("queued prefill (s)")
+                ax.set_ylabel("queued prefill (s), 10 s mean")
     for ax in axes[-1]:
         ax.set_xlabel("time (s)")
     axes[0][1].legend(fontsize=7, ncol=2, loc="upper right")

@@ -590,7 +590,8 @@ def test_replicas_keep_a_conversation_together_without_herding_on_its_system_pro
     assert share4 <= 1.6 and share1 <= 1.6
     assert tpot4 <= 1.15 * tpot1
     old_share4, old_tpot4 = shape(4, conversation_keys=False)  # system-prompt families
-    assert old_share4 > 2.5 and old_tpot4 > 1.5 * tpot4
+    # (TPOT 1.43x since the herd window shrinks with the scrape's age; 1.6x before)
+    assert old_share4 > 2.5 and old_tpot4 > 1.3 * tpot4
 
 
 def test_shared_accounting_shows_other_replicas_queued_prefill() -> None:
@@ -644,6 +645,66 @@ def test_replicas_sharing_accounting_route_almost_like_one_router() -> None:
     assert shared_20ms < 0.8 * independent, (shared_20ms, independent)
     assert shared_now <= 1.1 * one, (shared_now, one)
     assert shared_now <= shared_20ms <= independent
+
+
+def test_independent_replicas_keep_conversation_hits_the_scrape_already_shows() -> None:
+    """Sessions with a 2.4k-token context (a hit saves ~0.1 s of prefill) among
+    one-off 32k-token prompts, 4 independent replicas, engine KV events. The
+    herd window used to be (1 - 1/replicas) x mean work whatever the scrape's
+    age (~0.5 s here): a replica took every instance within it as a tie, so
+    turns lost hits the events had shown it. The window is now the work other
+    replicas can have sent since the scrape, and turns keep their cache."""
+    rng = random.Random(2)
+    reqs: list[TraceRequest] = []
+    for s in range(60):
+        t = rng.uniform(0.0, 60.0)
+        hashes = prompt(150)
+        for k in range(6):
+            hashes = hashes + prompt(rng.randint(4, 16))
+            info = RequestInfo(
+                request_id=f"s{s}-{k}",
+                arrival_s=t,
+                input_tokens=len(hashes) * BLOCK_SIZE_TOKENS,
+                max_tokens=512,
+                block_hashes=hashes,
+                prompt_cache_key=f"s{s}",
+            )
+            reqs.append(TraceRequest(info, rng.randint(100, 400)))
+            t += rng.expovariate(1 / 3.0)
+    t, i = 0.0, 0
+    while t < 60.0:
+        t += rng.expovariate(2.0)
+        h = prompt(2000)
+        info = RequestInfo(f"b{i}", t, len(h) * BLOCK_SIZE_TOKENS, 512, block_hashes=h)
+        reqs.append(TraceRequest(info, rng.randint(100, 400)))
+        i += 1
+    reqs.sort(key=lambda r: r.info.arrival_s)
+
+    def turns(routers: int) -> tuple[float, float]:
+        cfg = PoolConfig(
+            profile=PROFILE, n_instances=8, router="tokenpilot", n_routers=routers, kv_events=True
+        )
+        recs, _ = run_pool(reqs, cfg, SLOConfig())
+        later = [r for r in recs if r.request_id[0] == "s" and not r.request_id.endswith("-0")]
+        hit = sum(1 for r in later if r.cached_tokens >= 0.5 * r.input_tokens) / len(later)
+        return hit, percentile([r.ttft_s for r in later if r.ttft_s is not None], 50) or 0.0
+
+    hit1, p50_1 = turns(1)
+    hit4, p50_4 = turns(4)
+    # before: 0.64 of turns hit with 4 replicas (0.83 with one), turn p50 1.47x
+    assert hit4 >= 0.88 * hit1, (hit1, hit4)
+    assert p50_4 <= 1.2 * p50_1, (p50_1, p50_4)
+
+
+def test_engines_publish_kv_events_to_tokenpilot_as_deployed() -> None:
+    """``tokenfleet up`` relays engine KV events to every API replica's
+    TokenPilot, so the simulator's shipped defaults give it events too."""
+    from tokenfleet.sim.runner import SimSettings
+
+    settings = SimSettings(profile=PROFILE)
+    assert settings.kv_events_for("tokenpilot") and settings.kv_events_for("dynamo_kv")
+    assert not settings.kv_events_for("llmd_weighted")
+    assert not SimSettings(profile=PROFILE, kv_events=False).kv_events_for("tokenpilot")
 
 
 def test_shared_accounting_reaches_the_other_replicas_after_the_lag() -> None:

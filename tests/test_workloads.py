@@ -470,7 +470,7 @@ def test_detection_limit_and_cache(tmp_path: Path) -> None:
 
 
 # -- synthetic ----------------------------------------------------------------
-@pytest.mark.parametrize("name", ["chat", "longdoc", "mixed", "burst", "conversations"])
+@pytest.mark.parametrize("name", ["chat", "longdoc", "mixed", "burst", "conversations", "agentic"])
 def test_synthetic_is_seeded_and_sorted(name: str) -> None:
     a = generate(name, 120, 7, 4.0)
     b = generate(name, 120, 7, 4.0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -253,6 +254,8 @@ def conversations(
     burst_gap_s: float = 1.5,
     think_median_s: float = 30.0,
     max_context_tokens: int = 32768,
+    message_median_tokens: int = 150,
+    answer_median_tokens: int = 180,
 ) -> list[TraceRequest]:
     """Long multi-turn conversations whose next turns often come in bursts.
 
@@ -267,6 +270,8 @@ def conversations(
     ``think_median_s``, sigma 1.2: a heavy tail of minutes). Many sessions
     share each system prompt, so routing by prompt prefix alone cannot tell
     conversations apart; each request carries its ``session``.
+    ``message_median_tokens`` / ``answer_median_tokens`` set the medians of
+    new messages and answers.
     """
     _check(n_requests, seed, rate_rps)
     budget = check_budget(max_tokens)
@@ -299,14 +304,44 @@ def conversations(
             budget,
             max_context_tokens,
             tenant,
-            message=lambda: _lognormal_int(rng, 150, 1.0, 4, 8000),
-            output=lambda: _lognormal_int(rng, 180, 0.9, 1, 4000),
+            message=lambda: _lognormal_int(rng, message_median_tokens, 1.0, 4, 8000),
+            output=lambda: _lognormal_int(rng, answer_median_tokens, 0.9, 1, 4000),
             gap=gap,
         )
 
     mean_gap = burst_share * burst_gap_s + (1 - burst_share) * think_median_s * math.exp(0.72)
     drafts = _sessions(n_requests, rng, rate_rps / mean_turns, 3 * mean_turns * mean_gap, session)
     return _finish(drafts, n_requests, model, budget)
+
+
+@SYNTHETIC.register("agentic")
+def agentic(
+    n_requests: int,
+    seed: int,
+    rate_rps: float,
+    *,
+    message_median_tokens: int = 1000,
+    think_median_s: float = 120.0,
+    **options: Any,
+) -> list[TraceRequest]:
+    """``conversations`` with tool outputs of about 1,000 tokens per turn and
+    humans who think for minutes.
+
+    Why: the load scaling ignores prefix reuse, so ``conversations`` (94% of
+    prompt tokens cached) at load 0.8-0.9 leaves the engines' prefill mostly
+    idle and nothing to herd onto. Here each turn adds ~1k uncached tokens,
+    contexts reach 10-30k tokens and thousands of sessions wait between turns,
+    so the pool's KV is under pressure and prefill queues form, as on the
+    held-out multi-turn trace of issue #21.
+    """
+    return conversations(
+        n_requests,
+        seed,
+        rate_rps,
+        message_median_tokens=message_median_tokens,
+        think_median_s=think_median_s,
+        **options,
+    )
 
 
 @SYNTHETIC.register("longdoc")

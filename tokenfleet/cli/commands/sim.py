@@ -125,14 +125,14 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
         help="engines publish KV events (BlockStored/BlockRemoved) to every "
         "router: dynamo_kv and tokenpilot use an exact index, llmd_weighted "
         "the precise-prefix-cache-scorer (default: each peer's shipped "
-        "deployment, i.e. on for dynamo_kv only)",
+        "deployment, i.e. on for dynamo_kv and tokenpilot, off for the others)",
     )
     kv.add_argument(
         "--no-kv-events",
         dest="kv_events",
         action="store_false",
-        help="no engine publishes KV events, not even for dynamo_kv (ablation: "
-        "Dynamo's --no-kv-events approximate mode)",
+        help="no engine publishes KV events, not even for dynamo_kv or tokenpilot "
+        "(ablation: Dynamo's --no-kv-events approximate mode)",
     )
     cl.add_argument(
         "--routers",

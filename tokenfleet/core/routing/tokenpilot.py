@@ -20,14 +20,15 @@ output length, capped by ``max_tokens``). ``kappa`` (one per engine profile)
 starts at 1 and is learned from observed/predicted TTFT, so a wrong profile
 corrects itself.
 
-Near-ties (a window that widens when scraped load shows router replicas we
-cannot see) are broken towards the prompt family's rendezvous-hash instance
-when blind routing there has been finding caches other replicas filled, and
-towards the instance with fewest of our own requests in flight otherwise. A
-request that names its conversation in OpenAI's ``prompt_cache_key`` (the
-field OpenAI asks clients to set so requests sharing a prefix route together)
-is its own family, so replicas agree on each conversation's instance instead
-of sending every conversation that shares a system prompt to one instance.
+Near-ties (a window that widens by the work router replicas we cannot see
+may have sent since the last scrape) are broken towards the prompt family's
+rendezvous-hash instance when blind routing there has been finding caches
+other replicas filled, and towards the instance with fewest of our own
+requests in flight otherwise. A request that names its conversation in
+OpenAI's ``prompt_cache_key`` (the field OpenAI asks clients to set so
+requests sharing a prefix route together) is its own family, so replicas
+agree on each conversation's instance instead of sending every conversation
+that shares a system prompt to one instance.
 
 Decision cost: one walk over ``prompt blocks / stride`` probe hashes plus a
 few dozen bytecodes per instance; everything that changes only on a scrape
@@ -218,6 +219,12 @@ class TokenPilotRouter(BaseRouter):
     """Predicted-TTFT router; see the module docstring for the cost model."""
 
     name = "tokenpilot"
+    #: TokenFleet's own deployment relays engine KV events to every API
+    #: replica's TokenPilot: ``tokenfleet up`` starts each engine with a KV
+    #: event endpoint and its worker with ``--kv-events`` (``cli/commands/up.py``),
+    #: and ``--engine URL,kv=ENDPOINT`` does the same for real vLLM engines. So
+    #: the simulator's shipped defaults give TokenPilot engine events too.
+    engines_publish_kv_events = True
 
     def __init__(
         self,
@@ -264,6 +271,9 @@ class TokenPilotRouter(BaseRouter):
             int, tuple[EngineProfile, PrefillModel, StepInflation, LogRatioCorrector]
         ] = {}
         self._mean_work_s = 0.3  # kappa-corrected, pool-wide, for the herd window
+        self._gap_s = 1.0  # mean seconds between our dispatches (EWMA)
+        self._last_route_s = math.nan
+        self._scrape_at_s = -math.inf  # newest scrape absorbed
         self._mean_input_tokens = 4096.0
         self._typical_out = float(output_prior_tokens)
         self._scraped_total = 0  # sum of scraped_load over instances
@@ -307,6 +317,8 @@ class TokenPilotRouter(BaseRouter):
         """New scrape: recount own work it cannot include, re-derive the rest."""
         at = m.scraped_at_s
         st.scrape_seen_s = at
+        if at > self._scrape_at_s:
+            self._scrape_at_s = at
         if st.last_dispatch_s > at:
             st.since_scrape_s = sum(f.work_s for f in st.pending.values() if f.dispatch_s > at)
             st.since_scrape_kv = sum(f.kv_tokens for f in st.inflight.values() if f.dispatch_s > at)
@@ -482,7 +494,16 @@ class TokenPilotRouter(BaseRouter):
                 costs[top] = cost
                 if cost < best:
                     best = cost
-        herd = self.herd_window * (1.0 - 1.0 / self.replicas_est) * self._mean_work_s
+        # Herd term: the work other replicas (that we cannot see) are expected
+        # to have sent since the scrape, (R - 1) x our dispatch rate x the
+        # scrape's age, is what might sit unseen on the instance that looks
+        # best to all of us; candidates within that much of it are as good.
+        age = now - self._scrape_at_s
+        unseen = (self.replicas_est - 1.0) * age / self._gap_s if age > 0.0 else 0.0
+        cap = 1.0 - 1.0 / self.replicas_est  # the old, fixed herd term's share
+        if unseen > cap:
+            unseen = cap
+        herd = self.herd_window * unseen * self._mean_work_s
         window = self.tie_abs_s + self.tie_rel * best + herd
         if window > self.max_margin_s:
             window = self.max_margin_s
@@ -611,6 +632,10 @@ class TokenPilotRouter(BaseRouter):
             st.since_scrape_kv += kv
             st.free_kv_tokens -= kv
         st.mean_work_base_s += 0.1 * (base_own - st.mean_work_base_s)
+        last = self._last_route_s
+        if last == last:  # not NaN
+            self._gap_s += 0.05 * ((now - last) - self._gap_s)
+        self._last_route_s = now
         self._mean_work_s += 0.05 * (work - self._mean_work_s)
         self._mean_input_tokens += 0.05 * (request.input_tokens - self._mean_input_tokens)
         flight.ticket = self.knowledge.speculate(iid, probes, now)
