@@ -290,13 +290,22 @@ class LiveStack:
         self.url = self.server.url
 
     def _start_api_process(self) -> None:
+        self.url = self.start_api_process("api", wait=False)
+        # a local gateway object for reading live state (never serves requests)
+        from tokenfleet.live.state import LiveState
+
+        self._state = LiveState.from_url(self.redis.url, prefix=self.live.redis_prefix)  # type: ignore[union-attr]
+
+    def start_api_process(self, name: str, *, wait: bool = True, timeout_s: float = 60.0) -> str:
+        """A `tokenfleet api` process on this stack's stores (another replica,
+        as a load balancer would spread requests over); returns its URL."""
         from tokenfleet.service.embedded import free_port
 
         assert self.sup is not None
         port = free_port()
         env = dict(self.env, TOKENFLEET_SEED_API_KEYS=f"{API_KEY}={TENANT}")
-        self.sup.start(
-            "api",
+        child = self.sup.start(
+            name,
             [
                 sys.executable,
                 "-m",
@@ -312,11 +321,14 @@ class LiveStack:
             env,
             restart=False,
         )
-        self.url = f"http://127.0.0.1:{port}"
-        # a local gateway object for reading live state (never serves requests)
-        from tokenfleet.live.state import LiveState
-
-        self._state = LiveState.from_url(self.redis.url, prefix=self.live.redis_prefix)  # type: ignore[union-attr]
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout_s
+        while wait and not _answers(url):
+            if not child.alive() or time.monotonic() > deadline:
+                tail = child.log_path.read_text(errors="replace")[-2000:]
+                raise TimeoutError(f"API replica {name} at {url} did not start:\n{tail}")
+            time.sleep(0.1)
+        return url
 
     @property
     def gateway(self) -> Any:
@@ -342,16 +354,7 @@ class LiveStack:
         raise TimeoutError(f"live stack not ready in {timeout_s}s; logs in {self.data_dir}/logs")
 
     def _api_answers(self) -> bool:
-        import http.client
-
-        try:
-            conn = http.client.HTTPConnection(
-                "127.0.0.1", int(self.url.rsplit(":", 1)[1]), timeout=1
-            )
-            conn.request("GET", "/health")
-            return conn.getresponse().status == 200
-        except OSError:
-            return False
+        return _answers(self.url)
 
     def _consuming(self, want: int) -> bool:
         """Workers log 'ready' once their consumer runs."""
@@ -453,6 +456,18 @@ class LiveStack:
     def worker_log(self, instance_id: str) -> str:
         assert self.sup is not None
         return self.sup.children[f"worker-{instance_id}"].log_path.read_text(errors="replace")
+
+
+def _answers(url: str) -> bool:
+    """GET /health answers 200."""
+    import http.client
+
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=1)
+        conn.request("GET", "/health")
+        return conn.getresponse().status == 200
+    except OSError:
+        return False
 
 
 @dataclass
