@@ -66,6 +66,11 @@ class LiveStack:
     #: engine processes publish vLLM KV events (ZeroMQ) and their workers relay
     #: them (``--kv-events``), so routers get exact cache knowledge
     engine_kv_events: bool = False
+    #: extra environment of the workers of one datacenter, by DC (a multi-DC test
+    #: points a DC's workers at its own broker, or at a store across a WAN link)
+    worker_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: called once the stores and engines run, before any worker starts
+    before_workers: Callable[[], None] | None = None
     kv_endpoints: dict[str, str] = field(default_factory=dict)
     #: a running PostgreSQL to take a fresh database from (the test session's
     #: shared server); None: the stack starts its own under data_dir
@@ -148,6 +153,8 @@ class LiveStack:
         self.sup = Supervisor(self.data_dir / "logs")
         if not self.engines_in_process and not self.external_engines:
             self._start_engine_processes()
+        if self.before_workers is not None:
+            self.before_workers()
         for spec in self.instances:
             self.start_worker(spec)
         if self.with_beat:
@@ -262,7 +269,7 @@ class LiveStack:
                 "INFO",
                 *extra,
             ],
-            self.env,
+            dict(self.env, **self.worker_env.get(spec.dc, {})),
             restart=False,
             stop_timeout_s=10.0,
         )
