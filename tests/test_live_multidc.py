@@ -19,10 +19,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.stack import API_KEY, PROFILE, InstanceSpec, LiveStack
-from tests.support.wan import WanLink
+from tests.support.stack import API_KEY, PROFILE, InstanceSpec
 from tokenfleet.live.brokers import DcBrokers, dc_of_queue, parse_dc_broker_urls
-from tokenfleet.service.embedded import EmbeddedRedis
 
 BANK_KEY = "tf-bank-key"  # tenant "bank": dc-b's region only (the topology says so)
 ACME_KEY = "tf-acme-key"  # tenant "acme": at home in dc-b, may spill to dc-a
@@ -64,7 +62,8 @@ def test_a_task_goes_to_its_queues_datacenter_broker_and_a_refusal_marks_it_down
 
 # ---- the live layout ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory, session_postgres: Any) -> Iterator[Any]:
+def fleet(session_postgres: Any) -> Iterator[Any]:
+    from tests.support.multidc import multidc_stack
     from tests.support.stores import temp_data_dir
 
     with temp_data_dir("tokenfleet-multidc-") as d:
@@ -81,69 +80,31 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, session_postgres: Any) -> It
               acme: {{home: dc-b}}
             """)
         )
-        broker_a = EmbeddedRedis(d / "broker-dc-a").start()
-        broker_b = EmbeddedRedis(d / "broker-dc-b").start()
-        links: list[WanLink] = []
-        stack: LiveStack | None = None
-        try:
-            api_to_b, b_via_wan = WanLink.to_url(broker_b.url, ONE_WAY_MS)
-            links.append(api_to_b)
-            stack = LiveStack(
-                data_dir=d,
-                # dc-b decodes in real time, so a long request is still running when
-                # the link is cut (dc-a at the test stack's 50x speed)
-                instances=[
-                    InstanceSpec("dc-a", "a0"),
-                    InstanceSpec("dc-b", "b0", emulator={"time_scale": 1.0}),
-                ],
-                router="round_robin",
-                time_scale=0.02,
-                shared_postgres=session_postgres,
-                live_overrides={
-                    "topology": str(topo),
-                    "entry_dc": "dc-a",
-                    "fleet_policy": "fleetmind",
-                    # the API's view: dc-a's broker is local, dc-b's across the WAN
-                    "dc_broker_urls": f"dc-a={broker_a.url},dc-b={b_via_wan}",
-                    "broker_down_s": 3.0,
-                },
-                app_config={
-                    "API_KEYS": {API_KEY: "test-tenant", BANK_KEY: "bank", ACME_KEY: "acme"}
-                },
-            )
-            # dc-b's workers: their own broker is local, the global hot state remote
-            state_link: WanLink | None = None
-
-            def before_workers() -> None:
-                nonlocal state_link
-                assert stack is not None and stack.redis is not None
-                state_link, state_via_wan = WanLink.to_url(stack.redis.url, ONE_WAY_MS)
-                links.append(state_link)
-                stack.worker_env["dc-a"] = {
-                    "TOKENFLEET_DC_BROKER_URLS": f"dc-a={broker_a.url},dc-b={b_via_wan}"
-                }
-                stack.worker_env["dc-b"] = {
-                    "TOKENFLEET_REDIS_URL": state_via_wan,
-                    "TOKENFLEET_DC_BROKER_URLS": f"dc-b={broker_b.url}",
-                }
-
-            stack.before_workers = before_workers
-            stack.start()
-            stack.wait_ready(timeout_s=90)
+        with multidc_stack(
+            d,
+            # dc-b decodes in real time, so a long request is still running when
+            # the link is cut (dc-a at the test stack's 50x speed)
+            [InstanceSpec("dc-a", "a0"), InstanceSpec("dc-b", "b0", emulator={"time_scale": 1.0})],
+            entry_dc="dc-a",
+            rtt_ms=lambda a, b: 0.0 if a == b else 2 * ONE_WAY_MS,
+            router="round_robin",
+            time_scale=0.02,
+            shared_postgres=session_postgres,
+            live_overrides={
+                "topology": str(topo),
+                "fleet_policy": "fleetmind",
+                "broker_down_s": 3.0,
+            },
+            app_config={"API_KEYS": {API_KEY: "test-tenant", BANK_KEY: "bank", ACME_KEY: "acme"}},
+        ) as md:
+            md.stack.wait_ready(timeout_s=90)
             yield {
-                "stack": stack,
-                "broker_a": broker_a,
-                "broker_b": broker_b,
-                "api_to_b": api_to_b,
-                "state_link": state_link,
+                "stack": md.stack,
+                "broker_a": md.brokers["dc-a"],
+                "broker_b": md.brokers["dc-b"],
+                "api_to_b": md.api_links["dc-b"],
+                "state_link": md.state_links["dc-b"],
             }
-        finally:
-            if stack is not None:
-                stack.stop()
-            for link in links:
-                link.stop()
-            broker_a.stop()
-            broker_b.stop()
 
 
 def _chat(stack: Any, key: str, text: str, max_tokens: int = 4) -> Any:

@@ -69,6 +69,8 @@ class LiveStack:
     #: extra environment of the workers of one datacenter, by DC (a multi-DC test
     #: points a DC's workers at its own broker, or at a store across a WAN link)
     worker_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: engine profile of every emulated engine and worker
+    profile: str = PROFILE
     #: called once the stores and engines run, before any worker starts
     before_workers: Callable[[], None] | None = None
     kv_endpoints: dict[str, str] = field(default_factory=dict)
@@ -133,7 +135,7 @@ class LiveStack:
             for spec in self.instances:
                 opts = {"time_scale": self.time_scale, "seed": len(self.emulators) + 1}
                 opts.update(spec.emulator)
-                emu = EmulatorServer(PROFILE, port=0, instance_id=spec.instance_id, **opts)
+                emu = EmulatorServer(self.profile, port=0, instance_id=spec.instance_id, **opts)
                 emu.start()
                 self.emulators[spec.instance_id] = emu
                 self.engine_urls[spec.instance_id] = emu.url
@@ -207,7 +209,7 @@ class LiveStack:
                     "--port",
                     str(port),
                     "--profile",
-                    PROFILE,
+                    self.profile,
                     "--time-scale",
                     str(ts),
                     "--seed",
@@ -262,7 +264,7 @@ class LiveStack:
                 "--engine-url",
                 self.engine_urls[spec.instance_id],
                 "--profile",
-                PROFILE,
+                self.profile,
                 "--slots",
                 str(spec.slots),
                 "--loglevel",
@@ -310,7 +312,8 @@ class LiveStack:
 
         assert self.sup is not None
         port = free_port()
-        env = dict(self.env, TOKENFLEET_SEED_API_KEYS=f"{API_KEY}={TENANT}")
+        seeds = ",".join(filter(None, [f"{API_KEY}={TENANT}", self.live.seed_api_keys]))  # type: ignore[union-attr]
+        env = dict(self.env, TOKENFLEET_SEED_API_KEYS=seeds)
         child = self.sup.start(
             name,
             [

@@ -19,7 +19,7 @@ import http.client
 import json
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,11 +83,17 @@ class Outcome:
 class _Client(KeepAliveClient):
     """One keep-alive connection per sender thread, to ``<url>/v1``."""
 
-    def __init__(self, url: str, api_key: str, timeout_s: float) -> None:
+    def __init__(
+        self, url: str, api_key: str, timeout_s: float, keys: Mapping[str, str] | None = None
+    ) -> None:
         super().__init__(url, timeout_s)
         if not self.path.endswith("/v1"):
             self.path += "/v1"
         self.api_key = api_key
+        self.keys = dict(keys or {})  # tenant -> key, for multi-tenant scenarios
+
+    def key_for(self, tenant: str) -> str:
+        return self.keys.get(tenant, self.api_key)
 
 
 def _one(client: _Client, out: Outcome, model: str, clock: Callable[[], float]) -> None:
@@ -102,7 +108,7 @@ def _one(client: _Client, out: Outcome, model: str, clock: Callable[[], float]) 
     }
     payload = json.dumps(body).encode()
     headers = {
-        "Authorization": f"Bearer {client.api_key}",
+        "Authorization": f"Bearer {client.key_for(req.info.tenant)}",
         "Content-Type": "application/json",
         "X-TokenFleet-Tier": out.tier,
     }
@@ -165,11 +171,13 @@ def replay(
     max_inflight: int = 512,
     timeout_s: float = 600.0,
     progress: Callable[[int, int], None] | None = None,
+    tenant_keys: Mapping[str, str] | None = None,
 ) -> tuple[list[Outcome], float]:
     """Send every request at its arrival time (relative to now); returns the
-    outcomes and the wall-clock span of the run."""
+    outcomes and the wall-clock span of the run. ``tenant_keys``: the API key
+    of each tenant the requests name (others use ``api_key``)."""
     slo = slo or SLOConfig()
-    client = _Client(url, api_key, timeout_s)
+    client = _Client(url, api_key, timeout_s, tenant_keys)
     start = time.monotonic()
     base = requests[0].arrival_s if requests else 0.0
 
