@@ -171,9 +171,8 @@ def main() -> int:
     for dc in sorted(sim["requests_per_dc"]):
         a, b = sim["requests_per_dc"][dc], live["requests_per_dc"].get(dc, 0)
         print(f"{'requests in ' + dc:22} {a:10d} {b:10d}")
-    print(
-        f"{'residency violations':22} {sim['residency_violations']:10d} {live['residency_violations']:10d}"
-    )
+    viol = sim["residency_violations"], live["residency_violations"]
+    print(f"{'residency violations':22} {viol[0]:10d} {viol[1]:10d}")
     print(f"live: {live['http_errors']} HTTP errors, wall {live['wall_s']:.0f} s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
