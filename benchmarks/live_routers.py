@@ -39,6 +39,7 @@ the repeats and their range.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -69,6 +70,20 @@ DEFAULT_FRONTS = (
     "tokenfleet:round_robin",
 )
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic.jsonl"
+#: the simulator's model of each front door's policy (``--sim``), and whether
+#: its engines' KV events reach it as deployed here
+SIM_POLICY: dict[str, tuple[str, bool]] = {
+    "sglang:cache_aware": ("sglang_cache_aware", False),
+    "sglang:round_robin": ("round_robin", False),
+    # vllm-router's cache_aware is sglang-router's policy (same defaults but a
+    # 2**25-character tree and 120 s eviction, which this slice never reaches)
+    "vllm:cache_aware": ("sglang_cache_aware", False),
+    "vllm:kv_aware": ("vllm_router_kv_aware", True),
+    "vllm:round_robin": ("round_robin", False),
+    "tokenfleet:tokenpilot": ("tokenpilot", True),
+    "tokenfleet:round_robin": ("round_robin", False),
+}
+SIM_DRAWS = 4
 
 
 # ---- the requests -------------------------------------------------------------------------
@@ -256,6 +271,7 @@ def one_run(
             engines.stop()
         s = summary(outs, wall_s, slo)
         delays = path_delays(outs, logs)
+        sim = simulate(front, reqs, args, outs, logs) if args.sim else None
     path_ms = sorted(1000.0 * (disp + relay) for _, disp, relay in delays)
     dispatch_ms = sorted(1000.0 * disp for _, disp, _ in delays)
     return {
@@ -272,6 +288,49 @@ def one_run(
         "requests": len(outs),
         "failed": sum(o.status != "completed" for o in outs),
         "sample_errors": s.get("sample_errors", []),
+        "sim": sim,
+    }
+
+
+def simulate(
+    front: str, reqs: list[TraceRequest], args: argparse.Namespace, outs: Any, logs: Path
+) -> dict[str, Any] | None:
+    """The simulator's prediction for this run: the same requests and engines,
+    the front door's policy as the simulator models it, and the path latency
+    measured in this very run (the mean over ``SIM_DRAWS`` seeded draws of it,
+    as tests/test_live_agreement.py does)."""
+    from tokenfleet.core.routing import ROUTERS
+    from tokenfleet.engine.profiles import get_profile
+    from tokenfleet.live.bench import path_latency
+    from tokenfleet.sim.runner import SimSettings, run_policies
+
+    policy, kv_events = SIM_POLICY.get(front, ("", False))
+    if policy not in ROUTERS:
+        return None
+    latency = path_latency(outs, logs)
+    # the simulator's pool serves the model "default"
+    sim_reqs = [
+        dataclasses.replace(r, info=dataclasses.replace(r.info, model="default")) for r in reqs
+    ]
+    draws = [
+        run_policies(
+            sim_reqs,
+            [policy],
+            SimSettings(
+                profile=get_profile(PROFILE),
+                instances=args.engines,
+                scrape_interval_s=0.5,  # TokenFleet's live scrape period
+                kv_events=kv_events,
+                path_latency=latency,
+                seed=k,
+            ),
+        )[0].summary
+        for k in range(SIM_DRAWS)
+    ]
+    return {
+        "policy": policy,
+        "ttft_p50_s": statistics.fmean(float(d["ttft_p50_s"]) for d in draws),
+        "ttft_p95_s": statistics.fmean(float(d["ttft_p95_s"]) for d in draws),
     }
 
 
@@ -314,6 +373,26 @@ def table(runs: list[dict[str, Any]], fronts: list[str]) -> str:
     return "\n".join(lines)
 
 
+def sim_table(runs: list[dict[str, Any]], fronts: list[str]) -> str:
+    """Live vs the simulator's model of the same front door (medians of the repeats)."""
+    lines = [
+        "| front door | sim policy | TTFT p50 live / sim (sim/live) "
+        "| TTFT p95 live / sim (sim/live) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for f in fronts:
+        mine = [r for r in runs if r["front"] == f and r["sim"]]
+        if not mine:
+            continue
+        cells = []
+        for key in ("ttft_p50_s", "ttft_p95_s"):
+            live = statistics.median(r[key] for r in mine)
+            sim = statistics.median(r["sim"][key] for r in mine)
+            cells.append(f"{live:.3f} / {sim:.3f} ({sim / live:.2f})")
+        lines.append(f"| {f} | {mine[0]['sim']['policy']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--slice", choices=["mooncake", "prefix-heavy"], default="mooncake")
@@ -326,6 +405,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--routers-venv", type=Path, default=ROOT / ".venv-routers")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--sim", action="store_true", help="also the simulator's prediction of each run"
+    )
     args = ap.parse_args()
     if args.duration is None:
         args.duration = 160.0 if args.slice == "mooncake" else 120.0
@@ -361,6 +443,9 @@ def main() -> int:
             )
     print()
     print(table(runs, fronts))
+    if args.sim:
+        print()
+        print(sim_table(runs, fronts))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
