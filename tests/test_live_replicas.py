@@ -200,6 +200,8 @@ def test_fleet_cycle_turns_ledger_demand_into_a_replica_target(
     fleet = {k.decode(): v.decode() for k, v in state.r.hgetall(state.k("fleet")).items()}
     assert int(fleet[f"target:dc-a|{MODEL}|"]) >= 2
     assert int(fleet[f"target:dc-b|{MODEL}|"]) == 1
+    targets = state.replica_targets()
+    assert targets[("dc-a", MODEL, "")] >= 2 and targets[("dc-b", MODEL, "")] == 1
 
 
 # ---- tokenfleet up's actuator with a real engine and worker ---------------------------
@@ -253,6 +255,11 @@ def test_up_actuator_prewarms_then_retires_a_replica(stack: Any) -> None:
     )
     key = f"target:dc-a|{stack.model}|"
     st.r.hset(st.k("fleet"), mapping={key: 5, f"target:dc-b|{stack.model}|": 1})
+    # the plan is on /metrics, for an autoscaler that follows it (deploy/k8s HPAs)
+    metrics = urllib.request.urlopen(stack.url + "/metrics", timeout=5).read().decode()
+    assert (
+        f'tokenfleet_replica_target{{dc="dc-a",model="{stack.model}",version=""}} 5.0' in metrics
+    ), [ln for ln in metrics.splitlines() if "replica_target" in ln]
     said: list[str] = []
     deadline = time.time() + 30
     while time.time() < deadline:

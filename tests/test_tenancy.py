@@ -540,22 +540,27 @@ def live(live_stack: Any) -> Iterator[Any]:
         stack.app.extensions["tokenfleet.tenancy"].close()
 
 
+def _tenant_with_rpm(svc: Any, tenant: str, rpm: int) -> tuple[str, Any]:
+    """A new tenant allowed ``rpm`` interactive requests a minute, and its key."""
+    admin.create_tenant(svc.engine, tenant, actor="test", cache=svc.directory)
+    admin.set_quota(
+        svc.engine,
+        tenant,
+        "interactive",
+        {"requests_per_minute": rpm},
+        actor="test",
+        cache=svc.directory,
+    )
+    return admin.create_key(svc.engine, tenant, actor="test", cache=svc.directory)
+
+
 def test_api_admits_exactly_ten_of_fifty_concurrent_chats_and_revokes_in_a_second(
     live: Any,
 ) -> None:
     import requests
 
     svc = live.app.extensions["tokenfleet.tenancy"]
-    admin.create_tenant(svc.engine, "http-co", actor="test", cache=svc.directory)
-    admin.set_quota(
-        svc.engine,
-        "http-co",
-        "interactive",
-        {"requests_per_minute": 10},
-        actor="test",
-        cache=svc.directory,
-    )
-    key, info = admin.create_key(svc.engine, "http-co", actor="test", cache=svc.directory)
+    key, info = _tenant_with_rpm(svc, "http-co", 10)
     body = {"model": live.model, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
     url = live.url + "/v1/chat/completions"
 
@@ -604,6 +609,44 @@ def test_api_admits_exactly_ten_of_fifty_concurrent_chats_and_revokes_in_a_secon
     while (code := post(0).status_code) != 401:
         assert code == 200 and time.monotonic() - t0 < 1.0, "revoked key still served after 1 s"
     assert time.monotonic() - t0 < 1.0
+
+
+def test_two_api_replicas_admit_exactly_ten_of_fifty_concurrent_chats(live: Any) -> None:
+    """The quota is one Redis script, so replicas behind a load balancer share
+    it: 50 concurrent requests spread over two API processes, 10 left, admit 10."""
+    import requests
+
+    svc = live.app.extensions["tokenfleet.tenancy"]
+    key, _ = _tenant_with_rpm(svc, "replica-co", 10)
+    # the second replica: a `tokenfleet api` process of its own on the same stores
+    urls = [live.url, live.start_api_process("api-replica-2")]
+    body = {"model": live.model, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+
+    def post(i: int) -> tuple[int, Any]:
+        r = requests.post(
+            urls[i % 2] + "/v1/chat/completions",
+            json=body,
+            timeout=60,
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        return i % 2, r
+
+    results = fire(50, post)
+    codes = sorted(r.status_code for _, r in results)
+    assert codes.count(200) == 10 and codes.count(429) == 40, codes
+    for replica in (0, 1):
+        mine = [r for k, r in results if k == replica]
+        assert len(mine) == 25 and all(r.status_code in (200, 429) for r in mine)
+    for _, r in results:
+        if r.status_code == 429:
+            assert r.json()["error"]["code"] == "requests_per_minute_exceeded"
+    # each refusal is one rejected row, whichever replica refused it
+    refused = {r.headers["X-Request-Id"] for _, r in results if r.status_code == 429}
+    rows = live.ledger_rows(
+        "tenant_id = 'replica-co'",
+        expect=lambda rows: sum(r["status"] == "rejected" for r in rows) >= 40,
+    )
+    assert {r["request_id"] for r in rows if r["status"] == "rejected"} == refused
 
 
 def test_a_request_without_max_tokens_fits_a_small_budget_and_says_why_it_does_not(

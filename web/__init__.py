@@ -71,6 +71,15 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
             make_engine(cfg["DATABASE_URL"]), spill_dir=data_dir / "spill", name="api-ledger"
         )
     _warm_publisher(celery)
+    from tokenfleet.live.brokers import DcBrokers
+
+    brokers = DcBrokers(
+        celery,
+        live.dc_brokers(),
+        lambda url: create_celery(url, live),
+        down_for_s=live.broker_down_s,
+    )
+    brokers.start()
     gw = Gateway(
         state=state,
         celery=celery,
@@ -79,6 +88,7 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
         ledger=ledger,
         admission=cfg.get("ADMISSION") or live.admission,
         redis_url=cfg["REDIS_URL"],
+        brokers=brokers,
     )
     metrics = ApiMetrics(gw)
     gw.metrics = metrics

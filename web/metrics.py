@@ -160,6 +160,7 @@ class _LiveStateCollector:
             thresholds = st.thresholds()
             counters = st.counters()
             queued = st.queued()
+            targets = st.replica_targets()
         except Exception:  # noqa: BLE001 - Redis down: say so, keep the rest
             up = GaugeMetricFamily("tokenfleet_redis_up", "1 if Redis answered this scrape.")
             up.add_metric([], 0)
@@ -220,6 +221,15 @@ class _LiveStateCollector:
         for q, n in queued.items():
             depth.add_metric([q], n)
         yield depth
+        target = GaugeMetricFamily(
+            "tokenfleet_replica_target",
+            "FleetMind's planned replicas per datacenter, model and version (beat's "
+            "long cycle); an autoscaler (HPA on an External metric, KEDA) can follow it.",
+            labels=["dc", "model", "version"],
+        )
+        for (dc, model, version), n in sorted(targets.items()):
+            target.add_metric([dc, model, version], n)
+        yield target
         fam = CounterMetricFamily(
             "tokenfleet_fleet_events",
             "Fleet-wide counters kept in Redis (control ticks, fleet "

@@ -194,7 +194,16 @@ def run_worker(
         ledger = LedgerWriter(
             database_url, spill_dir=Path(data_dir) / "spill", name=f"ledger-{opts.instance_id}"
         )
+    dc_brokers = live.dc_brokers()
+    # multi-region: a worker consumes from its own datacenter's broker
+    broker_url = dc_brokers.pop(opts.dc, broker_url)
     app.conf.update(celery_settings(broker_url, live))
+    send_task = None
+    if dc_brokers:  # a re-send to another datacenter goes to that DC's broker
+        from tokenfleet.live.brokers import DcBrokers
+        from workers.app import create_celery
+
+        send_task = DcBrokers(app, dc_brokers, lambda url: create_celery(url, live)).send_task
     rt = runtime.WorkerRuntime(
         live,
         state,
@@ -202,6 +211,7 @@ def run_worker(
         ledger=ledger,
         pool_mode=opts.pool_mode,
         kv_events_endpoint=opts.kv_events_endpoint,
+        send_task=send_task,
     )
     runtime.RUNTIME = rt
     if broker_url.startswith(("redis://", "rediss://", "unix://")):

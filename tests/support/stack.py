@@ -66,6 +66,13 @@ class LiveStack:
     #: engine processes publish vLLM KV events (ZeroMQ) and their workers relay
     #: them (``--kv-events``), so routers get exact cache knowledge
     engine_kv_events: bool = False
+    #: extra environment of the workers of one datacenter, by DC (a multi-DC test
+    #: points a DC's workers at its own broker, or at a store across a WAN link)
+    worker_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: engine profile of every emulated engine and worker
+    profile: str = PROFILE
+    #: called once the stores and engines run, before any worker starts
+    before_workers: Callable[[], None] | None = None
     kv_endpoints: dict[str, str] = field(default_factory=dict)
     #: a running PostgreSQL to take a fresh database from (the test session's
     #: shared server); None: the stack starts its own under data_dir
@@ -128,7 +135,7 @@ class LiveStack:
             for spec in self.instances:
                 opts = {"time_scale": self.time_scale, "seed": len(self.emulators) + 1}
                 opts.update(spec.emulator)
-                emu = EmulatorServer(PROFILE, port=0, instance_id=spec.instance_id, **opts)
+                emu = EmulatorServer(self.profile, port=0, instance_id=spec.instance_id, **opts)
                 emu.start()
                 self.emulators[spec.instance_id] = emu
                 self.engine_urls[spec.instance_id] = emu.url
@@ -148,6 +155,8 @@ class LiveStack:
         self.sup = Supervisor(self.data_dir / "logs")
         if not self.engines_in_process and not self.external_engines:
             self._start_engine_processes()
+        if self.before_workers is not None:
+            self.before_workers()
         for spec in self.instances:
             self.start_worker(spec)
         if self.with_beat:
@@ -200,7 +209,7 @@ class LiveStack:
                     "--port",
                     str(port),
                     "--profile",
-                    PROFILE,
+                    self.profile,
                     "--time-scale",
                     str(ts),
                     "--seed",
@@ -255,14 +264,14 @@ class LiveStack:
                 "--engine-url",
                 self.engine_urls[spec.instance_id],
                 "--profile",
-                PROFILE,
+                self.profile,
                 "--slots",
                 str(spec.slots),
                 "--loglevel",
                 "INFO",
                 *extra,
             ],
-            self.env,
+            dict(self.env, **self.worker_env.get(spec.dc, {})),
             restart=False,
             stop_timeout_s=10.0,
         )
@@ -290,13 +299,23 @@ class LiveStack:
         self.url = self.server.url
 
     def _start_api_process(self) -> None:
+        self.url = self.start_api_process("api", wait=False)
+        # a local gateway object for reading live state (never serves requests)
+        from tokenfleet.live.state import LiveState
+
+        self._state = LiveState.from_url(self.redis.url, prefix=self.live.redis_prefix)  # type: ignore[union-attr]
+
+    def start_api_process(self, name: str, *, wait: bool = True, timeout_s: float = 60.0) -> str:
+        """A `tokenfleet api` process on this stack's stores (another replica,
+        as a load balancer would spread requests over); returns its URL."""
         from tokenfleet.service.embedded import free_port
 
         assert self.sup is not None
         port = free_port()
-        env = dict(self.env, TOKENFLEET_SEED_API_KEYS=f"{API_KEY}={TENANT}")
-        self.sup.start(
-            "api",
+        seeds = ",".join(filter(None, [f"{API_KEY}={TENANT}", self.live.seed_api_keys]))  # type: ignore[union-attr]
+        env = dict(self.env, TOKENFLEET_SEED_API_KEYS=seeds)
+        child = self.sup.start(
+            name,
             [
                 sys.executable,
                 "-m",
@@ -312,11 +331,14 @@ class LiveStack:
             env,
             restart=False,
         )
-        self.url = f"http://127.0.0.1:{port}"
-        # a local gateway object for reading live state (never serves requests)
-        from tokenfleet.live.state import LiveState
-
-        self._state = LiveState.from_url(self.redis.url, prefix=self.live.redis_prefix)  # type: ignore[union-attr]
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout_s
+        while wait and not _answers(url):
+            if not child.alive() or time.monotonic() > deadline:
+                tail = child.log_path.read_text(errors="replace")[-2000:]
+                raise TimeoutError(f"API replica {name} at {url} did not start:\n{tail}")
+            time.sleep(0.1)
+        return url
 
     @property
     def gateway(self) -> Any:
@@ -342,16 +364,7 @@ class LiveStack:
         raise TimeoutError(f"live stack not ready in {timeout_s}s; logs in {self.data_dir}/logs")
 
     def _api_answers(self) -> bool:
-        import http.client
-
-        try:
-            conn = http.client.HTTPConnection(
-                "127.0.0.1", int(self.url.rsplit(":", 1)[1]), timeout=1
-            )
-            conn.request("GET", "/health")
-            return conn.getresponse().status == 200
-        except OSError:
-            return False
+        return _answers(self.url)
 
     def _consuming(self, want: int) -> bool:
         """Workers log 'ready' once their consumer runs."""
@@ -453,6 +466,18 @@ class LiveStack:
     def worker_log(self, instance_id: str) -> str:
         assert self.sup is not None
         return self.sup.children[f"worker-{instance_id}"].log_path.read_text(errors="replace")
+
+
+def _answers(url: str) -> bool:
+    """GET /health answers 200."""
+    import http.client
+
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=1)
+        conn.request("GET", "/health")
+        return conn.getresponse().status == 200
+    except OSError:
+        return False
 
 
 @dataclass

@@ -19,7 +19,8 @@ import http.client
 import json
 import threading
 import time
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,11 +84,24 @@ class Outcome:
 class _Client(KeepAliveClient):
     """One keep-alive connection per sender thread, to ``<url>/v1``."""
 
-    def __init__(self, url: str, api_key: str, timeout_s: float) -> None:
+    def __init__(
+        self, url: str, api_key: str, timeout_s: float, keys: Mapping[str, str] | None = None
+    ) -> None:
         super().__init__(url, timeout_s)
         if not self.path.endswith("/v1"):
             self.path += "/v1"
         self.api_key = api_key
+        self.keys = dict(keys or {})  # tenant -> key, for multi-tenant scenarios
+
+    def key_for(self, tenant: str) -> str:
+        return self.keys.get(tenant, self.api_key)
+
+    #: send an ``X-Request-Id`` of our own (front doors that forward it to the
+    #: engine can then be joined with the engine's request log)
+    send_request_ids: bool = False
+    #: edits each request body before it is sent (e.g. a front door that drops
+    #: ``vllm_xargs`` gets the output length as ``ignore_eos`` + ``max_tokens``)
+    body_hook: Callable[[dict[str, Any], TraceRequest], None] | None = None
 
 
 def _one(client: _Client, out: Outcome, model: str, clock: Callable[[], float]) -> None:
@@ -100,18 +114,23 @@ def _one(client: _Client, out: Outcome, model: str, clock: Callable[[], float]) 
         "messages": [{"role": "user", "content": prompt_text(req)}],
         "vllm_xargs": {"output_tokens": max(1, req.output_tokens)},
     }
+    if client.body_hook is not None:
+        client.body_hook(body, req)
     payload = json.dumps(body).encode()
     headers = {
-        "Authorization": f"Bearer {client.api_key}",
+        "Authorization": f"Bearer {client.key_for(req.info.tenant)}",
         "Content-Type": "application/json",
         "X-TokenFleet-Tier": out.tier,
     }
+    own_id = ""
+    if client.send_request_ids:
+        own_id = headers["X-Request-Id"] = uuid.uuid4().hex
     try:
         out.sent_s = clock()
         out.sent_wall = time.time()
         resp = client.request("POST", "/chat/completions", body=payload, headers=headers)
         out.http_status = resp.status
-        out.api_request_id = resp.getheader("X-Request-Id") or ""
+        out.api_request_id = resp.getheader("X-Request-Id") or own_id
         if resp.status != 200:
             raw = resp.read()
             out.status = "rejected" if resp.status == 429 else "failed"
@@ -165,11 +184,17 @@ def replay(
     max_inflight: int = 512,
     timeout_s: float = 600.0,
     progress: Callable[[int, int], None] | None = None,
+    tenant_keys: Mapping[str, str] | None = None,
+    send_request_ids: bool = False,
+    body_hook: Callable[[dict[str, Any], TraceRequest], None] | None = None,
 ) -> tuple[list[Outcome], float]:
     """Send every request at its arrival time (relative to now); returns the
-    outcomes and the wall-clock span of the run."""
+    outcomes and the wall-clock span of the run. ``tenant_keys``: the API key
+    of each tenant the requests name (others use ``api_key``)."""
     slo = slo or SLOConfig()
-    client = _Client(url, api_key, timeout_s)
+    client = _Client(url, api_key, timeout_s, tenant_keys)
+    client.send_request_ids = send_request_ids
+    client.body_hook = body_hook
     start = time.monotonic()
     base = requests[0].arrival_s if requests else 0.0
 
@@ -247,7 +272,8 @@ def path_delays(outs: Sequence[Outcome], engine_logs: Path) -> list[tuple[int, f
     for f in sorted(engine_logs.glob("*.jsonl")):
         for line in f.read_text().splitlines():
             e = json.loads(line)
-            engine[e["id"].rsplit("-", 1)[0]] = e  # "<request id>-<attempt>"
+            engine[e["id"]] = e  # a front door's own id, forwarded as it is
+            engine[e["id"].rsplit("-", 1)[0]] = e  # TokenFleet's "<id>-<attempt>": the last
     out: list[tuple[int, float, float]] = []
     for o in outs:
         e = engine.get(o.api_request_id)

@@ -55,6 +55,21 @@ class LiveConfig:
         default="",
         metadata=_doc('The datacenter this API replica runs in (requests enter here); "" = none.'),
     )
+    dc_broker_urls: str = field(
+        default="",
+        metadata=_doc(
+            "Per-datacenter Celery brokers, DC=URL,DC=URL: the API publishes a request to "
+            "its datacenter's broker, whose workers consume there (multi-region, "
+            'docs/deployment.md). "": every DC uses broker_url.'
+        ),
+    )
+    broker_down_s: float = field(
+        default=5.0,
+        metadata=_doc(
+            "A datacenter whose broker refused a publish or a probe is left out of DC "
+            "selection this long (its requests spill where residency allows)."
+        ),
+    )
     redis_prefix: str = field(
         default="tf", metadata=_doc("Key prefix in Redis, so several fleets can share one server.")
     )
@@ -308,6 +323,7 @@ class LiveConfig:
             "request_timeout_s",
             "reconcile_period_s",
             "reconcile_grace_s",
+            "broker_down_s",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"'{name}' must be > 0 seconds, got {getattr(self, name)}")
@@ -333,6 +349,16 @@ class LiveConfig:
             )
         if self.stale_after_s < 2 * self.scrape_interval_s:
             raise ConfigError("'stale_after_s' must be at least two scrape intervals")
+        self.dc_brokers()
+
+    def dc_brokers(self) -> dict[str, str]:
+        """``dc_broker_urls`` as {dc: broker URL}."""
+        from tokenfleet.live.brokers import parse_dc_broker_urls
+
+        try:
+            return parse_dc_broker_urls(self.dc_broker_urls)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
     def seed_keys(self) -> dict[str, str]:
         """``seed_api_keys`` as {key: tenant}."""

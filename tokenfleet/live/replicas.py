@@ -69,17 +69,10 @@ class LocalReplicas:
     def targets(self) -> dict[str, tuple[int, str]]:
         """Per DC: (target replicas, the pool key it came from). The local fleet
         serves one model, so a DC's target is its largest pool target."""
-        raw = self.state.r.hgetall(self.state.k("fleet"))
         out: dict[str, tuple[int, str]] = {}
-        for k, v in raw.items():
-            key = k.decode()
-            if not key.startswith("target:"):
-                continue
-            pool = key.removeprefix("target:")
-            dc = pool.split("|", 1)[0]
-            n = int(v)
+        for (dc, model, version), n in self.state.replica_targets().items():
             if dc in self.base and (dc not in out or n > out[dc][0]):
-                out[dc] = (n, pool)
+                out[dc] = (n, f"{dc}|{model}|{version}")
         return out
 
     def count(self, dc: str) -> int:

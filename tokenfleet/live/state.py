@@ -409,6 +409,22 @@ class LiveState:
                     continue
         return shares
 
+    def replica_targets(self) -> dict[tuple[str, str, str], int]:
+        """FleetMind's replica target per (dc, model, version), as beat's long
+        cycle wrote it (``target:<dc>|<model>|<version>``); {} before the first plan."""
+        out: dict[tuple[str, str, str], int] = {}
+        for k, v in self.r.hgetall(self.k("fleet")).items():
+            key = k.decode()
+            if not key.startswith("target:"):
+                continue
+            dc, _, rest = key.removeprefix("target:").partition("|")
+            model, _, version = rest.rpartition("|")
+            try:
+                out[(dc, model, version)] = int(v)
+            except ValueError:
+                continue
+        return out
+
     # -- prompt_cache_key pins ------------------------------------------------------------
     def pin(self, tenant: str, key: str) -> str | None:
         """The instance a tenant's ``prompt_cache_key`` is pinned to, if any."""

@@ -26,6 +26,7 @@ import redis
 from tokenfleet.core.routing import ROUTERS
 from tokenfleet.core.tiers import SLOConfig
 from tokenfleet.core.types import BLOCK_SIZE_TOKENS
+from tokenfleet.live.brokers import DcBrokers
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.dc_select import LiveDCSelector, load_topology
 from tokenfleet.live.gateway.dispatch import Dispatcher
@@ -81,9 +82,12 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
         ledger: Any = None,
         admission: Any = None,
         redis_url: str | None = None,
+        brokers: DcBrokers | None = None,
     ) -> None:
         self.state = state
         self.celery = celery
+        #: per-datacenter brokers (multi-region); none: every task goes to ``celery``'s
+        self.brokers = brokers or DcBrokers(celery, {}, lambda _url: celery)
         joined = (
             redis_url is not None
             and celery.conf.broker_transport == TRANSPORT_PATH
@@ -121,6 +125,7 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
 
     def close(self) -> None:
         self.relay_hub.close()
+        self.brokers.close()
         super().close()
 
     def validate(

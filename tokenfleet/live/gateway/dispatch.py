@@ -24,6 +24,7 @@ from kombu.exceptions import KombuError
 from tokenfleet.core.tiers import SLOConfig
 from tokenfleet.core.types import PoolSnapshot, RequestInfo, RouteDecision
 from tokenfleet.errors import NoCandidateError
+from tokenfleet.live.brokers import DcBrokers
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.dc_select import DCTicket
 from tokenfleet.live.gateway.errors import (
@@ -104,6 +105,7 @@ class Dispatcher:
     metrics: Any
     tenant_regions: Callable[[str], Sequence[str]] | None
     _publisher: Any
+    brokers: DcBrokers
     relay_hub: RelayHub
     wait_predictor: Any
     _dc_views_at: float
@@ -126,6 +128,8 @@ class Dispatcher:
             views = self.state.instance_views(
                 now, self.live.stale_after_s, self.instances(), self.accounting.get
             )
+            if down := self.brokers.down_dcs(now):  # their requests spill (residency allowing)
+                views = [v for v in views if v.dc not in down]
             views, dc_choice, allowed_dcs = self._pick_dc(req, views, now)
             allowed = self._admit(req, views, now)
             if allowed is not None:
@@ -454,7 +458,8 @@ class Dispatcher:
         dc_choice: tuple[Any, str | None] | None,
     ) -> None:
         info = req.info
-        joined = self._publisher
+        # the task joins the state's round trip only when it goes to that same Redis
+        joined = None if self.brokers.own(target.dc) else self._publisher
         booked: dict[str, int] = {}
         with self.state.batch() as b:
             b.create_request(
@@ -484,8 +489,9 @@ class Dispatcher:
         if joined is not None:
             return
         try:
-            send_chat_job(self.celery.send_task, job)
-        except KombuError:
+            send_chat_job(self.brokers.send_task, job)
+        except KombuError as exc:
+            self.brokers.mark_down(target.dc, f"publish: {exc.__class__.__name__}")
             self.state.finish(info.request_id, "failed")
             self.state.queued_incr(job.queue, -1)
             raise
@@ -493,7 +499,7 @@ class Dispatcher:
     def _publish(self, job: ChatJob) -> None:
         """Publish a re-send (its queue depth first)."""
         self.state.queued_incr(job.queue)
-        send_chat_job(self.celery.send_task, job)
+        send_chat_job(self.brokers.send_task, job)
 
     def _ledger(self, row: RequestRecord) -> None:
         if self.ledger is None:

@@ -1,0 +1,457 @@
+"""Live head-to-head: TokenFleet against the Rust routers users pick instead (issue #17).
+
+``python benchmarks/live_routers.py [--slice mooncake|prefix-heavy] [--repeats 3]``
+
+Every run starts fresh emulated engines (``tokenfleet engine-sim``, real decode
+speed, vLLM KV events on, each its own process) and one front door in front of
+them, then replays the same requests, streamed, at their arrival times
+(``tokenfleet.live.bench.replay``); the front doors are interleaved, repeat by
+repeat, so a drift of the shared machine's speed hits all of them alike.
+
+Front doors (``--fronts``):
+
+* ``sglang:cache_aware``, ``sglang:round_robin``: ``sglang-router launch`` (PyPI
+  ``sglang-router``); it drops ``vllm_xargs``, so its requests carry the
+  trace's output length as ``ignore_eos`` + ``max_tokens`` (its policies do
+  not read ``max_tokens``);
+* ``vllm:cache_aware``, ``vllm:kv_aware``: ``vllm-router`` (PyPI
+  ``vllm-router``), ``kv_aware`` fed by the engines' KV events
+  (``--kv-event-source``);
+* ``tokenfleet:tokenpilot``, ``tokenfleet:round_robin``: the whole live
+  service (API process, one Celery worker per engine relaying its KV events,
+  Redis, PostgreSQL), SLOMax admission as shipped.
+
+The Rust routers come from PyPI into their own cached virtualenv
+(``--routers-venv``, default ``.venv-routers``; created on first use).
+
+Slices: ``mooncake`` is the shared Mooncake trace's first ``--duration``
+seconds at ``--rate-scale`` (default 160 s at 0.5: about 316 requests);
+``prefix-heavy`` is the synthetic ``conversations`` workload (long multi-turn
+sessions on shared system prompts) at ``--rate`` requests/s.
+
+Per run: TTFT p50/p95, goodput (output tokens/s of requests that met their
+SLO), SLO attainment, and the front door's own path latency (client send ->
+engine, engine first token -> client; joined with the engines' request logs
+by the X-Request-Id the front door forwards). The table gives the median of
+the repeats and their range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.support
+
+from tests.support.stack import API_KEY, InstanceSpec, LiveStack  # noqa: E402
+from tests.support.stores import temp_data_dir  # noqa: E402
+from tokenfleet.core.tiers import SLOConfig  # noqa: E402
+from tokenfleet.live.bench import path_delays, replay, summary  # noqa: E402
+from tokenfleet.service.embedded import free_port  # noqa: E402
+from tokenfleet.workloads.trace import TraceRequest  # noqa: E402
+
+PROFILE = "llama3-8b-h200"
+ROUTER_PACKAGES = ("sglang-router==0.3.2", "vllm-router==0.1.17")
+DEFAULT_FRONTS = (
+    "sglang:cache_aware",
+    "vllm:cache_aware",
+    "vllm:kv_aware",
+    "tokenfleet:tokenpilot",
+    "tokenfleet:round_robin",
+)
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic.jsonl"
+#: the simulator's model of each front door's policy (``--sim``), and whether
+#: its engines' KV events reach it as deployed here
+SIM_POLICY: dict[str, tuple[str, bool]] = {
+    "sglang:cache_aware": ("sglang_cache_aware", False),
+    "sglang:round_robin": ("round_robin", False),
+    # vllm-router's cache_aware is sglang-router's policy (same defaults but a
+    # 2**25-character tree and 120 s eviction, which this slice never reaches)
+    "vllm:cache_aware": ("sglang_cache_aware", False),
+    "vllm:kv_aware": ("vllm_router_kv_aware", True),
+    "vllm:round_robin": ("round_robin", False),
+    "tokenfleet:tokenpilot": ("tokenpilot", True),
+    "tokenfleet:round_robin": ("round_robin", False),
+}
+SIM_DRAWS = 4
+
+
+# ---- the requests -------------------------------------------------------------------------
+def load_slice(args: argparse.Namespace, model: str) -> list[TraceRequest]:
+    if args.slice == "mooncake":
+        from tokenfleet.workloads import load_workload
+        from tokenfleet.workloads.scaling import rate_scale
+
+        if not TRACE.exists():
+            raise SystemExit(f"the mooncake slice needs {TRACE} (see ../shared/traces/README)")
+        reqs = rate_scale(load_workload(str(TRACE), "mooncake", model=model), args.rate_scale)
+    else:
+        from tokenfleet.workloads.synthetic import SYNTHETIC
+
+        n = int(args.rate * args.duration * 1.2) + 10
+        reqs = SYNTHETIC.get("conversations")(n, args.seed, args.rate, model=model)
+    t0 = reqs[0].info.arrival_s
+    return [r for r in reqs if r.info.arrival_s - t0 < args.duration]
+
+
+# ---- processes ------------------------------------------------------------------------------
+class Engines:
+    """``n`` fresh ``tokenfleet engine-sim`` processes with KV events and request logs."""
+
+    def __init__(self, n: int, log_dir: Path, seed: int) -> None:
+        self.log_dir = log_dir
+        self.urls: list[str] = []
+        self.kv: list[str] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+        for k in range(n):
+            port, kv_port = free_port(), free_port()
+            env = dict(os.environ, TOKENFLEET_EMULATOR_REQUEST_LOG=str(log_dir / f"e{k}.jsonl"))
+            argv = [
+                sys.executable,
+                "-m",
+                "tokenfleet.cli.main",
+                "engine-sim",
+                "--port",
+                str(port),
+                "--profile",
+                PROFILE,
+                "--seed",
+                str(seed + k + 1),
+                "--kv-events-endpoint",
+                f"tcp://127.0.0.1:{kv_port}",
+            ]
+            log = open(log_dir / f"engine-{k}.log", "wb")  # noqa: SIM115 - closed by the process
+            self.procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+            self.urls.append(f"http://127.0.0.1:{port}")
+            self.kv.append(f"tcp://127.0.0.1:{kv_port}")
+        for url in self.urls:
+            _wait_http(url + "/health", 60)
+
+    def stop(self) -> None:
+        _stop(self.procs)
+
+
+def _wait_http(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer in {timeout_s:.0f} s")
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def routers_venv(path: Path) -> Path:
+    """The virtualenv with the Rust routers (made once, from PyPI)."""
+    marker = path / ".installed"
+    if not marker.exists():
+        print(f"installing {', '.join(ROUTER_PACKAGES)} into {path} (once)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+        subprocess.run([str(path / "bin" / "pip"), "install", *ROUTER_PACKAGES], check=True)
+        marker.touch()
+    return path / "bin"
+
+
+def start_rust_router(
+    kind: str, policy: str, engines: Engines, bin_dir: Path, log_dir: Path
+) -> tuple[str, subprocess.Popen[bytes]]:
+    port, metrics_port = free_port(), free_port()
+    common = [
+        "--worker-urls",
+        *engines.urls,
+        "--policy",
+        policy,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-port",
+        str(metrics_port),
+        "--request-id-headers",
+        "x-request-id",
+    ]
+    if kind == "sglang":
+        argv = [str(bin_dir / "sglang-router"), "launch", *common]
+    else:
+        argv = [str(bin_dir / "vllm-router"), *common]
+        if policy == "kv_aware":
+            # the engines' events, the model they serve, and their block size
+            # (the emulator's 16 tokens; the router tokenizes via POST /tokenize)
+            argv += ["--kv-event-model", _model(engines.urls[0]), "--kv-event-block-size", "16"]
+            for url, kv in zip(engines.urls, engines.kv, strict=True):
+                argv += ["--kv-event-source", f"{url}={kv}"]
+    log = open(log_dir / f"{kind}-{policy}.log", "wb")  # noqa: SIM115 - closed by the process
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_http(url + "/v1/models", 60)
+    except TimeoutError:
+        proc.kill()
+        tail = (log_dir / f"{kind}-{policy}.log").read_text(errors="replace")[-1500:]
+        raise TimeoutError(f"{kind}-router --policy {policy} did not start:\n{tail}") from None
+    return url, proc
+
+
+# ---- one run ----------------------------------------------------------------------------
+def one_run(
+    front: str, reqs: list[TraceRequest], args: argparse.Namespace, bin_dir: Path, rep: int
+) -> dict[str, Any]:
+    kind, policy = front.split(":", 1)
+    slo = SLOConfig()
+    with temp_data_dir("tokenfleet-routers-") as d:
+        logs = d / "engine-requests"
+        logs.mkdir()
+        engines = Engines(args.engines, logs, seed=100 * rep)
+        stack: LiveStack | None = None
+        proc: subprocess.Popen[bytes] | None = None
+        try:
+            hook = None
+            if kind == "tokenfleet":
+                stack = LiveStack(
+                    data_dir=d,
+                    instances=[
+                        InstanceSpec("dc-a", f"e{k}", slots=64) for k in range(args.engines)
+                    ],
+                    router=policy,
+                    admission="slomax",
+                    external_engines=True,
+                    engine_urls={f"e{k}": u for k, u in enumerate(engines.urls)},
+                    kv_endpoints={f"e{k}": kv for k, kv in enumerate(engines.kv)},
+                    engines_in_process=False,
+                    api_in_process=False,
+                    live_overrides={"fleet_policy": "off", "request_timeout_s": 300.0},
+                )
+                stack.start()
+                url = stack.url
+            else:
+                url, proc = start_rust_router(kind, policy, engines, bin_dir, d)
+                if kind == "sglang":
+
+                    def hook(body: dict[str, Any], req: TraceRequest) -> None:
+                        body["ignore_eos"] = True
+                        body["max_tokens"] = max(1, req.output_tokens)
+
+            outs, wall_s = replay(
+                url,
+                API_KEY,
+                reqs,
+                model=_model(engines.urls[0]),  # what a front door reports varies
+                slo=slo,
+                send_request_ids=True,
+                body_hook=hook,
+            )
+        finally:
+            if stack is not None:
+                stack.stop()
+            if proc is not None:
+                _stop([proc])
+            engines.stop()
+        s = summary(outs, wall_s, slo)
+        delays = path_delays(outs, logs)
+        sim = simulate(front, reqs, args, outs, logs) if args.sim else None
+    path_ms = sorted(1000.0 * (disp + relay) for _, disp, relay in delays)
+    dispatch_ms = sorted(1000.0 * disp for _, disp, _ in delays)
+    return {
+        "front": front,
+        "repeat": rep,
+        "ttft_p50_s": s["ttft_p50_s"],
+        "ttft_p95_s": s["ttft_p95_s"],
+        "goodput_tok_s": s["goodput_tok_s"],
+        "slo_attainment": s["slo_attainment"],
+        "path_p50_ms": _q(path_ms, 0.5),
+        "dispatch_p50_ms": _q(dispatch_ms, 0.5),
+        "dispatch_p95_ms": _q(dispatch_ms, 0.95),
+        "joined": len(delays),
+        "requests": len(outs),
+        "failed": sum(o.status != "completed" for o in outs),
+        "sample_errors": s.get("sample_errors", []),
+        "sim": sim,
+    }
+
+
+def simulate(
+    front: str, reqs: list[TraceRequest], args: argparse.Namespace, outs: Any, logs: Path
+) -> dict[str, Any] | None:
+    """The simulator's prediction for this run: the same requests and engines,
+    the front door's policy as the simulator models it, and the path latency
+    measured in this very run (the mean over ``SIM_DRAWS`` seeded draws of it,
+    as tests/test_live_agreement.py does)."""
+    from tokenfleet.core.routing import ROUTERS
+    from tokenfleet.engine.profiles import get_profile
+    from tokenfleet.live.bench import path_latency
+    from tokenfleet.sim.runner import SimSettings, run_policies
+
+    policy, kv_events = SIM_POLICY.get(front, ("", False))
+    if policy not in ROUTERS:
+        return None
+    latency = path_latency(outs, logs)
+    # the simulator's pool serves the model "default"
+    sim_reqs = [
+        dataclasses.replace(r, info=dataclasses.replace(r.info, model="default")) for r in reqs
+    ]
+    draws = [
+        run_policies(
+            sim_reqs,
+            [policy],
+            SimSettings(
+                profile=get_profile(PROFILE),
+                instances=args.engines,
+                scrape_interval_s=0.5,  # TokenFleet's live scrape period
+                kv_events=kv_events,
+                path_latency=latency,
+                seed=k,
+            ),
+        )[0].summary
+        for k in range(SIM_DRAWS)
+    ]
+    return {
+        "policy": policy,
+        "ttft_p50_s": statistics.fmean(float(d["ttft_p50_s"]) for d in draws),
+        "ttft_p95_s": statistics.fmean(float(d["ttft_p95_s"]) for d in draws),
+    }
+
+
+def _model(url: str) -> str:
+    req = urllib.request.Request(url + "/v1/models")
+    req.add_header("Authorization", f"Bearer {API_KEY}")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return str(json.load(r)["data"][0]["id"])
+
+
+def _q(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
+
+
+# ---- the table --------------------------------------------------------------------------
+def table(runs: list[dict[str, Any]], fronts: list[str]) -> str:
+    cols = [
+        ("TTFT p50 s", "ttft_p50_s", "{:.3f}"),
+        ("TTFT p95 s", "ttft_p95_s", "{:.3f}"),
+        ("goodput tok/s", "goodput_tok_s", "{:.0f}"),
+        ("SLO met", "slo_attainment", "{:.1%}"),
+        ("path p50 ms", "path_p50_ms", "{:.1f}"),
+        ("dispatch p95 ms", "dispatch_p95_ms", "{:.1f}"),
+    ]
+    lines = ["| front door | " + " | ".join(c[0] for c in cols) + " |"]
+    lines.append("|" + " --- |" * (len(cols) + 1))
+    for f in fronts:
+        mine = [r for r in runs if r["front"] == f]
+        cells = []
+        for _, key, fmt in cols:
+            xs = [r[key] for r in mine]
+            med = statistics.median(xs)
+            cells.append(
+                fmt.format(med)
+                + (f" ({fmt.format(min(xs))}-{fmt.format(max(xs))})" if len(xs) > 1 else "")
+            )
+        lines.append(f"| {f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sim_table(runs: list[dict[str, Any]], fronts: list[str]) -> str:
+    """Live vs the simulator's model of the same front door (medians of the repeats)."""
+    lines = [
+        "| front door | sim policy | TTFT p50 live / sim (sim/live) "
+        "| TTFT p95 live / sim (sim/live) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for f in fronts:
+        mine = [r for r in runs if r["front"] == f and r["sim"]]
+        if not mine:
+            continue
+        cells = []
+        for key in ("ttft_p50_s", "ttft_p95_s"):
+            live = statistics.median(r[key] for r in mine)
+            sim = statistics.median(r["sim"][key] for r in mine)
+            cells.append(f"{live:.3f} / {sim:.3f} ({sim / live:.2f})")
+        lines.append(f"| {f} | {mine[0]['sim']['policy']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--slice", choices=["mooncake", "prefix-heavy"], default="mooncake")
+    ap.add_argument("--fronts", default=",".join(DEFAULT_FRONTS))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--engines", type=int, default=4)
+    ap.add_argument("--duration", type=float, default=None, help="seconds of the slice")
+    ap.add_argument("--rate-scale", type=float, default=0.5, help="mooncake slice")
+    ap.add_argument("--rate", type=float, default=6.5, help="prefix-heavy slice, requests/s")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--routers-venv", type=Path, default=ROOT / ".venv-routers")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--sim", action="store_true", help="also the simulator's prediction of each run"
+    )
+    args = ap.parse_args()
+    if args.duration is None:
+        args.duration = 160.0 if args.slice == "mooncake" else 120.0
+    fronts = [f.strip() for f in args.fronts.split(",") if f.strip()]
+    for f in fronts:
+        kind, _, policy = f.partition(":")
+        if kind not in ("sglang", "vllm", "tokenfleet") or not policy:
+            raise SystemExit(f"--fronts: '{f}' is not KIND:POLICY with KIND sglang|vllm|tokenfleet")
+    bin_dir = routers_venv(args.routers_venv)
+    reqs = load_slice(args, "meta-llama/Llama-3.1-8B-Instruct")
+    mean_in = statistics.fmean(r.info.input_tokens for r in reqs)
+    print(
+        f"slice {args.slice}: {len(reqs)} requests over {args.duration:g} s, "
+        f"mean prompt {mean_in:.0f} tokens; {args.engines} engines; "
+        f"{len(fronts)} front doors x {args.repeats} repeats",
+        flush=True,
+    )
+    runs: list[dict[str, Any]] = []
+    for rep in range(args.repeats):
+        for f in fronts:
+            t0 = time.monotonic()
+            r = one_run(f, reqs, args, bin_dir, rep)
+            runs.append(r)
+            if r["ttft_p50_s"] is None:
+                raise SystemExit(f"{f}: no request completed; errors: {r['sample_errors']}")
+            print(
+                f"  [{rep + 1}/{args.repeats}] {f:24} TTFT p50 {r['ttft_p50_s']:.3f} "
+                f"p95 {r['ttft_p95_s']:.3f} s, goodput {r['goodput_tok_s']:.0f} tok/s, "
+                f"SLO {r['slo_attainment']:.1%}, path p50 {r['path_p50_ms']:.1f} ms "
+                f"({r['joined']}/{r['requests']} joined, {r['failed']} not completed) "
+                f"[{time.monotonic() - t0:.0f} s]",
+                flush=True,
+            )
+    print()
+    print(table(runs, fronts))
+    if args.sim:
+        print()
+        print(sim_table(runs, fronts))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        args.json.write_text(json.dumps({"config": config, "runs": runs}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
