@@ -68,6 +68,21 @@ class _Shape:
             "model": r.model,
         }
 
+    def text_chunk(self, d: Dispatched, text: str) -> bytes:
+        """:meth:`chunk` of a text delta, byte for byte, from the request's
+        template: one string encode per chunk instead of a dict's."""
+        tpl: tuple[bytes, bytes] | None = d.extra.get("sse_template")
+        if tpl is None:
+            head = json.dumps(self.head(d))[:-1].encode()
+            field = b'"delta": {"content": ' if self.chat else b'"text": '
+            close = b"}" if self.chat else b""
+            tpl = (
+                b"data: " + head + b', "choices": [{"index": 0, ' + field,
+                close + b', "logprobs": null, "finish_reason": null}]}\n\n',
+            )
+            d.extra["sse_template"] = tpl
+        return tpl[0] + json.dumps(text).encode() + tpl[1]
+
     def chunk(
         self, d: Dispatched, text: str | None, finish: str | None = None, role: bool = False
     ) -> bytes:
@@ -310,7 +325,7 @@ def _sse(
         head = shape.chunk(d, None, role=True) if shape.chat else b""
         if first.kind == "d" and first.text:
             # the role chunk and the first token leave in one write
-            yield head + shape.chunk(d, first.text)
+            yield head + shape.text_chunk(d, first.text)
         else:
             if head:
                 yield head
@@ -318,7 +333,7 @@ def _sse(
         for ev in events:
             if ev.kind == "d":
                 if ev.text:
-                    yield shape.chunk(d, ev.text)
+                    yield shape.text_chunk(d, ev.text)
             elif ev.kind == "idle":
                 yield b": keep-alive\n\n"
             elif ev.kind == "gone":

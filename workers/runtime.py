@@ -26,12 +26,12 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tokenfleet.core.tiers import SLOConfig
 from tokenfleet.live.config import LiveConfig
-from tokenfleet.live.engine_client import EngineCall
 from tokenfleet.live.queues import TIER_PRIORITY, is_pool_queue, tier_of_queue, worker_queues
+from tokenfleet.live.relay import RelayHub
 from tokenfleet.live.scrape import Scraper
 from tokenfleet.live.state import InstanceInfo, LiveState
 
@@ -41,6 +41,16 @@ log = logging.getLogger("tokenfleet.worker")
 DEFAULT_SHARES = {"interactive": 1.0, "long_context": 1.0, "batch": 0.5}
 
 
+class Abortable(Protocol):
+    """What a flight's watchdog and scraper stop: the engine call, or on the
+    direct path the wait for the API's outcome."""
+
+    def abort(self, reason: str) -> None: ...
+
+    @property
+    def aborted(self) -> str | None: ...
+
+
 @dataclass(slots=True)
 class RequestInFlight:
     """One request this worker is running."""
@@ -48,7 +58,7 @@ class RequestInFlight:
     request_id: str
     tier: str
     attempt: int
-    call: EngineCall | None = None
+    call: Abortable | None = None
     first_token: bool = False
     started_at: float = field(default_factory=time.time)
     prefill_tokens: int = 0  # uncached prompt tokens (the router's estimate)
@@ -104,6 +114,16 @@ class WorkerRuntime:
         #: wakes the tier gate at once (a first token or a finish may reopen queues)
         self.gate_kick = threading.Event()
         self.exact_kv_events = False
+        self._outcome_hub: RelayHub | None = None
+
+    def outcome_hub(self) -> RelayHub:
+        """Reads the outcome streams of this process's direct requests
+        (:mod:`tokenfleet.live.direct`): one thread and connection, not one
+        blocked connection per waiting request; started at the first."""
+        with self._lock:
+            if self._outcome_hub is None:
+                self._outcome_hub = RelayHub(self.state)
+            return self._outcome_hub
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -127,6 +147,8 @@ class WorkerRuntime:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=2.0)
+        if self._outcome_hub is not None:
+            self._outcome_hub.close()
         if deregister:
             try:
                 self.state.deregister_instance(self.info.instance_id)

@@ -63,6 +63,9 @@ class ChatJob:
     deadline_ts: float | None = None
     #: extra HTTP headers for the engine call
     engine_headers: dict[str, str] = field(default_factory=dict)
+    #: the API process that reads the engine's stream itself ("" = the worker
+    #: reads it and relays the tokens): :mod:`tokenfleet.live.direct`
+    direct: str = ""
 
     # -- wire format --------------------------------------------------------------
     def to_message(self) -> dict[str, Any]:
@@ -88,6 +91,8 @@ class ChatJob:
             msg["allowed_dcs"] = list(self.allowed_dcs)
         if self.engine_headers:
             msg["engine_headers"] = dict(self.engine_headers)
+        if self.direct:
+            msg["direct"] = self.direct
         return msg
 
     @classmethod
@@ -116,6 +121,7 @@ class ChatJob:
             allowed_dcs=tuple(msg.get("allowed_dcs") or ()),
             deadline_ts=float(deadline) if deadline else None,
             engine_headers=dict(msg.get("engine_headers") or {}),
+            direct=str(msg.get("direct") or ""),
         )
 
     @property

@@ -26,6 +26,7 @@ from tokenfleet.core.types import PoolSnapshot, RequestInfo, RouteDecision
 from tokenfleet.errors import NoCandidateError
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.dc_select import DCTicket
+from tokenfleet.live.gateway.direct import DirectCalls
 from tokenfleet.live.gateway.errors import (
     AtCapacity,
     NoCapacity,
@@ -105,6 +106,7 @@ class Dispatcher:
     tenant_regions: Callable[[str], Sequence[str]] | None
     _publisher: Any
     relay_hub: RelayHub
+    direct_calls: DirectCalls
     wait_predictor: Any
     _dc_views_at: float
     _depths: dict[str, int]
@@ -174,6 +176,7 @@ class Dispatcher:
                 expected_cached=cached,
                 allowed_dcs=allowed_dcs,
                 deadline_ts=req.deadline_s,
+                direct=self.direct_calls.api_id if self.live.direct_stream else "",
             )
             # request state, queue depth, accounting, counters and (when the broker
             # is this Redis) the task itself: one round trip, the state first, so a
