@@ -401,7 +401,12 @@ class _ApiStream:
             with state.batch() as b:
                 b.xadd(
                     self.relay.key,
-                    self.relay.go_fields(self.call.base_url, self.call.request_id, job.attempt),
+                    self.relay.go_fields(
+                        self.call.base_url,
+                        self.call.request_id,
+                        job.attempt,
+                        exact_kv_events=rt.exact_kv_events,
+                    ),
                     ttl_s=rt.live.stream_ttl_s,
                 )
                 rt.outcome_hub().wake(b.pipe)
@@ -521,7 +526,8 @@ def _model_tokenizer(path: str, block_size_tokens: int) -> HFChatTokenizer:
 def _prefix_events(rt: WorkerRuntime, job: ChatJob) -> list[KVEvent]:
     """Approximate prefix knowledge for every API replica: once prefill is done
     this instance holds the prompt's blocks. None when the engine's own vLLM KV
-    events are relayed (exact mode)."""
+    events are relayed (exact mode), and for a direct job (its message has no
+    prompt: the API publishes its own hashes, ``go``'s ``x``)."""
     messages = job.body.get("messages")
     if rt.exact_kv_events or not messages:
         return []

@@ -161,9 +161,19 @@ class RelayWriter:
     def retry(self, attempt: int) -> None:
         self._add({"k": "retry", "a": attempt})
 
-    def go_fields(self, url: str, engine_request_id: str, attempt: int) -> dict[str, Any]:
-        """The direct path's hand-over: the API calls ``url`` itself (:mod:`.direct`)."""
-        return {"k": "go", "u": url, "e": engine_request_id, "a": attempt, "i": self.instance_id}
+    def go_fields(
+        self, url: str, engine_request_id: str, attempt: int, exact_kv_events: bool = False
+    ) -> dict[str, Any]:
+        """The direct path's hand-over: the API calls ``url`` itself (:mod:`.direct`);
+        ``x`` 0: no engine KV events here, the API publishes the prompt's blocks."""
+        return {
+            "k": "go",
+            "u": url,
+            "e": engine_request_id,
+            "a": attempt,
+            "i": self.instance_id,
+            "x": int(exact_kv_events),
+        }
 
 
 class RelayReader:

@@ -21,12 +21,13 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import redis
 from kombu.exceptions import KombuError
 
+from tokenfleet.core.types import KVEvent
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.direct import outcome_key
 from tokenfleet.live.engine_client import EngineCall, EngineError
@@ -246,6 +247,8 @@ class Watcher:
                         # after the token left: the state's flag first (a lost worker
                         # then means an error, not a re-send), then the worker's entry
                         self._report(out_key, {"k": "ft", "t": first_s}, first_token_of=rid)
+                        if facts.get("x") == "0":
+                            self._approximate_kv(instance, info.block_hashes)
                     else:
                         tokens += piece.tokens
                         yield RelayEvent("d", piece.text, piece.tokens, instance=instance)
@@ -282,6 +285,16 @@ class Watcher:
         if first_s is not None:
             fields["t"] = first_s
         self._report(out_key, fields)
+
+    def _approximate_kv(self, instance: str, hashes: Sequence[int]) -> None:
+        """Without the engine's KV events, every replica learns that ``instance``
+        holds the prompt's blocks once its prefill is done (hashed here, once)."""
+        if not hashes:
+            return
+        try:
+            self.state.publish_kv_events([KVEvent(instance, "stored", tuple(hashes), exact=False)])
+        except redis.RedisError:
+            log.debug("approximate KV event not published", exc_info=True)
 
     def _direct_closed(self, d: Dispatched, why: str, started: bool) -> RelayEvent | None:
         """The watch thread closed a direct call: what the request does next."""
