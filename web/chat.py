@@ -2,10 +2,11 @@
 
 authenticate -> parse the JSON body -> ``gateway.validate`` (the prompt is
 tokenized once) -> charge the tenant's quota -> ``gateway.dispatch`` (Celery)
--> relay the events the worker writes to the request's stream, as one JSON
-answer or as server-sent events -> reconcile the quota with the usage. The
-worker writes the ledger row; nothing comes back up through this view but the
-stream. Refusals are raised (``GatewayError``, ``TenancyError``, ``ApiError``)
+-> the request's events (``gateway.events``: the engine's tokens once the
+worker handed the call over, then the worker's end entry), as one JSON answer
+or as server-sent events -> reconcile the quota with the usage. The worker
+writes the ledger row; nothing comes back up through this view but the events.
+Refusals are raised (``GatewayError``, ``TenancyError``, ``ApiError``)
 and turned into OpenAI-shaped responses by ``web.create_app``'s handlers; a
 429 or 503 refusal also leaves a ``rejected`` ledger row (attainment counts
 it), and every answer, errors included, carries ``X-Request-Id``.

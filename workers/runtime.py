@@ -37,6 +37,11 @@ from tokenfleet.live.state import InstanceInfo, LiveState
 
 log = logging.getLogger("tokenfleet.worker")
 
+#: the watchdog looks for cancelled requests this often (seconds): a Redis round
+#: trip per tick while requests run, so 10 a second at 0.1 s for a reaction the
+#: client does not see (on the direct path the API closes the engine call itself)
+WATCHDOG_TICK_S = 0.25
+
 #: default share of an engine's slots per tier until beat writes real ones
 DEFAULT_SHARES = {"interactive": 1.0, "long_context": 1.0, "batch": 0.5}
 
@@ -310,7 +315,7 @@ class WorkerRuntime:
     def _watchdog_loop(self) -> None:
         renew_every = self.live.lease_ttl_s / 3.0
         next_renew = 0.0
-        while not self._stop.wait(0.1):
+        while not self._stop.wait(WATCHDOG_TICK_S):
             flights = self.flights()
             if not flights:
                 continue

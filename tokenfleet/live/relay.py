@@ -1,5 +1,10 @@
 """Token relay over Redis Streams: one stream per request, worker -> API.
 
+On the direct path (:mod:`tokenfleet.live.direct`, the default) a request's
+stream carries only the worker's ``go`` hand-over, ``retry`` and the end
+(``end``/``err``): the API reads the engine itself. What follows describes
+the relay path, which still carries the tokens when ``direct_stream`` is off.
+
 A stream (not pub/sub) because a reader that attaches late, or reconnects
 after a Redis blip, still gets every entry from the start; and it lets the
 API thread block on exactly its own request (``XREAD BLOCK``) instead of
@@ -11,7 +16,10 @@ one per token (docs/benchmarks.md, "CPU per request").
 Entry kinds (field ``k``): ``d`` text delta (``t`` text, ``n`` tokens),
 ``end`` (``f`` finish reason, ``u`` usage JSON), ``err`` (``m`` message,
 ``c`` HTTP-ish code, ``y`` OpenAI error type), ``retry`` (``a`` new attempt:
-the previous attempt failed before its first token and was re-sent).
+the previous attempt failed before its first token and was re-sent), ``go``
+(``u`` engine URL, ``e`` engine request id, ``a`` attempt, ``i`` instance,
+``x`` engine KV events relayed); ``ft``/``out`` are the API's entries on an
+attempt's outcome stream.
 
 The API reads all its requests' streams through one :class:`RelayHub` per
 process: one thread and one Redis connection run ``XREAD BLOCK`` over every
