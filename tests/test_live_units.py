@@ -384,8 +384,8 @@ def test_engine_call_coalesces_tokens_after_the_first(emulator: EmulatorServer) 
     assert pieces[0].tokens < 40
     assert 2 <= len(pieces) < 20
     assert pieces[-1].usage is not None and pieces[-1].usage["completion_tokens"] == 40
-    pooled = engine_client._local.pool.get((call.host, call.port))
-    assert pooled is not None and pooled.sock is not None  # kept for the next call
+    pooled = engine_client._idle.get((call.host, call.port))
+    assert pooled and pooled[-1].sock is not None  # kept for the next call
     again = list(EngineCall(emulator.url, _body(3), "e1d").stream())
     assert sum(p.tokens for p in again) == 3
 

@@ -1,7 +1,7 @@
 """HTTP client for one engine's OpenAI-compatible streaming API.
 
-Uses ``http.client`` directly: one keep-alive connection per worker thread,
-no per-request session set-up, and a socket another thread can shut down to
+Uses ``http.client`` directly: keep-alive connections shared by the process's
+threads, no per-request session set-up, and a socket another thread can shut down to
 abort the call at once. Closing the connection is how vLLM learns that a
 client went away (it aborts the request on ``http.disconnect``); the emulator
 polls for it every 50 ms. ``POST /abort_request`` (SGLang style, which the
@@ -51,7 +51,13 @@ class StreamPiece:
     usage: dict[str, Any] | None = None
 
 
-_local = threading.local()
+#: idle keep-alive connections per engine (host, port), shared by the process's
+#: threads: the API serves a request on any of its many server threads, and a
+#: pool per thread opened a new connection (and an engine-side thread) for most
+_idle: dict[tuple[str, int], list[http.client.HTTPConnection]] = {}
+_idle_lock = threading.Lock()
+#: idle connections kept per engine; more are closed
+MAX_IDLE_PER_ENGINE = 64
 
 
 class EngineCall:
@@ -82,23 +88,35 @@ class EngineCall:
         self._lock = threading.Lock()
         self._reusable = False
 
-    # -- connection pool of one per thread -------------------------------------------
-    def _take_conn(self) -> http.client.HTTPConnection:
-        pool: dict[tuple[str, int], http.client.HTTPConnection] = getattr(_local, "pool", {})
-        _local.pool = pool
-        conn = pool.pop((self.host, self.port), None)
+    # -- the process's keep-alive connections ---------------------------------------
+    def _take_conn(self, reuse: bool = True) -> http.client.HTTPConnection:
+        """An idle connection to this engine, or a new one. ``reuse`` False (a
+        pooled one just failed): the engine's other idle ones are likely stale
+        too (it restarted, or closed them), so they are dropped."""
+        with _idle_lock:
+            idle = _idle.get((self.host, self.port))
+            if not reuse:
+                stale, idle = idle or [], None
+                _idle.pop((self.host, self.port), None)
+            conn = idle.pop() if idle else None  # the most recently used: likeliest alive
+        if not reuse:
+            for old in stale:
+                old.close()
         if conn is None:
             conn = http.client.HTTPConnection(self.host, self.port, timeout=self.connect_timeout_s)
         return conn
 
     def _give_back(self) -> None:
-        if self._conn is None:
+        conn, self._conn = self._conn, None
+        if conn is None:
             return
         if self._reusable and self._aborted is None:
-            _local.pool[(self.host, self.port)] = self._conn
-        else:
-            self._conn.close()
-        self._conn = None
+            with _idle_lock:
+                idle = _idle.setdefault((self.host, self.port), [])
+                if len(idle) < MAX_IDLE_PER_ENGINE:
+                    idle.append(conn)
+                    return
+        conn.close()
 
     # -- the call ------------------------------------------------------------------
     def _send(self) -> http.client.HTTPResponse:
@@ -112,7 +130,7 @@ class EngineCall:
         # a legacy completion (``prompt``, /v1/completions) goes to the engine's own
         path = "/v1/completions" if "prompt" in self.body else "/v1/chat/completions"
         for attempt in range(2):  # a pooled keep-alive connection may have gone stale
-            conn = self._take_conn()
+            conn = self._take_conn(reuse=attempt == 0)
             fresh = conn.sock is None
             with self._lock:
                 self._conn = conn
