@@ -420,15 +420,22 @@ class _ApiStream:
                     ev = self.sub.inbox.get(timeout=wait_s)
                 except queue.Empty:
                     # the API renews its key while it streams; a fresh hand-over may
-                    # not have reached it yet
+                    # not have reached it yet. A request settled meanwhile (the API's
+                    # verdict after its outcome entry was lost to a Redis outage)
+                    # needs no outcome either.
                     if time.monotonic() - sent > rt.live.lease_ttl_s:
                         try:
-                            alive = bool(state.r.exists(alive_key))
+                            with state.r.pipeline(transaction=False) as pipe:
+                                pipe.exists(alive_key)
+                                pipe.hget(state.k("req", job.request_id), "status")
+                                alive, status = pipe.execute()
                         except Exception:  # noqa: BLE001 - Redis blip: look again later
-                            alive = True
-                        if not alive:
+                            alive, status = True, None
+                        if not alive or status == b"done":
                             raise EngineError(
-                                "the API process streaming this request was lost",
+                                "the API process streaming this request was lost"
+                                if not alive
+                                else "the request was settled while its API streamed it",
                                 502,
                                 False,
                                 self._started(),
