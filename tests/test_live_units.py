@@ -15,8 +15,9 @@ from tests.support.stores import embedded_redis, temp_data_dir
 from tokenfleet.core.types import DispatchAccounting, KVEvent, RequestInfo, ScrapedMetrics
 from tokenfleet.emulator import EmulatorServer
 from tokenfleet.errors import ConfigError
+from tokenfleet.live import engine_client
 from tokenfleet.live.config import LiveConfig
-from tokenfleet.live.engine_client import EngineCall, EngineError
+from tokenfleet.live.engine_client import EngineCall, EngineError, _Dechunker
 from tokenfleet.live.queues import affinity_queue, pool_queue, tier_of_queue, worker_queues
 from tokenfleet.live.relay import RelayReader, RelayWriter
 from tokenfleet.live.scrape import Scraper, parse_metrics
@@ -359,6 +360,34 @@ def test_engine_call_streams_and_reports_usage(emulator: EmulatorServer) -> None
     assert sum(p.tokens for p in pieces) == 12
     assert pieces[-1].usage is not None and pieces[-1].usage["completion_tokens"] == 12
     assert any(p.finish_reason == "length" for p in pieces)
+
+
+def test_dechunker_decodes_chunked_framing_split_anywhere() -> None:
+    """The direct path reads chunked bytes as they arrive (several chunks, or
+    part of one, per read): every split of the same body gives the same payload."""
+    payloads = [b'data: {"a": 1}\n\n', b"x" * 300, b"data: [DONE]\n\n"]
+    body = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in payloads) + b"0\r\n\r\n"
+    for step in (1, 2, 7, 64, len(body)):
+        dec = _Dechunker()
+        out = b"".join(dec.feed(body[i : i + step]) for i in range(0, len(body), step))
+        assert out == b"".join(payloads) and dec.done and dec.rest == b""
+    with pytest.raises(ValueError):
+        _Dechunker().feed(b"zz\r\n")
+
+
+def test_engine_call_coalesces_tokens_after_the_first(emulator: EmulatorServer) -> None:
+    """With ``coalesce_s`` one read carries what several engine steps flushed
+    (the first piece does not wait for them), and the connection is reused after."""
+    call = EngineCall(emulator.url, _body(40), "e1c")
+    pieces = list(call.stream(coalesce_s=0.05))
+    assert sum(p.tokens for p in pieces) == 40
+    assert pieces[0].tokens < 40
+    assert 2 <= len(pieces) < 20
+    assert pieces[-1].usage is not None and pieces[-1].usage["completion_tokens"] == 40
+    pooled = engine_client._idle.get((call.host, call.port))
+    assert pooled and pooled[-1].sock is not None  # kept for the next call
+    again = list(EngineCall(emulator.url, _body(3), "e1d").stream())
+    assert sum(p.tokens for p in again) == 3
 
 
 def test_engine_call_abort_stops_the_engine(emulator: EmulatorServer) -> None:

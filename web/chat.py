@@ -2,10 +2,11 @@
 
 authenticate -> parse the JSON body -> ``gateway.validate`` (the prompt is
 tokenized once) -> charge the tenant's quota -> ``gateway.dispatch`` (Celery)
--> relay the events the worker writes to the request's stream, as one JSON
-answer or as server-sent events -> reconcile the quota with the usage. The
-worker writes the ledger row; nothing comes back up through this view but the
-stream. Refusals are raised (``GatewayError``, ``TenancyError``, ``ApiError``)
+-> the request's events (``gateway.events``: the engine's tokens once the
+worker handed the call over, then the worker's end entry), as one JSON answer
+or as server-sent events -> reconcile the quota with the usage. The worker
+writes the ledger row; nothing comes back up through this view but the events.
+Refusals are raised (``GatewayError``, ``TenancyError``, ``ApiError``)
 and turned into OpenAI-shaped responses by ``web.create_app``'s handlers; a
 429 or 503 refusal also leaves a ``rejected`` ledger row (attainment counts
 it), and every answer, errors included, carries ``X-Request-Id``.
@@ -67,6 +68,21 @@ class _Shape:
             "created": r.created,
             "model": r.model,
         }
+
+    def text_chunk(self, d: Dispatched, text: str) -> bytes:
+        """:meth:`chunk` of a text delta, byte for byte, from the request's
+        template: one string encode per chunk instead of a dict's."""
+        tpl: tuple[bytes, bytes] | None = d.extra.get("sse_template")
+        if tpl is None:
+            head = json.dumps(self.head(d))[:-1].encode()
+            field = b'"delta": {"content": ' if self.chat else b'"text": '
+            close = b"}" if self.chat else b""
+            tpl = (
+                b"data: " + head + b', "choices": [{"index": 0, ' + field,
+                close + b', "logprobs": null, "finish_reason": null}]}\n\n',
+            )
+            d.extra["sse_template"] = tpl
+        return tpl[0] + json.dumps(text).encode() + tpl[1]
 
     def chunk(
         self, d: Dispatched, text: str | None, finish: str | None = None, role: bool = False
@@ -310,7 +326,7 @@ def _sse(
         head = shape.chunk(d, None, role=True) if shape.chat else b""
         if first.kind == "d" and first.text:
             # the role chunk and the first token leave in one write
-            yield head + shape.chunk(d, first.text)
+            yield head + shape.text_chunk(d, first.text)
         else:
             if head:
                 yield head
@@ -318,7 +334,7 @@ def _sse(
         for ev in events:
             if ev.kind == "d":
                 if ev.text:
-                    yield shape.chunk(d, ev.text)
+                    yield shape.text_chunk(d, ev.text)
             elif ev.kind == "idle":
                 yield b": keep-alive\n\n"
             elif ev.kind == "gone":

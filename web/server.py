@@ -106,11 +106,19 @@ def client_gone(environ: Mapping[str, Any]) -> Callable[[], bool] | None:
     poller.register(fd, select.POLLIN | select.POLLPRI | rdhup)
     plain = isinstance(sock, socket.socket) and type(sock) is socket.socket
 
+    polling = threading.Lock()
+
     def gone() -> bool:
+        # asked by the request's thread and by the direct calls' watch thread
+        # (tokenfleet/live/gateway/direct.py); a poll object refuses two at once
+        if not polling.acquire(blocking=False):
+            return False  # the other is asking right now
         try:
             events = poller.poll(0)
         except OSError:
             return True
+        finally:
+            polling.release()
         for _fd, ev in events:
             if ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL | rdhup):
                 return True

@@ -118,21 +118,24 @@ def control_tick() -> dict[str, Any]:
         pipe.set(st.k("control", "prev"), json.dumps({"at": now, "c": counters}))
         pipe.hincrby(st.k("counters"), "control_ticks", 1)
         pipe.execute()
-    ledger = _ledger_goodput(ctx, now - period, now, "tier")
     summary = {t: (w.met, w.finished) for t, w in win.tiers.items() if w.finished or w.arrivals}
     # quiet unless something changes: a tick that holds the same knobs is DEBUG
     # (a 1 s period would otherwise write thousands of identical lines an hour)
     said = (ctrl.last_reason, tuple(sorted((k, round(v, 3)) for k, v in _knob_items(knobs))))
     changed = said != ctx.last_logged_tick
     ctx.last_logged_tick = said
-    log.log(
-        logging.INFO if changed else logging.DEBUG,
-        "SLOMax tick: %s | window %.1fs met/finished %s | ledger goodput %s",
-        ctrl.last_reason,
-        period,
-        summary,
-        ledger,
-    )
+    level = logging.INFO if changed else logging.DEBUG
+    if log.isEnabledFor(level):
+        # the ledger's goodput is only for this line: a query a second otherwise
+        ledger = _ledger_goodput(ctx, now - period, now, "tier")
+        log.log(
+            level,
+            "SLOMax tick: %s | window %.1fs met/finished %s | ledger goodput %s",
+            ctrl.last_reason,
+            period,
+            summary,
+            ledger,
+        )
     _record_shares(ctx, shares, knobs.as_dict(), ctrl.last_reason)
     return {"knobs": knobs.as_dict(), "reason": ctrl.last_reason, "window": summary}
 

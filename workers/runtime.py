@@ -26,19 +26,34 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tokenfleet.core.tiers import SLOConfig
 from tokenfleet.live.config import LiveConfig
-from tokenfleet.live.engine_client import EngineCall
 from tokenfleet.live.queues import TIER_PRIORITY, is_pool_queue, tier_of_queue, worker_queues
+from tokenfleet.live.relay import RelayHub
 from tokenfleet.live.scrape import Scraper
 from tokenfleet.live.state import InstanceInfo, LiveState
 
 log = logging.getLogger("tokenfleet.worker")
 
+#: the watchdog looks for cancelled requests this often (seconds): a Redis round
+#: trip per tick while requests run, so 10 a second at 0.1 s for a reaction the
+#: client does not see (on the direct path the API closes the engine call itself)
+WATCHDOG_TICK_S = 0.25
+
 #: default share of an engine's slots per tier until beat writes real ones
 DEFAULT_SHARES = {"interactive": 1.0, "long_context": 1.0, "batch": 0.5}
+
+
+class Abortable(Protocol):
+    """What a flight's watchdog and scraper stop: the engine call, or on the
+    direct path the wait for the API's outcome."""
+
+    def abort(self, reason: str) -> None: ...
+
+    @property
+    def aborted(self) -> str | None: ...
 
 
 @dataclass(slots=True)
@@ -48,7 +63,7 @@ class RequestInFlight:
     request_id: str
     tier: str
     attempt: int
-    call: EngineCall | None = None
+    call: Abortable | None = None
     first_token: bool = False
     started_at: float = field(default_factory=time.time)
     prefill_tokens: int = 0  # uncached prompt tokens (the router's estimate)
@@ -104,6 +119,16 @@ class WorkerRuntime:
         #: wakes the tier gate at once (a first token or a finish may reopen queues)
         self.gate_kick = threading.Event()
         self.exact_kv_events = False
+        self._outcome_hub: RelayHub | None = None
+
+    def outcome_hub(self) -> RelayHub:
+        """Reads the outcome streams of this process's direct requests
+        (:mod:`tokenfleet.live.direct`): one thread and connection, not one
+        blocked connection per waiting request; started at the first."""
+        with self._lock:
+            if self._outcome_hub is None:
+                self._outcome_hub = RelayHub(self.state)
+            return self._outcome_hub
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -127,6 +152,8 @@ class WorkerRuntime:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=2.0)
+        if self._outcome_hub is not None:
+            self._outcome_hub.close()
         if deregister:
             try:
                 self.state.deregister_instance(self.info.instance_id)
@@ -288,7 +315,7 @@ class WorkerRuntime:
     def _watchdog_loop(self) -> None:
         renew_every = self.live.lease_ttl_s / 3.0
         next_renew = 0.0
-        while not self._stop.wait(0.1):
+        while not self._stop.wait(WATCHDOG_TICK_S):
             flights = self.flights()
             if not flights:
                 continue

@@ -12,8 +12,11 @@ never add a second row for the request or change its status or bill.
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import queue
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from celery.signals import task_received
@@ -21,6 +24,7 @@ from celery.signals import task_received
 from tokenfleet.core.tiers import meets_slo
 from tokenfleet.core.types import BLOCK_SIZE_TOKENS, KVEvent
 from tokenfleet.hf_tokenizer import HFChatTokenizer
+from tokenfleet.live.direct import api_alive_key, outcome_key
 from tokenfleet.live.engine_client import EngineCall, EngineError, send_abort
 from tokenfleet.live.jobs import (
     PREFILL_HEADER,
@@ -32,7 +36,7 @@ from tokenfleet.live.jobs import (
     send_chat_job,
 )
 from tokenfleet.live.queues import pool_queue
-from tokenfleet.live.relay import RelayWriter
+from tokenfleet.live.relay import RelayEvent, RelayWriter
 from tokenfleet.live.resend import pick_resend_target
 from tokenfleet.service.writer import RequestRecord
 from tokenfleet.tokenizer import chat_block_hashes
@@ -165,46 +169,66 @@ def run_job(
         stall_timeout_s=rt.live.engine_stall_timeout_s,
         headers=job.engine_headers or None,
     )
-    flight.call = call
     streamed = False
+    waiter: _ApiStream | None = None
     coalesce = _RelayCoalescer(relay, rt.live.relay_flush_interval_s)
+
+    def first_token_done() -> None:
+        # its prefill is done: pool work may flow again. Woken only now, so
+        # the gate thread does not take the GIL while the token is in transit.
+        rt.gate_kick.set()
+        # after the token is on its way: hashing a long prompt takes a while
+        events = _prefix_events(rt, job)
+        if events:
+            state.publish_kv_events(events)
+
     try:
-        for piece in call.stream():
-            if piece.tokens and first_ts is None:
-                # first token: relay it and do all first-token bookkeeping in one
-                # round trip, the relay entry first
-                first_ts = time.time()
-                flight.first_token = True
-                with state.batch() as b:
-                    b.xadd(
-                        relay.key,
-                        relay.delta_fields(piece.text, piece.tokens),
-                        ttl_s=rt.live.stream_ttl_s,
-                    )
-                    b.first_token(rid)
-                    b.account(rt.info.instance_id, "on_first_token", info, cached_est)
-                relay.mark_expiry_set()
-                # its prefill is done: pool work may flow again. Woken only now, so
-                # the gate thread does not take the GIL while the token is in transit.
-                rt.gate_kick.set()
-                # after the token is on its way: hashing a long prompt takes a while
-                events = _prefix_events(rt, job)
-                if events:
-                    state.publish_kv_events(events)
-                tokens += piece.tokens
-                coalesce.written()
-            elif piece.text or piece.tokens:
-                coalesce.add(piece.text, piece.tokens)
-                tokens += piece.tokens
-            if piece.finish_reason:
-                finish_reason = piece.finish_reason
-            if piece.usage is not None:
-                usage = piece.usage
-        coalesce.flush()
+        if job.direct:
+            waiter = _ApiStream(rt, job, relay, call)
+            flight.call = waiter  # the watchdog's cancel and the scraper's abort wake it
+            for ev in waiter.outcomes():
+                if ev.kind == "ft":
+                    first_ts = waiter.first_ts
+                    flight.first_token = True
+                    with state.batch() as b:  # the API set the state's flag itself
+                        b.account(rt.info.instance_id, "on_first_token", info, cached_est)
+                    first_token_done()
+            first_ts, tokens = waiter.first_ts, waiter.tokens
+            usage, finish_reason = waiter.usage, waiter.finish_reason
+        else:
+            flight.call = call
+            for piece in call.stream():
+                if piece.tokens and first_ts is None:
+                    # first token: relay it and do all first-token bookkeeping in one
+                    # round trip, the relay entry first
+                    first_ts = time.time()
+                    flight.first_token = True
+                    with state.batch() as b:
+                        b.xadd(
+                            relay.key,
+                            relay.delta_fields(piece.text, piece.tokens),
+                            ttl_s=rt.live.stream_ttl_s,
+                        )
+                        b.first_token(rid)
+                        b.account(rt.info.instance_id, "on_first_token", info, cached_est)
+                    relay.mark_expiry_set()
+                    first_token_done()
+                    tokens += piece.tokens
+                    coalesce.written()
+                elif piece.text or piece.tokens:
+                    coalesce.add(piece.text, piece.tokens)
+                    tokens += piece.tokens
+                if piece.finish_reason:
+                    finish_reason = piece.finish_reason
+                if piece.usage is not None:
+                    usage = piece.usage
+            coalesce.flush()
         rt.note_engine_success()
         streamed = True
     except EngineError as exc:
         coalesce.flush_quietly()  # what the client was owed before the error event
+        if waiter is not None:
+            first_ts, tokens = waiter.first_ts, waiter.tokens
         return _on_engine_error(rt, job, relay, exc, first_ts, tokens, dispatched)
     finally:
         rt.remove_flight(rid)
@@ -329,6 +353,135 @@ def run_job_guarded(
         return "failed"
 
 
+class _ApiStream:
+    """The worker's side of a direct request (:mod:`tokenfleet.live.direct`):
+    hands the engine call to the API with a ``go`` entry, then waits for the
+    API's ``ft`` and ``out`` entries while its slot and lease stay held.
+
+    Ends by returning (``out``: finish reason, usage, tokens) or raising the
+    :class:`EngineError` the API saw, so the relay path's settling, re-sends
+    and error handling apply unchanged. ``abort`` (the watchdog's client
+    cancel, the scraper's unhealthy engine) wakes the wait at once; an API
+    whose liveness key lapsed ends it as failed."""
+
+    def __init__(
+        self, rt: WorkerRuntime, job: ChatJob, relay: RelayWriter, call: EngineCall
+    ) -> None:
+        self.rt = rt
+        self.job = job
+        self.relay = relay
+        self.call = call
+        self.first_ts: float | None = None
+        self.tokens = 0
+        self.usage: dict[str, Any] | None = None
+        self.finish_reason = "stop"
+        self._aborted: str | None = None
+        self.sub = rt.outcome_hub().subscribe(
+            job.request_id, key=outcome_key(rt.state, job.request_id, job.attempt)
+        )
+
+    @property
+    def aborted(self) -> str | None:
+        return self._aborted
+
+    def abort(self, reason: str) -> None:
+        """Thread-safe: the wait raises ``aborted`` (and the engine is told, best effort)."""
+        if self._aborted is None:
+            self._aborted = reason
+            self.sub.inbox.put(RelayEvent("abort", message=reason))
+
+    def _started(self) -> bool:
+        return self.first_ts is not None
+
+    def outcomes(self) -> Iterator[RelayEvent]:
+        """Yields ``ft`` once the API sent the first token; returns at ``out``."""
+        rt, job = self.rt, self.job
+        state = rt.state
+        try:
+            with state.batch() as b:
+                b.xadd(
+                    self.relay.key,
+                    self.relay.go_fields(
+                        self.call.base_url,
+                        self.call.request_id,
+                        job.attempt,
+                        exact_kv_events=rt.exact_kv_events,
+                    ),
+                    ttl_s=rt.live.stream_ttl_s,
+                )
+                rt.outcome_hub().wake(b.pipe)
+            self.relay.mark_expiry_set()
+            sent = time.monotonic()
+            deadline = job.arrival_ts + rt.live.request_timeout_s + 2 * rt.live.lease_ttl_s
+            wait_s = max(0.05, rt.live.lease_ttl_s / 2)
+            alive_key = api_alive_key(state, job.direct)
+            while True:
+                try:
+                    ev = self.sub.inbox.get(timeout=wait_s)
+                except queue.Empty:
+                    # the API renews its key while it streams; a fresh hand-over may
+                    # not have reached it yet. A request settled meanwhile (the API's
+                    # verdict after its outcome entry was lost to a Redis outage)
+                    # needs no outcome either.
+                    if time.monotonic() - sent > rt.live.lease_ttl_s:
+                        try:
+                            with state.r.pipeline(transaction=False) as pipe:
+                                pipe.exists(alive_key)
+                                pipe.hget(state.k("req", job.request_id), "status")
+                                alive, status = pipe.execute()
+                        except Exception:  # noqa: BLE001 - Redis blip: look again later
+                            alive, status = True, None
+                        if not alive or status == b"done":
+                            raise EngineError(
+                                "the API process streaming this request was lost"
+                                if not alive
+                                else "the request was settled while its API streamed it",
+                                502,
+                                False,
+                                self._started(),
+                                kind="api_lost",
+                            ) from None
+                    if time.time() > deadline:
+                        raise EngineError(
+                            "no outcome from the API within the request timeout",
+                            504,
+                            False,
+                            self._started(),
+                            kind="api_lost",
+                        ) from None
+                    continue
+                facts = ev.facts or {}
+                if ev.kind == "abort":
+                    raise EngineError(
+                        f"aborted: {ev.message}", 499, False, self._started(), kind="aborted"
+                    )
+                if ev.kind == "ft":
+                    if self.first_ts is None:
+                        self.first_ts = float(facts.get("t") or time.time())
+                        yield ev
+                    continue
+                if ev.kind != "out":
+                    continue
+                self.tokens = int(facts.get("n") or 0)
+                if facts.get("t") and self.first_ts is None:
+                    self.first_ts = float(facts["t"])
+                    yield RelayEvent("ft", facts=facts)
+                if facts.get("x"):
+                    raise EngineError(
+                        facts.get("m", "engine failed"),
+                        int(facts.get("c") or 502),
+                        facts.get("r") == "1",
+                        self._started(),
+                        kind=facts["x"],
+                    )
+                u = facts.get("u")
+                self.usage = json.loads(u) if u else None
+                self.finish_reason = facts.get("f") or "stop"
+                return
+        finally:
+            self.sub.close()
+
+
 class _RelayCoalescer:
     """Relays tokens after the first in entries at most every ``interval_s``.
 
@@ -380,7 +533,8 @@ def _model_tokenizer(path: str, block_size_tokens: int) -> HFChatTokenizer:
 def _prefix_events(rt: WorkerRuntime, job: ChatJob) -> list[KVEvent]:
     """Approximate prefix knowledge for every API replica: once prefill is done
     this instance holds the prompt's blocks. None when the engine's own vLLM KV
-    events are relayed (exact mode)."""
+    events are relayed (exact mode), and for a direct job (its message has no
+    prompt: the API publishes its own hashes, ``go``'s ``x``)."""
     messages = job.body.get("messages")
     if rt.exact_kv_events or not messages:
         return []

@@ -173,10 +173,20 @@ class LiveConfig:
     relay_flush_interval_s: float = field(
         default=0.02,
         metadata=_doc(
-            "A worker relays the tokens after the first in Redis Stream entries at most this"
-            " often per request, seconds (0: one entry per engine flush). Each entry costs a"
-            " Redis round trip in the worker and a read and an SSE chunk in the API: at one"
-            " entry per token they were most of the control plane's CPU per request."
+            "Tokens after the first are forwarded at most this often per request, seconds"
+            " (0: as the engine flushes them): on the direct path the API reads the engine's"
+            " stream at most this often, on the relay path the worker writes a Redis Stream"
+            " entry at most this often. At one read, entry and SSE chunk per token they were"
+            " most of the control plane's CPU per request."
+        ),
+    )
+    direct_stream: bool = field(
+        default=True,
+        metadata=_doc(
+            "The API reads the engine's stream itself once the worker that claimed the request"
+            " hands it over (the worker keeps queueing, admission, the slot and the ledger row;"
+            " two Redis entries per request instead of one per relayed batch of tokens). False:"
+            " the worker reads the engine and relays the tokens through Redis."
         ),
     )
     request_state_ttl_s: float = field(

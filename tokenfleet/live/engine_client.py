@@ -1,15 +1,15 @@
 """HTTP client for one engine's OpenAI-compatible streaming API.
 
-Uses ``http.client`` directly: one keep-alive connection per worker thread,
-no per-request session set-up, and a socket another thread can shut down to
+Uses ``http.client`` directly: keep-alive connections shared by the process's
+threads, no per-request session set-up, and a socket another thread can shut down to
 abort the call at once. Closing the connection is how vLLM learns that a
 client went away (it aborts the request on ``http.disconnect``); the emulator
 polls for it every 50 ms. ``POST /abort_request`` (SGLang style, which the
 emulator also serves) is sent as well, best effort.
 
-Streams are read with ``read1``: it returns what the engine flushed, so one
-read is one engine step's chunk (several SSE events), which the worker then
-relays as one Redis entry.
+Streams are read as they come: one read returns what the engine flushed since
+the last (a chunked body is decoded here, not by ``http.client``, whose
+``read1`` returns one chunk, one engine step, per call), merged into one piece.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import http.client
 import json
 import socket
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -50,7 +51,13 @@ class StreamPiece:
     usage: dict[str, Any] | None = None
 
 
-_local = threading.local()
+#: idle keep-alive connections per engine (host, port), shared by the process's
+#: threads: the API serves a request on any of its many server threads, and a
+#: pool per thread opened a new connection (and an engine-side thread) for most
+_idle: dict[tuple[str, int], list[http.client.HTTPConnection]] = {}
+_idle_lock = threading.Lock()
+#: idle connections kept per engine; more are closed
+MAX_IDLE_PER_ENGINE = 64
 
 
 class EngineCall:
@@ -81,23 +88,35 @@ class EngineCall:
         self._lock = threading.Lock()
         self._reusable = False
 
-    # -- connection pool of one per thread -------------------------------------------
-    def _take_conn(self) -> http.client.HTTPConnection:
-        pool: dict[tuple[str, int], http.client.HTTPConnection] = getattr(_local, "pool", {})
-        _local.pool = pool
-        conn = pool.pop((self.host, self.port), None)
+    # -- the process's keep-alive connections ---------------------------------------
+    def _take_conn(self, reuse: bool = True) -> http.client.HTTPConnection:
+        """An idle connection to this engine, or a new one. ``reuse`` False (a
+        pooled one just failed): the engine's other idle ones are likely stale
+        too (it restarted, or closed them), so they are dropped."""
+        with _idle_lock:
+            idle = _idle.get((self.host, self.port))
+            if not reuse:
+                stale, idle = idle or [], None
+                _idle.pop((self.host, self.port), None)
+            conn = idle.pop() if idle else None  # the most recently used: likeliest alive
+        if not reuse:
+            for old in stale:
+                old.close()
         if conn is None:
             conn = http.client.HTTPConnection(self.host, self.port, timeout=self.connect_timeout_s)
         return conn
 
     def _give_back(self) -> None:
-        if self._conn is None:
+        conn, self._conn = self._conn, None
+        if conn is None:
             return
         if self._reusable and self._aborted is None:
-            _local.pool[(self.host, self.port)] = self._conn
-        else:
-            self._conn.close()
-        self._conn = None
+            with _idle_lock:
+                idle = _idle.setdefault((self.host, self.port), [])
+                if len(idle) < MAX_IDLE_PER_ENGINE:
+                    idle.append(conn)
+                    return
+        conn.close()
 
     # -- the call ------------------------------------------------------------------
     def _send(self) -> http.client.HTTPResponse:
@@ -111,7 +130,7 @@ class EngineCall:
         # a legacy completion (``prompt``, /v1/completions) goes to the engine's own
         path = "/v1/completions" if "prompt" in self.body else "/v1/chat/completions"
         for attempt in range(2):  # a pooled keep-alive connection may have gone stale
-            conn = self._take_conn()
+            conn = self._take_conn(reuse=attempt == 0)
             fresh = conn.sock is None
             with self._lock:
                 self._conn = conn
@@ -158,11 +177,16 @@ class EngineCall:
                 ) from None
         raise AssertionError("unreachable")
 
-    def stream(self) -> Iterator[StreamPiece]:
-        """Pieces of the completion, one per engine flush; raises EngineError."""
+    def stream(self, coalesce_s: float = 0.0) -> Iterator[StreamPiece]:
+        """Pieces of the completion, one per read of what the engine flushed;
+        raises EngineError.
+
+        ``coalesce_s``: after a piece with tokens, the next read waits until
+        that long after it, so what the engine flushed meanwhile comes as one
+        piece (one parse pass and one write downstream instead of one per
+        token); the first token never waits."""
         resp = self._send()
         self._resp = resp
-        started = False
         try:
             if resp.status != 200:
                 raw = resp.read()
@@ -176,50 +200,88 @@ class EngineCall:
                     retryable,
                     kind="error" if retryable else "client",
                 )
-            buf = b""
-            while True:
-                try:
-                    data = resp.read1(65536)
-                except TimeoutError:
-                    raise EngineError(
-                        f"engine {self.base_url} produced nothing for {self.stall_timeout_s:.1f}s",
-                        504,
-                        True,
-                        started,
-                        kind="stall",
-                    ) from None
-                except (OSError, http.client.HTTPException, ValueError) as exc:
-                    if self._aborted:
-                        raise EngineError(
-                            f"aborted: {self._aborted}", 499, False, started, kind="aborted"
-                        ) from None
-                    raise EngineError(
-                        f"engine stream broke: {exc!r}", 502, True, started, kind="error"
-                    ) from None
-                if not data:
-                    if self._aborted:
-                        raise EngineError(
-                            f"aborted: {self._aborted}", 499, False, started, kind="aborted"
-                        )
-                    self._reusable = not resp.will_close
-                    if buf.strip():
-                        piece = _parse_events(buf)
-                        if piece is not None:
-                            yield piece
-                    return
-                buf += data
-                cut = buf.rfind(b"\n\n")
-                if cut < 0:
-                    continue
-                block, buf = buf[: cut + 2], buf[cut + 2 :]
-                piece = _parse_events(block)
-                if piece is None:
-                    continue
-                if piece.tokens:
-                    started = True
-                yield piece
+            yield from self._pieces(resp, coalesce_s)
         finally:
             self._give_back()
+
+    def _read1(self, read1: Callable[[int], bytes], started: bool) -> bytes:
+        """One read of the stream; a failure as the :class:`EngineError` it means."""
+        try:
+            return read1(65536)
+        except TimeoutError:
+            raise EngineError(
+                f"engine {self.base_url} produced nothing for {self.stall_timeout_s:.1f}s",
+                504,
+                True,
+                started,
+                kind="stall",
+            ) from None
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            if self._aborted:
+                raise EngineError(
+                    f"aborted: {self._aborted}", 499, False, started, kind="aborted"
+                ) from None
+            raise EngineError(
+                f"engine stream broke: {exc!r}", 502, True, started, kind="error"
+            ) from None
+
+    def _pieces(self, resp: http.client.HTTPResponse, coalesce_s: float) -> Iterator[StreamPiece]:
+        """The body's SSE events, merged per read. A chunked body is read from
+        the connection's buffer as it comes and decoded here: one read returns
+        every chunk that arrived, where ``HTTPResponse.read1`` returns one
+        chunk (one engine step) per call."""
+        frames = _Dechunker() if resp.chunked else None
+        read1 = resp.fp.read1 if frames is not None and resp.fp is not None else resp.read1
+        buf = b""
+        started = False
+        last_s: float | None = None
+        while frames is None or not frames.done:
+            if coalesce_s > 0 and last_s is not None:
+                wait = last_s + coalesce_s - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+            data = self._read1(read1, started)
+            if not data:
+                if self._aborted:
+                    raise EngineError(
+                        f"aborted: {self._aborted}", 499, False, started, kind="aborted"
+                    )
+                if frames is not None:
+                    raise EngineError(
+                        "engine stream broke: connection closed inside the stream",
+                        502,
+                        True,
+                        started,
+                        kind="error",
+                    )
+                break
+            if frames is not None:
+                try:
+                    data = frames.feed(data)
+                except ValueError as exc:
+                    raise EngineError(
+                        f"engine stream broke: {exc}", 502, True, started, kind="error"
+                    ) from None
+            buf += data
+            cut = buf.rfind(b"\n\n")
+            if cut < 0:
+                continue
+            block, buf = buf[: cut + 2], buf[cut + 2 :]
+            piece = _parse_events(block)
+            if piece is None:
+                continue
+            if piece.tokens:
+                started = True
+                last_s = time.monotonic()
+            yield piece
+        if buf.strip():
+            piece = _parse_events(buf)
+            if piece is not None:
+                yield piece
+        # the whole body was read: the connection serves the next request
+        self._reusable = not resp.will_close and (frames is None or not frames.rest)
+        if frames is not None:
+            resp.close()  # read past http.client: it must not think the body pending
 
     def abort(self, reason: str) -> None:
         """Thread-safe: close the socket under the reader (the engine aborts)."""
@@ -254,6 +316,54 @@ def send_abort(base_url: str, request_id: str, timeout_s: float = 1.0) -> None:
         conn.close()
     except (OSError, http.client.HTTPException):
         pass
+
+
+class _Dechunker:
+    """HTTP/1.1 chunked transfer coding, decoded from bytes as they arrive."""
+
+    __slots__ = ("rest", "left", "crlf", "trailer", "done")
+
+    def __init__(self) -> None:
+        self.rest = b""  # bytes not decoded yet (a partial size line)
+        self.left = 0  # bytes of the current chunk's data still to come
+        self.crlf = False  # the CRLF after a chunk's data is due
+        self.trailer = False  # the last chunk was seen: trailer lines until an empty one
+        self.done = False
+
+    def feed(self, data: bytes) -> bytes:
+        """The payload in ``data`` (with what an earlier call left over)."""
+        buf = self.rest + data if self.rest else data
+        out: list[bytes] = []
+        i, n = 0, len(buf)
+        while i < n and not self.done:
+            if self.left:
+                take = min(self.left, n - i)
+                out.append(buf[i : i + take])
+                i += take
+                self.left -= take
+                self.crlf = self.left == 0
+                continue
+            if self.crlf:
+                if n - i < 2:
+                    break
+                if buf[i : i + 2] != b"\r\n":
+                    raise ValueError("chunk not followed by CRLF")
+                i += 2
+                self.crlf = False
+                continue
+            j = buf.find(b"\r\n", i)
+            if j < 0:
+                break
+            line, i = buf[i:j], j + 2
+            if self.trailer:
+                self.done = not line
+                continue
+            size = int(line.split(b";", 1)[0].strip() or b"x", 16)
+            if size == 0:
+                self.trailer = True
+            self.left = size
+        self.rest = buf[i:]
+        return b"".join(out)
 
 
 def _error_message(raw: bytes) -> str:

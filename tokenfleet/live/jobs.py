@@ -40,7 +40,8 @@ class ChatJob:
     tenant: str
     tier: str
     model: str
-    #: the OpenAI request body the engine gets (always streamed, with usage)
+    #: the OpenAI request body the engine gets (always streamed, with usage);
+    #: empty in a direct job's message (the API keeps it)
     body: dict[str, Any]
     input_tokens: int
     max_tokens: int
@@ -63,6 +64,9 @@ class ChatJob:
     deadline_ts: float | None = None
     #: extra HTTP headers for the engine call
     engine_headers: dict[str, str] = field(default_factory=dict)
+    #: the API process that reads the engine's stream itself ("" = the worker
+    #: reads it and relays the tokens): :mod:`tokenfleet.live.direct`
+    direct: str = ""
 
     # -- wire format --------------------------------------------------------------
     def to_message(self) -> dict[str, Any]:
@@ -72,7 +76,9 @@ class ChatJob:
             "tenant": self.tenant,
             "tier": self.tier,
             "model": self.model,
-            "body": self.body,
+            # the direct path's worker never sends the body (the API does): the
+            # message stays small (an 8k-token prompt was ~45 KB through kombu)
+            "body": {} if self.direct else self.body,
             "input_tokens": self.input_tokens,
             "max_tokens": self.max_tokens,
             "arrival_ts": self.arrival_ts,
@@ -88,6 +94,8 @@ class ChatJob:
             msg["allowed_dcs"] = list(self.allowed_dcs)
         if self.engine_headers:
             msg["engine_headers"] = dict(self.engine_headers)
+        if self.direct:
+            msg["direct"] = self.direct
         return msg
 
     @classmethod
@@ -116,6 +124,7 @@ class ChatJob:
             allowed_dcs=tuple(msg.get("allowed_dcs") or ()),
             deadline_ts=float(deadline) if deadline else None,
             engine_headers=dict(msg.get("engine_headers") or {}),
+            direct=str(msg.get("direct") or ""),
         )
 
     @property

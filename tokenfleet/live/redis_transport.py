@@ -46,6 +46,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.json import dumps
@@ -144,6 +145,13 @@ class Channel(kombu_redis.Channel):
         if client:
             yield client
             return
+        if self._pool is None and getattr(self.connection, "client", None) is None:
+            # kombu restores unacknowledged messages when it closes a channel whose
+            # connection was lost; with the connection already closed, building a
+            # pool failed with an AttributeError, which no error handler expects
+            # and which stopped the worker. A connection error is ignored there,
+            # and the messages stay in the unacked index for the restore timer.
+            raise redis.ConnectionError("the broker connection is closed")
         pool = self.pool
         shared = self._shared
         if shared is None or shared[0] is not pool:

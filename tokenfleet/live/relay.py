@@ -1,5 +1,10 @@
 """Token relay over Redis Streams: one stream per request, worker -> API.
 
+On the direct path (:mod:`tokenfleet.live.direct`, the default) a request's
+stream carries only the worker's ``go`` hand-over, ``retry`` and the end
+(``end``/``err``): the API reads the engine itself. What follows describes
+the relay path, which still carries the tokens when ``direct_stream`` is off.
+
 A stream (not pub/sub) because a reader that attaches late, or reconnects
 after a Redis blip, still gets every entry from the start; and it lets the
 API thread block on exactly its own request (``XREAD BLOCK``) instead of
@@ -11,7 +16,10 @@ one per token (docs/benchmarks.md, "CPU per request").
 Entry kinds (field ``k``): ``d`` text delta (``t`` text, ``n`` tokens),
 ``end`` (``f`` finish reason, ``u`` usage JSON), ``err`` (``m`` message,
 ``c`` HTTP-ish code, ``y`` OpenAI error type), ``retry`` (``a`` new attempt:
-the previous attempt failed before its first token and was re-sent).
+the previous attempt failed before its first token and was re-sent), ``go``
+(``u`` engine URL, ``e`` engine request id, ``a`` attempt, ``i`` instance,
+``x`` engine KV events relayed); ``ft``/``out`` are the API's entries on an
+attempt's outcome stream.
 
 The API reads all its requests' streams through one :class:`RelayHub` per
 process: one thread and one Redis connection run ``XREAD BLOCK`` over every
@@ -57,6 +65,8 @@ class RelayEvent:
     #: dispatched/first token/finished epoch s, ``ca`` cached tokens), so the
     #: API can record the row too when the worker dies before its writer flushes
     ledger: dict[str, str] | None = None
+    #: ``go``, ``ft``, ``out`` (the direct path, :mod:`tokenfleet.live.direct`): the entry's fields
+    facts: dict[str, str] | None = None
 
 
 def _decode(fields: dict[bytes, bytes]) -> RelayEvent:
@@ -89,7 +99,19 @@ def _decode(fields: dict[bytes, bytes]) -> RelayEvent:
             code=int(fields.get(b"c", b"500")),
             error_type=fields.get(b"y", b"server_error").decode(),
         )
+    if kind in FACT_KINDS:
+        return RelayEvent(
+            kind,
+            attempt=int(fields.get(b"a", b"0")),
+            facts={k.decode(): v.decode("utf-8", "replace") for k, v in fields.items()},
+        )
     return RelayEvent(kind, attempt=int(fields.get(b"a", b"0")))
+
+
+#: entry kinds of the direct path whose fields are handed over as they are
+FACT_KINDS = ("go", "ft", "out")
+#: entry kinds after which nothing follows in a stream
+TERMINAL_KINDS = ("end", "err", "out")
 
 
 class RelayWriter:
@@ -146,6 +168,20 @@ class RelayWriter:
 
     def retry(self, attempt: int) -> None:
         self._add({"k": "retry", "a": attempt})
+
+    def go_fields(
+        self, url: str, engine_request_id: str, attempt: int, exact_kv_events: bool = False
+    ) -> dict[str, Any]:
+        """The direct path's hand-over: the API calls ``url`` itself (:mod:`.direct`);
+        ``x`` 0: no engine KV events here, the API publishes the prompt's blocks."""
+        return {
+            "k": "go",
+            "u": url,
+            "e": engine_request_id,
+            "a": attempt,
+            "i": self.instance_id,
+            "x": int(exact_kv_events),
+        }
 
 
 class RelayReader:
@@ -279,8 +315,9 @@ class RelayHub:
     def __len__(self) -> int:
         return len(self._subs)
 
-    def subscribe(self, request_id: str) -> Subscription:
-        sub = Subscription(self, self.state.stream_key(request_id))
+    def subscribe(self, request_id: str, key: str | None = None) -> Subscription:
+        """``request_id``'s relay stream, or the stream ``key``."""
+        sub = Subscription(self, key or self.state.stream_key(request_id))
         with self._lock:
             self._subs[sub.key] = sub
         return sub
@@ -390,7 +427,7 @@ class RelayHub:
             fields = raw if isinstance(raw, dict) else dict(zip(raw[::2], raw[1::2], strict=True))
             ev = _decode(fields)
             sub.inbox.put(ev)
-            if ev.kind in ("end", "err"):
+            if ev.kind in TERMINAL_KINDS:
                 # nothing follows a terminal entry: stop reading the stream
                 with self._lock:
                     if self._subs.get(sub.key) is sub:

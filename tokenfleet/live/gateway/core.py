@@ -29,6 +29,7 @@ from tokenfleet.core.types import BLOCK_SIZE_TOKENS
 from tokenfleet.live.brokers import DcBrokers
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.dc_select import LiveDCSelector, load_topology
+from tokenfleet.live.gateway.direct import DirectCalls
 from tokenfleet.live.gateway.dispatch import Dispatcher
 from tokenfleet.live.gateway.errors import StoreUnavailable
 from tokenfleet.live.gateway.feedback import Feedback
@@ -122,8 +123,11 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
         self._start_view()
         #: every stream this process waits on, read by one thread (relay.py)
         self.relay_hub = RelayHub(state)
+        #: the engine calls this process reads itself (direct.py)
+        self.direct_calls = DirectCalls(state, live)
 
     def close(self) -> None:
+        self.direct_calls.close()
         self.relay_hub.close()
         self.brokers.close()
         super().close()

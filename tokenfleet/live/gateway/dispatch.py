@@ -27,6 +27,7 @@ from tokenfleet.errors import NoCandidateError
 from tokenfleet.live.brokers import DcBrokers
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.dc_select import DCTicket
+from tokenfleet.live.gateway.direct import DirectCalls
 from tokenfleet.live.gateway.errors import (
     AtCapacity,
     NoCapacity,
@@ -107,6 +108,7 @@ class Dispatcher:
     _publisher: Any
     brokers: DcBrokers
     relay_hub: RelayHub
+    direct_calls: DirectCalls
     wait_predictor: Any
     _dc_views_at: float
     _depths: dict[str, int]
@@ -178,6 +180,7 @@ class Dispatcher:
                 expected_cached=cached,
                 allowed_dcs=allowed_dcs,
                 deadline_ts=req.deadline_s,
+                direct=self.direct_calls.api_id if self.live.direct_stream else "",
             )
             # request state, queue depth, accounting, counters and (when the broker
             # is this Redis) the task itself: one round trip, the state first, so a

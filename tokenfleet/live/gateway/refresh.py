@@ -26,8 +26,10 @@ from tokenfleet.live.state import InstanceInfo, LiveState
 
 log = logging.getLogger("tokenfleet.api")
 
-#: how often the registered instances are re-read from Redis
-INSTANCES_REFRESH_S = 0.1
+#: how often the registered instances are re-read from Redis: twice a scrape
+#: period (0.5 s by default), not five times (what a re-read can find changes
+#: at a scrape; a worker marking its instance unhealthy is seen within this)
+INSTANCES_REFRESH_S = 0.25
 #: admission reads the broker queue depths from Redis at most this often
 QUEUE_DEPTHS_MAX_AGE_S = 0.05
 #: beat's admission knobs and FleetMind spill shares are re-read this often

@@ -17,16 +17,28 @@ verdict.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import redis
 from kombu.exceptions import KombuError
 
+from tokenfleet.core.types import KVEvent
 from tokenfleet.live.config import LiveConfig
+from tokenfleet.live.direct import outcome_key
+from tokenfleet.live.engine_client import EngineCall, EngineError
+from tokenfleet.live.gateway.direct import (
+    DEADLINE,
+    GONE,
+    LOST,
+    SUPERSEDED,
+    DirectCall,
+    DirectCalls,
+)
 from tokenfleet.live.gateway.dispatch import Dispatched, ledger_record
 from tokenfleet.live.gateway.rows import (
     PendingSettlements,
@@ -56,6 +68,7 @@ class Watcher:
     index: Any
     index_lock: threading.Lock
     metrics: Any
+    direct_calls: DirectCalls
 
     if TYPE_CHECKING:  # from LiveView, Dispatcher and Feedback
 
@@ -116,11 +129,12 @@ class Watcher:
                 return None
 
         last_entry = [0.0]  # wall time of the last entry from the stream
-        source = (
+        relayed = (
             d.sub.events(on_idle, idle_ms=IDLE_MS)
             if d.sub is not None
             else RelayReader(self.state, d.request.info.request_id, block_ms=250).events(on_idle)
         )
+        source = self._with_direct(d, relayed, client_gone, last_entry)
         gone_checked = time.monotonic()
         quiet_since = gone_checked
         for ev in source:
@@ -159,6 +173,163 @@ class Watcher:
             # the policies learn from the first token once the caller has sent it
             # on (it asks for the next event after writing the chunk)
             self.first_token_feedback(d)
+
+    def _with_direct(
+        self,
+        d: Dispatched,
+        relayed: Generator[RelayEvent, None, None],
+        client_gone: Callable[[], bool] | None,
+        last_entry: list[float],
+    ) -> Generator[RelayEvent, None, None]:
+        """The relay stream's events, with each ``go`` hand-over replaced by the
+        engine's own stream (:meth:`_direct`)."""
+        try:
+            for ev in relayed:
+                if ev.kind != "go":
+                    yield ev
+                    continue
+                for dev in self._direct(d, ev, client_gone):
+                    yield dev
+                    if dev.kind in ("err", "gone"):
+                        return
+                last_entry[0] = time.time()  # the worker's verdict follows on the stream
+        finally:
+            relayed.close()
+
+    def _direct(
+        self, d: Dispatched, go: RelayEvent, client_gone: Callable[[], bool] | None
+    ) -> Generator[RelayEvent, None, None]:
+        """Read the engine's stream of the attempt ``go`` hands over
+        (:mod:`tokenfleet.live.direct`).
+
+        Yields ``d`` events; ends after reporting the outcome to the worker
+        (whose ``end``, ``retry`` or ``err`` entry follows on the relay stream),
+        or with a terminal ``err``/``gone`` when the watch thread closed the call."""
+        facts = go.facts or {}
+        info = d.request.info
+        rid = info.request_id
+        attempt = int(facts.get("a") or 0)
+        if attempt < d.attempt:
+            return  # a superseded attempt's hand-over
+        d.attempt = attempt
+        instance = facts.get("i", "")
+        call = EngineCall(
+            facts.get("u", ""),
+            d.job.body,
+            facts.get("e") or f"{rid}-{attempt}",
+            connect_timeout_s=self.live.engine_connect_timeout_s,
+            stall_timeout_s=self.live.engine_stall_timeout_s,
+            headers=d.job.engine_headers or None,
+        )
+        watched = DirectCall(
+            rid,
+            attempt,
+            call,
+            info.arrival_s + self.live.request_timeout_s,
+            client_gone,
+        )
+        out_key = outcome_key(self.state, rid, attempt)
+        first_s: float | None = None
+        tokens = 0
+        usage: dict[str, Any] | None = None
+        finish = "stop"
+        completed = False
+        self.direct_calls.register(watched)
+        try:
+            try:
+                for piece in call.stream(coalesce_s=self.live.relay_flush_interval_s):
+                    if not (piece.text or piece.tokens):
+                        pass
+                    elif first_s is None:
+                        first_s = time.time()
+                        tokens += piece.tokens
+                        yield RelayEvent("d", piece.text, piece.tokens, instance=instance)
+                        # after the token left: the state's flag first (a lost worker
+                        # then means an error, not a re-send), then the worker's entry
+                        self._report(out_key, {"k": "ft", "t": first_s}, first_token_of=rid)
+                        if facts.get("x") == "0":
+                            self._approximate_kv(instance, info.block_hashes)
+                    else:
+                        tokens += piece.tokens
+                        yield RelayEvent("d", piece.text, piece.tokens, instance=instance)
+                    if piece.finish_reason:
+                        finish = piece.finish_reason
+                    if piece.usage is not None:
+                        usage = piece.usage
+                completed = True
+            except EngineError as exc:
+                completed = True
+                why = call.aborted
+                if why in (GONE, LOST, DEADLINE, SUPERSEDED):
+                    ev = self._direct_closed(d, why, first_s is not None)
+                    if ev is not None:
+                        yield ev
+                    return
+                fields: dict[str, Any] = {
+                    "k": "out",
+                    "x": exc.kind,
+                    "m": str(exc)[:500],
+                    "c": exc.status,
+                    "r": int(exc.retryable),
+                    "n": tokens,
+                }
+                if first_s is not None:
+                    fields["t"] = first_s
+                self._report(out_key, fields)
+                return
+        finally:
+            self.direct_calls.unregister(watched)
+            if not completed:
+                call.abort("closed")  # the caller stopped reading: the engine stops too
+        fields = {"k": "out", "f": finish, "n": tokens, "u": json.dumps(usage) if usage else ""}
+        if first_s is not None:
+            fields["t"] = first_s
+        self._report(out_key, fields)
+
+    def _approximate_kv(self, instance: str, hashes: Sequence[int]) -> None:
+        """Without the engine's KV events, every replica learns that ``instance``
+        holds the prompt's blocks once its prefill is done (hashed here, once)."""
+        if not hashes:
+            return
+        try:
+            self.state.publish_kv_events([KVEvent(instance, "stored", tuple(hashes), exact=False)])
+        except redis.RedisError:
+            log.debug("approximate KV event not published", exc_info=True)
+
+    def _direct_closed(self, d: Dispatched, why: str, started: bool) -> RelayEvent | None:
+        """The watch thread closed a direct call: what the request does next."""
+        if why == GONE:
+            return RelayEvent("gone")
+        if why == DEADLINE:
+            limit = self.live.request_timeout_s
+            return self._settle(d, "timed_out", 504, f"request not finished within {limit:.0f}s")
+        if started:
+            # the client has part of an answer another attempt cannot continue
+            return self._settle(
+                d,
+                "failed",
+                502,
+                "the worker serving this request was lost after streaming began; retry the request",
+            )
+        if why == LOST:
+            return self._watch(d, time.time())  # re-sent (None) or settled
+        return None  # superseded before any token: the stream says what follows
+
+    def _report(self, key: str, fields: dict[str, Any], first_token_of: str | None = None) -> None:
+        """One entry to the worker's outcome stream, retried across a short Redis outage."""
+        until = time.monotonic() + max(5.0, 3 * self.live.lease_ttl_s)
+        while True:
+            try:
+                with self.state.batch() as b:
+                    if first_token_of is not None:
+                        b.first_token(first_token_of)
+                    b.xadd(key, fields, ttl_s=self.live.stream_ttl_s)
+                return
+            except (redis.ConnectionError, redis.TimeoutError):
+                if first_token_of is not None or time.monotonic() > until:
+                    log.warning("outcome entry for %s not written", key)
+                    return
+                time.sleep(0.2)
 
     def _watch(self, d: Dispatched, now: float) -> RelayEvent | None:
         """Detect a lost worker or a request stranded in a dead instance's queue."""

@@ -1,0 +1,143 @@
+"""The API's side of the direct path (:mod:`tokenfleet.live.direct`): its engine calls, watched.
+
+While a request thread reads an engine's stream it blocks in the socket, so
+the checks the relay path ran between entries run here, on one thread for
+all of the process's direct calls, every :data:`TICK_S`: the client left, the
+request timed out, and (at most twice a lease period, one pipelined round
+trip for all calls) the worker holding the request's slot lost its lease or
+the attempt was superseded (the worker re-sent it, or settled it). Each
+closes the engine call with a reason the request thread then acts on. The
+same thread renews the process's liveness key, by which a worker waiting for
+an outcome tells a live API from a dead one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+
+from tokenfleet.live.config import LiveConfig
+from tokenfleet.live.direct import API_ALIVE_LEASES, api_alive_key
+from tokenfleet.live.engine_client import EngineCall
+from tokenfleet.live.state import LiveState
+
+log = logging.getLogger("tokenfleet.api")
+
+#: how often the watch thread looks at its calls (seconds)
+TICK_S = 0.25
+
+#: reasons a call is closed by the watch thread (``EngineCall.aborted``)
+GONE = "client went away"
+LOST = "worker lost"
+DEADLINE = "request timeout"
+SUPERSEDED = "attempt superseded"
+
+
+@dataclass(slots=True, eq=False)
+class DirectCall:
+    """One engine call of one attempt that a request thread is reading."""
+
+    request_id: str
+    attempt: int
+    call: EngineCall
+    deadline_s: float  # epoch
+    client_gone: Callable[[], bool] | None = None
+
+
+class DirectCalls:
+    """This process's direct engine calls and the thread that watches them."""
+
+    def __init__(self, state: LiveState, live: LiveConfig) -> None:
+        self.state = state
+        self.live = live
+        self.api_id = uuid.uuid4().hex[:12]
+        self.alive_key = api_alive_key(state, self.api_id)
+        self._calls: set[DirectCall] = set()
+        self._lock = threading.Lock()
+        self._work = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._alive_at = 0.0
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def register(self, c: DirectCall) -> None:
+        with self._lock:
+            self._calls.add(c)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="direct-calls", daemon=True)
+                self._thread.start()
+        self._work.set()
+
+    def unregister(self, c: DirectCall) -> None:
+        with self._lock:
+            self._calls.discard(c)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._work.set()
+        if self._thread is not None:
+            self._thread.join(timeout=3.0)
+
+    def renew_alive(self) -> None:
+        """The liveness key (workers waiting on this process look at it)."""
+        ttl_ms = int(API_ALIVE_LEASES * self.live.lease_ttl_s * 1000)
+        self.state.r.set(self.alive_key, 1, px=max(1000, ttl_ms))
+        self._alive_at = time.monotonic()
+
+    def _loop(self) -> None:
+        checked = 0.0
+        period = min(1.0, self.live.lease_ttl_s / 2)
+        while not self._stop.is_set():
+            with self._lock:
+                calls = list(self._calls)
+            if not calls:
+                self._work.wait(1.0)
+                self._work.clear()
+                continue
+            now_m = time.monotonic()
+            try:
+                if now_m - self._alive_at >= period:
+                    self.renew_alive()
+                if now_m - checked >= period:
+                    checked = now_m
+                    self._check_state(calls)
+            except redis.RedisError as exc:
+                log.debug("direct calls: Redis unavailable (%r)", exc)
+            now = time.time()
+            for c in calls:
+                if c.call.aborted is not None:
+                    continue
+                if c.client_gone is not None and c.client_gone():
+                    c.call.abort(GONE)
+                elif now > c.deadline_s:
+                    c.call.abort(DEADLINE)
+            self._stop.wait(TICK_S)
+
+    def _check_state(self, calls: list[DirectCall]) -> None:
+        """One round trip: each request's lease, status and attempt."""
+        k = self.state.k
+        with self.state.r.pipeline(transaction=False) as pipe:
+            for c in calls:
+                pipe.exists(k("lease", c.request_id))
+                pipe.hmget(k("req", c.request_id), "status", "attempt")
+            replies = pipe.execute()
+        for i, c in enumerate(calls):
+            if c.call.aborted is not None:
+                continue
+            leased = bool(replies[2 * i])
+            raw_status, raw_attempt = replies[2 * i + 1]
+            status = raw_status.decode() if raw_status else ""
+            attempt = int(raw_attempt or 0)
+            if status != "running" or attempt != c.attempt:
+                if status:  # a state lost with Redis is the request thread's to judge
+                    c.call.abort(SUPERSEDED)
+            elif not leased:
+                c.call.abort(LOST)
