@@ -82,6 +82,9 @@ def _live(sc: Any, arrivals: list[Any], policy: str, scenario: Path, args: Any) 
             time_scale=1.0,
             engines_in_process=False,
             api_in_process=False,
+            # engines publish KV events to TokenPilot, as `tokenfleet up` and the
+            # simulator's shipped defaults have it
+            engine_kv_events=True,
             live_overrides={
                 "topology": str(d / "topology.yaml"),
                 "fleet_policy": policy,

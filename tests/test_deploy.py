@@ -47,7 +47,8 @@ def _argv(container: dict[str, Any]) -> list[str]:
     pod-name variable filled in as Kubernetes would."""
     argv = [*container.get("command", []), *container.get("args", [])]
     if argv[:2] == ["sh", "-c"]:
-        argv = shlex.split(argv[2].replace('"$POD_NAME"', "tokenfleet-engines-x-1"))
+        text = argv[2].replace('"$POD_NAME"', "tokenfleet-engines-x-1")
+        argv = shlex.split(text.replace("$POD_IP", "10.0.0.7"))
         assert argv[0] == "exec", argv
         argv = argv[1:]
     return argv
@@ -166,6 +167,9 @@ def test_every_container_command_parses_with_the_tokenfleet_cli() -> None:
             args = parser.parse_args(argv[1:])  # SystemExit (a test error) if wrong
             seen.add(argv[1])
             if argv[1] == "worker":
-                # the engine is in the same pod
+                # the engine is in the same pod; the API reaches it at the pod's IP
                 assert args.engine_url == "http://127.0.0.1:8000", owner
+                assert args.public_engine_url == "http://10.0.0.7:8000", owner
+                env = {e["name"] for e in c["env"]}
+                assert {"POD_NAME", "POD_IP"} <= env, owner
     assert {"api", "worker", "beat", "db"} <= seen

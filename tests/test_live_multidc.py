@@ -104,6 +104,8 @@ def fleet(session_postgres: Any) -> Iterator[Any]:
                 "broker_b": md.brokers["dc-b"],
                 "api_to_b": md.api_links["dc-b"],
                 "state_link": md.state_links["dc-b"],
+                "links_b": md.links_of("dc-b"),  # broker, state and engine links
+                "engine_link_b": md.engine_links["dc-b"][0],
             }
 
 
@@ -195,7 +197,7 @@ def test_a_datacenter_broker_down_spills_what_may_spill_and_heals(fleet: Any) ->
 
 @pytest.mark.slow
 def test_a_cut_off_datacenter_fails_its_requests_cleanly_and_comes_back(fleet: Any) -> None:
-    stack, state_link = fleet["stack"], fleet["state_link"]
+    stack = fleet["stack"]
     stale = stack.live.stale_after_s
     # a long bank request is in flight in dc-b when the WAN goes down
     import threading
@@ -206,8 +208,8 @@ def test_a_cut_off_datacenter_fails_its_requests_cleanly_and_comes_back(fleet: A
     )
     t.start()
     time.sleep(0.5)
-    state_link.cut()
-    fleet["api_to_b"].cut()
+    for link in fleet["links_b"]:
+        link.cut()
     try:
         # dc-b's snapshots go stale: FleetMind leaves dc-b out
         assert _until(
@@ -233,8 +235,8 @@ def test_a_cut_off_datacenter_fails_its_requests_cleanly_and_comes_back(fleet: A
         assert row["status"] in ("failed", "timed_out", "cancelled", "completed", "slo_missed")
         assert row["dc"] == "dc-b"
     finally:
-        state_link.heal()
-        fleet["api_to_b"].heal()
+        for link in fleet["links_b"]:
+            link.heal()
     # the link is back: dc-b's worker reconnects, publishes snapshots, serves bank again
     assert _until(
         lambda: any(
@@ -252,17 +254,23 @@ def test_a_cut_off_datacenter_fails_its_requests_cleanly_and_comes_back(fleet: A
 
 
 @pytest.mark.slow
-def test_a_slow_link_still_serves_and_the_relay_crosses_it_once(fleet: Any) -> None:
+def test_a_slow_link_still_serves_and_the_tokens_cross_it_once(fleet: Any) -> None:
     stack = fleet["stack"]
-    fleet["state_link"].one_way_ms = fleet["api_to_b"].one_way_ms = 60.0
+    engine_link = fleet["engine_link_b"]
+    for link in fleet["links_b"]:
+        link.one_way_ms = 60.0
     try:
+        before = engine_link.chunks
         t0 = time.monotonic()
         r = _chat(stack, BANK_KEY, "slow link", max_tokens=16)
         took_s = time.monotonic() - t0
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 16
-        # publish (API -> dc-b broker) and the relay (dc-b worker -> global Redis)
-        # each cross the link; a request cannot be faster than those one-way trips
+        # the publish (API -> dc-b's broker) and the engine call (API -> dc-b's
+        # engine, direct path) each cross the link at least once each way
         assert took_s >= 2 * 0.060
+        # the tokens came from dc-b's engine over the link, straight to the API
+        assert engine_link.chunks > before
     finally:
-        fleet["state_link"].one_way_ms = fleet["api_to_b"].one_way_ms = ONE_WAY_MS
+        for link in fleet["links_b"]:
+            link.one_way_ms = ONE_WAY_MS

@@ -81,6 +81,7 @@ class WorkerRuntime:
         pool_mode: bool = False,
         kv_events_endpoint: str | None = None,
         send_task: Callable[..., Any] | None = None,
+        public_engine_url: str = "",
     ) -> None:
         self.live = live
         self.state = state
@@ -90,6 +91,8 @@ class WorkerRuntime:
         self.pool_mode = pool_mode
         self.kv_events_endpoint = kv_events_endpoint
         self.send_task = send_task
+        #: the engine's URL the API calls on the direct path (go entry)
+        self.public_engine_url = public_engine_url or info.url
         #: the broker orders queues itself (Redis with queue_order_strategy=priority);
         #: else lower tiers must pause while a higher one has work queued
         self.broker_orders_queues = False

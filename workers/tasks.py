@@ -402,7 +402,7 @@ class _ApiStream:
                 b.xadd(
                     self.relay.key,
                     self.relay.go_fields(
-                        self.call.base_url,
+                        rt.public_engine_url,
                         self.call.request_id,
                         job.attempt,
                         exact_kv_events=rt.exact_kv_events,

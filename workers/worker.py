@@ -73,6 +73,9 @@ class WorkerOptions:
     #: the served model's tokenizer directory ("": the engine's model root if
     #: it is a local directory with a tokenizer, else the byte tokenizer)
     tokenizer: str = ""
+    #: the engine's URL as the API reaches it, for the direct path ("": engine_url);
+    #: differs when the worker reaches its engine locally (a pod's 127.0.0.1)
+    public_engine_url: str = ""
 
 
 def model_tokenizer_dir(root: str) -> str:
@@ -211,6 +214,7 @@ def run_worker(
         ledger=ledger,
         pool_mode=opts.pool_mode,
         kv_events_endpoint=opts.kv_events_endpoint,
+        public_engine_url=opts.public_engine_url.rstrip("/"),
         send_task=send_task,
     )
     runtime.RUNTIME = rt

@@ -33,14 +33,24 @@ class MultiDC:
     state_links: dict[str, WanLink] = field(default_factory=dict)
     #: workers' links to other DCs' brokers (re-sends)
     other_links: list[WanLink] = field(default_factory=list)
+    #: the API's links to each remote DC's engines (it streams them itself)
+    engine_links: dict[str, list[WanLink]] = field(default_factory=dict)
 
     def links_of(self, dc: str) -> list[WanLink]:
-        return [x for x in (self.api_links.get(dc), self.state_links.get(dc)) if x is not None]
+        """Every link between ``dc`` and the entry DC (what cutting it off cuts)."""
+        own = [x for x in (self.api_links.get(dc), self.state_links.get(dc)) if x is not None]
+        return own + self.engine_links.get(dc, [])
 
     def stop(self) -> None:
         with contextlib.suppress(Exception):
             self.stack.stop()
-        for link in [*self.api_links.values(), *self.state_links.values(), *self.other_links]:
+        engines = [x for links in self.engine_links.values() for x in links]
+        for link in [
+            *self.api_links.values(),
+            *self.state_links.values(),
+            *self.other_links,
+            *engines,
+        ]:
             link.stop()
         for b in self.brokers.values():
             with contextlib.suppress(Exception):
@@ -101,6 +111,13 @@ def multidc_stack(
                         out.other_links.append(link)
                 env["TOKENFLEET_DC_BROKER_URLS"] = ",".join(f"{k}={v}" for k, v in theirs.items())
                 stack.worker_env[dc] = env
+            # the API streams each engine itself: a remote DC's engines across the WAN
+            for spec in stack.instances:
+                one_way = rtt_ms(entry_dc, spec.dc) / 2
+                if one_way > 0:
+                    link, url = WanLink.to_url(stack.engine_urls[spec.instance_id], one_way)
+                    out.engine_links.setdefault(spec.dc, []).append(link)
+                    spec.worker_args = [*spec.worker_args, "--public-engine-url", url]
 
         stack.before_workers = before_workers
         stack.start()

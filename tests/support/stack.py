@@ -36,6 +36,8 @@ class InstanceSpec:
     instance_id: str
     emulator: dict[str, Any] = field(default_factory=dict)  # EmulatorServer options
     slots: int = 16
+    #: extra `tokenfleet worker` arguments (e.g. --public-engine-url)
+    worker_args: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -270,6 +272,7 @@ class LiveStack:
                 "--loglevel",
                 "INFO",
                 *extra,
+                *spec.worker_args,
             ],
             dict(self.env, **self.worker_env.get(spec.dc, {})),
             restart=False,

@@ -27,6 +27,14 @@ def register(subparsers: Any) -> None:
         help="engine base URL, e.g. http://127.0.0.1:8001 (OpenAI API + /metrics)",
     )
     p.add_argument(
+        "--public-engine-url",
+        default="",
+        metavar="URL",
+        help="the engine's URL as the API reaches it (the API streams from the engine "
+        "itself, direct_stream); default --engine-url. Set it when the worker reaches "
+        "its engine locally, e.g. a pod's 127.0.0.1",
+    )
+    p.add_argument(
         "--profile",
         default="llama3-8b-h200",
         help="engine profile the router predicts with (tokenfleet profiles)",
@@ -84,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         pool_mode=bool(args.pool),
         kv_events_endpoint=args.kv_events,
         tokenizer=args.tokenizer or "",
+        public_engine_url=args.public_engine_url,
         loglevel=args.loglevel.upper(),
         control=args.control,
     )
