@@ -35,6 +35,7 @@ PEERS = [
     "sglang_cache_aware",
     "llmd_weighted",
     "dynamo_kv",
+    "vllm_router_kv_aware",
 ]
 _ids = itertools.count()
 
