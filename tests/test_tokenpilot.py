@@ -813,3 +813,26 @@ def test_host_tier_events_do_not_touch_the_gpu_tier_and_removals_count() -> None
     d = router.route(req(shared + prompt(4)), PoolSnapshot(1.0, pool))
     assert d.instance_id == "i0"
     assert 64 * BLOCK_SIZE_TOKENS <= d.expected_cached_tokens <= 100 * BLOCK_SIZE_TOKENS
+
+
+def test_in_the_simulator_host_hits_follow_returning_turns_and_events_name_the_tier() -> None:
+    """A pool whose GPU KV is too small for the conversations: with a host tier
+    the returning turns load their history instead of recomputing it, the
+    routers receive the tier's events as medium "CPU", and TTFT falls."""
+    from tokenfleet.sim.metrics import summarize
+    from tokenfleet.workloads.synthetic import generate
+
+    reqs = generate("conversations", 600, 3, 6.0, burst_share=0.0, think_median_s=20.0)
+    out = {}
+    for gb in (0.0, 8.0):
+        prof = PROFILE.with_overrides(host_kv_bytes=gb * 1e9)
+        cfg = PoolConfig(prof, 2, "tokenpilot", kv_capacity_blocks=2500, kv_events=True)
+        recs, pool = run_pool(reqs, cfg, SLOConfig())
+        router = pool.routers[0]
+        assert isinstance(router, TokenPilotRouter)
+        out[gb] = (summarize(recs, SLOConfig()), router.host_tier.blocks.exact_instances)
+    off, on = out[0.0][0], out[8.0][0]
+    assert off["host_hit_ratio"] == 0.0 and not out[0.0][1]
+    assert on["host_hit_ratio"] > 0.03 and out[8.0][1] == {"local/i0", "local/i1"}
+    assert on["prefix_hit_ratio"] > off["prefix_hit_ratio"] + 0.03
+    assert on["ttft_p50_s"] < off["ttft_p50_s"]
