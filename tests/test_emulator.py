@@ -636,3 +636,57 @@ def test_request_log_records_engine_side_times_in_order(tmp_path: Path) -> None:
     prefill_s = get_profile(PROFILE).prefill_time_s(e["input_tokens"]) * 0.2
     assert e["first_model"] - e["submitted"] >= 0.9 * prefill_s
     assert e["loop_resyncs"] >= 0 and e["loop_lost_s"] >= 0.0
+
+
+# -- host-memory KV tier (vLLM's OffloadingConnector) --------------------------------
+def test_host_kv_tier_serves_an_evicted_prefix_over_the_link(tmp_path: Path) -> None:
+    """With ``host_kv_gb``, a prefix the GPU evicted comes back from host
+    memory: the turn's first token costs the transfer, not the prefill; the
+    metrics count external hits and the KV events name the CPU tier."""
+    log = tmp_path / "engine.jsonl"
+    scale = 0.5
+    prof = get_profile(PROFILE)
+    doc = " ".join(f"clause {i} of the contract says nothing new." for i in range(1100))
+    other = " ".join(f"line {i} of an unrelated log file, no match." for i in range(1100))
+    with EmulatorServer(
+        PROFILE,
+        time_scale=scale,
+        kv_capacity_blocks=1000,
+        host_kv_gb=4.0,
+        request_log=str(log),
+        kv_events_endpoint="tcp://127.0.0.1:*",
+    ) as srv:
+        assert srv.kv_events_endpoint is not None
+        sub = KVEventSubscriber(srv.kv_events_endpoint, instance_id="emu")
+        media: set[str] = set()
+        try:
+            for attempt in range(40):  # PUB drops messages until the subscription lands
+                chat(srv.url, f"warm-up {attempt} " * 40, max_tokens=2)
+                evs = sub.poll(0.05)
+                media.update(e.medium for e in evs)
+                if evs:
+                    break
+            for rid, text in (("first", doc), ("other", other), ("back", doc + " Which?")):
+                r = chat(srv.url, text, max_tokens=2, headers={"X-Request-Id": rid})
+                assert r.status_code == 200
+            assert wait_for(lambda: len(log.read_text().splitlines()) >= 3, timeout_s=10)
+            assert wait_for(
+                lambda: media.update(e.medium for e in sub.poll(0.05)) or "CPU" in media
+            )
+            m = metrics(srv.url)
+        finally:
+            sub.close()
+    lines = {x["id"]: x for x in map(json.loads, log.read_text().splitlines())}
+    first, back = lines["first"], lines["back"]
+    assert first["cached_tokens"] == 0
+    assert back["cached_tokens"] >= 0.95 * first["input_tokens"]
+    host_tokens = m["vllm:external_prefix_cache_hits_total"]
+    assert host_tokens >= 0.5 * first["input_tokens"]  # most of it came from host memory
+    assert m["vllm:external_prefix_cache_queries_total"] >= host_tokens
+    assert 0.0 < m["tokenfleet:kv_offload_cpu_usage_perc"] <= 1.0
+    ttft_first = (first["first_model"] - first["submitted"]) / scale
+    ttft_back = (back["first_model"] - back["submitted"]) / scale
+    load_s = prof.host_load_time_s(int(host_tokens))
+    assert ttft_first >= 0.9 * prof.prefill_time_s(first["input_tokens"])
+    assert load_s <= ttft_back < 0.3 * ttft_first, (load_s, ttft_back, ttft_first)
+    assert media == {"GPU", "CPU"}

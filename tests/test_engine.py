@@ -82,13 +82,16 @@ def assert_accounting(eng: EngineInstance) -> None:
     """Used blocks = private blocks of running requests + referenced cache blocks."""
     assert 0 <= eng.used_blocks <= eng.capacity_blocks
     referenced = sum(1 for rc in eng._cache.values() if rc > 0)
-    private = sum(r.blocks - len(r.hashed) for r in eng.running)
+    # waiting requests hold blocks only while (or after) loading from the host tier
+    private = sum(r.blocks - len(r.hashed) for r in (*eng.running, *eng.waiting))
     assert eng.used_blocks == private + referenced
     free_cached = sum(1 for rc in eng._cache.values() if rc == 0)
     assert free_cached == sum(1 for k in eng._free_queue if isinstance(k, int))
     assert eng.used_blocks + eng._fresh + len(eng._free_queue) == eng.capacity_blocks
     for r in eng.waiting:
-        assert r.blocks == 0 and not r.hashed
+        if eng.host_capacity_blocks == 0:
+            assert r.blocks == 0 and not r.hashed
+    assert eng.host_blocks <= eng.host_capacity_blocks
 
 
 # -- prefill ------------------------------------------------------------------
@@ -448,3 +451,128 @@ def test_every_builtin_profile_can_serve_a_long_request() -> None:
         eng = EngineInstance("e", p)
         tr = drive(eng, [(0.0, req("r", 8000, 8))])
         assert tr.finish_s["r"] > tr.first_s["r"] > 0
+
+
+# -- host-memory KV tier (vLLM's OffloadingConnector; docs/engine-model.md) -------
+
+
+def test_host_tier_is_off_by_default() -> None:
+    eng = EngineInstance("e", H200_8B)
+    assert H200_8B.host_kv_bytes == 0 and eng.host_capacity_blocks == 0
+    hashes = chain(1, 64)
+    drive(eng, [(0.0, req("a", 64 * BLOCK + 3, 4, hashes))])
+    assert eng.host_blocks == 0 and not eng.in_host(hashes[0])
+    assert eng.counters.host_stored_blocks == 0 and eng.counters.host_queries_tokens == 0
+
+
+def test_host_capacity_comes_from_bytes() -> None:
+    prof = H200_8B.with_overrides(host_kv_bytes=256e9)
+    per_block = prof.model.kv_bytes_per_token * BLOCK  # 2 MiB for Llama-3-8B
+    assert prof.host_kv_capacity_blocks == int(256e9 // per_block)
+    assert EngineInstance("e", prof).host_capacity_blocks == prof.host_kv_capacity_blocks
+    # about 2.2x one H200's GPU KV
+    assert 2.0 < prof.host_kv_capacity_blocks / prof.kv_capacity_blocks < 2.5
+
+
+def _evict_then_return(host_blocks: int) -> tuple[EngineInstance, EngineRequest, float, Trace]:
+    """a (500 blocks) runs, b (600 other blocks) evicts it from a 700-block GPU,
+    then a's conversation comes back: returns the engine, the returning turn,
+    its arrival and the trace."""
+    eng = EngineInstance("e", H200_8B, kv_capacity_blocks=700, host_capacity_blocks=host_blocks)
+    a_hashes = chain(1, 500)
+    tr = drive(eng, [(0.0, req("a", 500 * BLOCK, 1, a_hashes))])
+    tr = drive(eng, [(tr.now_s, req("b", 600 * BLOCK, 1, chain(2, 600)))], trace=tr)
+    start = tr.now_s
+    back = req("a2", 500 * BLOCK + 40, 1, a_hashes + chain(3, 2))
+    tr = drive(eng, [(start, back)], trace=tr, check=assert_accounting)
+    return eng, back, start, tr
+
+
+def test_a_block_evicted_from_the_gpu_is_found_in_the_host_tier() -> None:
+    eng, back, _, _ = _evict_then_return(host_blocks=5000)
+    a0 = chain(1, 500)[0]
+    assert eng.counters.host_stored_blocks >= 1100  # write-through: a's and b's blocks
+    assert back.cached_tokens == 500 * BLOCK  # all of a's blocks came back
+    # from the host tier, not the GPU (b evicted a's head there)
+    assert back.host_hit_tokens >= 400 * BLOCK
+    assert back.cached_tokens - back.host_hit_tokens == eng.counters.prefix_hits_tokens
+    assert eng.in_host(a0)
+    assert eng.counters.host_hits_tokens == back.host_hit_tokens
+    assert eng.used_blocks == 0  # the loaded blocks return to the free queue
+
+
+def test_a_host_hit_costs_the_transfer_not_the_prefill() -> None:
+    eng, back, start, tr = _evict_then_return(host_blocks=5000)
+    ttft = tr.first_s["a2"] - start
+    load = H200_8B.host_load_time_s(back.host_hit_tokens)
+    gpu_hit = back.cached_tokens - back.host_hit_tokens
+    rest = H200_8B.prefill_time_s(back.input_tokens - back.cached_tokens, back.cached_tokens)
+    # the load (at most one 2 ms poll late) then a prefill of the uncached tail only
+    assert load <= ttft - rest + 1e-9 <= load + 0.0021, (ttft, load, rest, gpu_hit)
+    # recomputing instead (no host tier) costs the whole prefill, several times more
+    _, again, start2, tr2 = _evict_then_return(host_blocks=0)
+    ttft_recompute = tr2.first_s["a2"] - start2
+    assert again.host_hit_tokens == 0
+    assert ttft_recompute > 4 * ttft
+
+
+def test_the_host_tier_evicts_its_least_recently_used_blocks() -> None:
+    events: list[tuple[str, tuple[int, ...]]] = []
+    eng = EngineInstance("e", H200_8B, kv_capacity_blocks=700, host_capacity_blocks=50)
+    eng.host_listener = lambda kind, hashes: events.append((kind, tuple(hashes)))
+    a_hashes, b_hashes = chain(1, 40), chain(2, 40)
+    drive(eng, [(0.0, req("a", 40 * BLOCK + 1, 1, a_hashes))])
+    drive(eng, [(0.0, req("b", 40 * BLOCK + 1, 1, b_hashes))])
+    assert eng.host_blocks == 50
+    assert eng.counters.host_evicted_blocks == 30
+    assert all(eng.in_host(h) for h in b_hashes)
+    # the oldest 30 of a's blocks went, in LRU order, and the events say so
+    assert [h for h in a_hashes if eng.in_host(h)] == list(a_hashes[30:])
+    removed = [h for kind, hs in events if kind == "removed" for h in hs]
+    assert removed == list(a_hashes[:30])
+    stored = [h for kind, hs in events if kind == "stored" for h in hs]
+    assert stored == list(a_hashes) + list(b_hashes)
+
+
+def test_a_request_loading_from_host_does_not_hold_up_the_queue() -> None:
+    """vLLM parks it in WAITING_FOR_REMOTE_KVS and schedules the others."""
+    eng = EngineInstance("e", H200_8B, kv_capacity_blocks=3000, host_capacity_blocks=20000)
+    long = chain(1, 2000)  # 32k tokens: a 84 ms load
+    drive(eng, [(0.0, req("a", 2000 * BLOCK, 1, long))])
+    eng.reset_prefix_cache()  # the GPU forgets it, the host tier does not
+    back = req("a2", 2000 * BLOCK + 8, 1, long)
+    short = req("s", 64, 1, chain(9, 4))
+    tr = drive(eng, [(0.0, back), (0.0, short)], check=assert_accounting)
+    assert back.host_hit_tokens == 2000 * BLOCK  # every full block (8 tokens are left)
+    assert tr.first_s["s"] < H200_8B.host_load_time_s(back.host_hit_tokens) < tr.first_s["a2"]
+
+
+def test_accounting_holds_with_the_host_tier_aborts_and_preemption() -> None:
+    rng = random.Random(7)
+    eng = EngineInstance(
+        "e",
+        H200_8B.with_overrides(max_num_batched_tokens=1024),
+        kv_capacity_blocks=300,
+        host_capacity_blocks=400,
+    )
+    arrivals = []
+    for i in range(150):
+        prefix = chain(rng.randrange(6), rng.randint(5, 60))
+        own = tuple(90_000_000 + i * 1000 + j for j in range(rng.randint(0, 30)))
+        hashes = prefix + own
+        n_in = len(hashes) * BLOCK + rng.randint(0, 15)
+        arrivals.append((rng.uniform(0, 2.0), req(f"r{i}", n_in, rng.randint(1, 600), hashes)))
+    doomed = {f"r{i}" for i in rng.sample(range(150), 20)}
+
+    def check(e: EngineInstance) -> None:
+        assert_accounting(e)
+        for rid in list(doomed):
+            r = e.by_id.get(rid)
+            if r is not None and (r.loading or r.generated_tokens > 3):
+                e.abort(rid)
+                doomed.discard(rid)
+
+    drive(eng, arrivals, check=check)
+    assert eng.counters.host_hits_tokens > 0 and eng.counters.preemptions > 0
+    assert eng.used_blocks == 0 and eng.idle and not eng.by_id
+    assert_accounting(eng)

@@ -300,10 +300,12 @@ def test_kv_event_stream_round_trip(state: LiveState) -> None:
         KVEvent("i1", "stored", (1, 2, 3)),
         KVEvent("i1", "cleared", ()),
         KVEvent("i2", "stored", (4, 5), exact=False),
+        KVEvent("i2", "removed", (6,), medium="CPU"),  # the host tier's (vLLM offloading)
     ]
     state.publish_kv_events(sent)
     last2, evs = state.read_kv_events(last, block_ms=100)
-    assert evs == sent and [e.exact for e in evs] == [True, True, False]
+    assert evs == sent and [e.exact for e in evs] == [True, True, False, True]
+    assert [e.medium for e in evs] == ["GPU", "GPU", "GPU", "CPU"]
     assert last2 != last
 
 

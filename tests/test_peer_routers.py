@@ -35,6 +35,7 @@ PEERS = [
     "sglang_cache_aware",
     "llmd_weighted",
     "dynamo_kv",
+    "vllm_router_kv_aware",
 ]
 _ids = itertools.count()
 
@@ -540,3 +541,75 @@ def test_dynamo_temperature_samples_but_prefers_cheaper() -> None:
     # costs 20 vs 10: p(i1) = 1 / (1 + e^-1) ~ 0.73
     share = picks.count("i1") / len(picks)
     assert 0.6 < share < 0.85, share
+
+
+# --------------------------------------------------------------------------
+# Host-memory KV tier (vLLM offloading: events with medium "CPU")
+# --------------------------------------------------------------------------
+def test_llmd_precise_scorer_weighs_host_tier_blocks_by_the_cpu_weight() -> None:
+    insts = make_instances(3)
+    router = LlmdWeightedRouter(seed=0, prefix_scorer="precise")
+    prompt = chain((1, 10))
+    # i1: 6 blocks on the GPU; i2: all 10, but only in host memory (0.8 each = 8.0)
+    router.on_kv_event(KVEvent("i1", "stored", prompt[:6]))
+    router.on_kv_event(KVEvent("i2", "stored", prompt, medium="CPU"))
+    s = router.scores(req(prompt), insts)
+    # 8.0 beats 6.0: min-max over the holders puts i2 at 1 and i1 at 0, as i0
+    assert s["i2"] == pytest.approx(s["i1"] + 3.0) and s["i1"] == pytest.approx(s["i0"])
+    d = router.route(req(prompt), PoolSnapshot(0.0, insts))
+    assert (d.instance_id, d.expected_cached_tokens) == ("i2", 160)
+    # a GPU copy of the whole prompt on i1 outweighs the host copy on i2
+    router.on_kv_event(KVEvent("i1", "stored", prompt[6:]))
+    assert router.route(req(prompt), PoolSnapshot(0.0, insts)).instance_id == "i1"
+    # a run goes on across tiers: i0 holds 5 on the GPU and the rest on the host
+    router.on_kv_event(KVEvent("i0", "stored", prompt[:5]))
+    router.on_kv_event(KVEvent("i0", "stored", prompt[5:], medium="CPU"))
+    assert router._precise.longest_prefix(prompt)[1]["i0"] == 10
+
+
+def test_dynamo_counts_only_device_blocks_as_overlap() -> None:
+    insts = make_instances(2)
+    router = DynamoKVRouter(seed=0)
+    prompt = chain((1, 10))
+    router.on_kv_event(KVEvent("i1", "stored", prompt, medium="CPU"))
+    assert router.costs(req(prompt), insts)["i1"][1] == 0
+    router.on_kv_event(KVEvent("i1", "stored", prompt[:4]))
+    assert router.costs(req(prompt), insts)["i1"][1] == 4
+
+
+def test_vllm_router_kv_aware_scores_the_longest_prefix_with_tier_penalties() -> None:
+    from tokenfleet.core.routing.vllm_router_kv_aware import VllmRouterKvAware
+
+    insts = make_instances(3)
+    pool = PoolSnapshot(now_s=0.0, instances=insts)
+    router = VllmRouterKvAware(enable_speculative=False)
+    prompt = chain((1, 20))
+    router.on_kv_event(KVEvent("i0", "stored", prompt[:10]))  # 10 x 1.0
+    router.on_kv_event(KVEvent("i1", "stored", prompt[:11], medium="CPU"))  # 11 x 0.8
+    d = router.route(req(prompt), pool)
+    assert (d.instance_id, d.expected_cached_tokens) == ("i0", 160)
+    router.on_kv_event(KVEvent("i1", "stored", prompt[11:20], medium="CPU"))  # 20 x 0.8
+    d = router.route(req(prompt), pool)
+    assert (d.instance_id, d.expected_cached_tokens) == ("i1", 319)  # the last token recomputes
+    # a gap ends a run; BlockRemoved on the host tier leaves the GPU copy alone
+    router.on_kv_event(KVEvent("i1", "removed", prompt[:1], medium="CPU"))
+    assert router.route(req(prompt), pool).instance_id == "i0"
+
+
+def test_vllm_router_kv_aware_falls_back_to_least_load_and_speculates() -> None:
+    from tokenfleet.core.routing.vllm_router_kv_aware import VllmRouterKvAware
+
+    insts = make_instances(3)
+    pool = PoolSnapshot(now_s=0.0, instances=insts)
+    router = VllmRouterKvAware()
+    insts[0].accounting.inflight_requests = 2
+    insts[2].accounting.inflight_requests = 1
+    prompt = chain((7, 8))
+    d = dispatch(router, req(prompt), pool)  # no hit anywhere: least load, i1
+    assert d.instance_id == "i1" and d.expected_cached_tokens == 0
+    # the next request with that prefix follows it (speculative entries, 2 s) ...
+    assert dispatch(router, req(prompt + chain((8, 2))), pool).instance_id == "i1"
+    # ... until they expire with no BlockStored to confirm them
+    later = PoolSnapshot(now_s=2.5, instances=insts)
+    insts[1].accounting.inflight_requests = 5
+    assert router.route(req(prompt), later).instance_id in {"i0", "i2"}

@@ -795,3 +795,105 @@ def test_a_prefix_stays_believed_between_its_first_token_and_the_engines_event()
     router2.on_kv_event(KVEvent(d2.instance_id, "removed", prompt(40)))  # the engine speaks
     after = router2.route(req(hashes + prompt(13)), PoolSnapshot(1.3, pool))
     assert after.expected_cached_tokens == 0
+
+
+# -- host-memory KV tier: a hit priced by where its blocks are -----------------------
+HOSTED = PROFILE.with_overrides(host_kv_bytes=256e9)
+
+
+def hosted_views(n: int, router: TokenPilotRouter) -> list[InstanceView]:
+    """Instances with a 256 GB host tier, already seen by ``router`` (it reads
+    each instance's profile on its first decision)."""
+    pool = [replace(v, profile=HOSTED) for v in views(n)]
+    r0 = req(prompt(2))
+    d = router.route(r0, PoolSnapshot(0.1, pool))
+    router.on_complete(CompletionEvent(r0, d.instance_id, 0.2, "cancelled", 0, 0, None, 0.1))
+    return pool
+
+
+def test_a_host_hit_is_priced_as_its_transfer_between_a_gpu_hit_and_a_miss() -> None:
+    """GPU hit free, host hit = the link transfer, miss = the prefill: in seconds."""
+    router = TokenPilotRouter()
+    pool = hosted_views(3, router)
+    shared = prompt(1024)  # 16k tokens
+    router.on_kv_event(KVEvent("i1", "stored", shared, medium="CPU"))
+    r = req(shared + prompt(8))
+    d = router.route(r, PoolSnapshot(1.0, pool))
+    assert d.instance_id == "i1", "a host hit beats a miss"
+    cached = d.expected_cached_tokens
+    assert cached >= 1000 * BLOCK_SIZE_TOKENS
+    load = HOSTED.host_load_time_s(cached)
+    want = load + PROFILE.prefill_time_s(r.input_tokens - cached, cached)
+    assert d.predicted_ttft_s == pytest.approx(want, rel=0.05)
+    assert d.predicted_ttft_s < 0.2 * PROFILE.prefill_time_s(r.input_tokens)
+    # the same prefix on i2's GPU is cheaper still: the transfer is saved too
+    router.on_kv_event(KVEvent("i2", "stored", shared))
+    d2 = router.route(req(shared + prompt(8)), PoolSnapshot(1.0, pool))
+    assert d2.instance_id == "i2"
+    assert d2.predicted_ttft_s is not None and d2.predicted_ttft_s < d.predicted_ttft_s - 0.5 * load
+
+
+def test_a_host_hit_loses_to_a_shorter_queue_once_the_queue_costs_more() -> None:
+    shared = prompt(1024)
+
+    def decide(fillers: int) -> str:
+        router = TokenPilotRouter()
+        pool = hosted_views(2, router)
+        router.on_kv_event(KVEvent("i0", "stored", shared, medium="CPU"))
+        if fillers:
+            fill(router, pool, 0, fillers, blocks=256)
+        return router.route(req(shared + prompt(8)), PoolSnapshot(1.0, pool)).instance_id
+
+    saved = PROFILE.prefill_time_s(1024 * BLOCK_SIZE_TOKENS) - HOSTED.host_load_time_s(16_000)
+    per_filler = PROFILE.prefill_time_s(256 * BLOCK_SIZE_TOKENS + 8)
+    assert decide(int(0.6 * saved / per_filler)) == "i0"
+    assert decide(int(1.4 * saved / per_filler) + 1) == "i1"
+
+
+def test_without_events_the_host_tier_is_believed_from_own_prefills() -> None:
+    """Write-through: what the router saw prefilled on an instance is in its host
+    tier, and stays believed there after the GPU's copy is reported evicted."""
+    router = TokenPilotRouter()
+    pool = hosted_views(2, router)
+    shared = prompt(640)
+    warm(router, pool, 1, shared)
+    assert router.host_tier.blocks.match(router.knowledge.probes(shared))[0]["i1"] >= 608
+    # GPU-only instances have no host tier to believe in
+    plain = TokenPilotRouter()
+    warm(plain, views(2), 1, shared)
+    assert not plain.host_tier.enabled
+
+
+def test_host_tier_events_do_not_touch_the_gpu_tier_and_removals_count() -> None:
+    router = TokenPilotRouter()
+    pool = hosted_views(2, router)
+    shared = prompt(640)
+    router.on_kv_event(KVEvent("i0", "stored", shared, medium="CPU"))
+    assert not router.knowledge.exact_instances  # the GPU tier saw no event
+    router.on_kv_event(KVEvent("i0", "removed", shared[100:], medium="CPU"))
+    d = router.route(req(shared + prompt(4)), PoolSnapshot(1.0, pool))
+    assert d.instance_id == "i0"
+    assert 64 * BLOCK_SIZE_TOKENS <= d.expected_cached_tokens <= 100 * BLOCK_SIZE_TOKENS
+
+
+def test_in_the_simulator_host_hits_follow_returning_turns_and_events_name_the_tier() -> None:
+    """A pool whose GPU KV is too small for the conversations: with a host tier
+    the returning turns load their history instead of recomputing it, the
+    routers receive the tier's events as medium "CPU", and TTFT falls."""
+    from tokenfleet.sim.metrics import summarize
+    from tokenfleet.workloads.synthetic import generate
+
+    reqs = generate("conversations", 600, 3, 6.0, burst_share=0.0, think_median_s=20.0)
+    out = {}
+    for gb in (0.0, 8.0):
+        prof = PROFILE.with_overrides(host_kv_bytes=gb * 1e9)
+        cfg = PoolConfig(prof, 2, "tokenpilot", kv_capacity_blocks=2500, kv_events=True)
+        recs, pool = run_pool(reqs, cfg, SLOConfig())
+        router = pool.routers[0]
+        assert isinstance(router, TokenPilotRouter)
+        out[gb] = (summarize(recs, SLOConfig()), router.host_tier.blocks.exact_instances)
+    off, on = out[0.0][0], out[8.0][0]
+    assert off["host_hit_ratio"] == 0.0 and not out[0.0][1]
+    assert on["host_hit_ratio"] > 0.03 and out[8.0][1] == {"local/i0", "local/i1"}
+    assert on["prefix_hit_ratio"] > off["prefix_hit_ratio"] + 0.03
+    assert on["ttft_p50_s"] < off["ttft_p50_s"]

@@ -663,3 +663,36 @@ def test_real_azure_trace_loads() -> None:
     assert len(reqs) == 19366
     assert reqs[0].arrival_s == 0.0 and reqs[1].arrival_s == pytest.approx(4.314579)
     assert 3400 < reqs[-1].arrival_s < 3600
+
+
+def test_the_conversations_scenario_draws_its_documented_statistics() -> None:
+    """examples/scenarios/conversations.yaml: answers average WildChat's 441
+    tokens, think times are heavy-tailed (median 2 min, a tenth beyond 15 min)
+    and sessions run several turns over 50 shared system prompts."""
+    from statistics import mean
+
+    from tokenfleet.workloads.mix import load_mix
+
+    spec = load_mix(Path(__file__).resolve().parents[1] / "examples/scenarios/conversations.yaml")
+    (cls,) = spec.classes
+    assert cls.synthetic == "conversations" and spec.load == 0.8
+    opts = dict(cls.options)
+    rate = float(opts.pop("rate_rps"))
+    # a twentieth of the rate: the window then spans ~20 min, so long think
+    # times are seen whole (think times do not depend on the rate)
+    reqs = generate("conversations", 1500, 0, rate / 20, **opts)
+    assert 400 <= mean(r.output_tokens for r in reqs) <= 480  # true lengths, before the budget
+    by_session: dict[str, list[TraceRequest]] = {}
+    for r in reqs:
+        by_session.setdefault(str(r.info.session), []).append(r)
+    gaps = sorted(
+        b.info.arrival_s - a.info.arrival_s
+        for v in by_session.values()
+        for a, b in zip(v, v[1:], strict=False)
+    )
+    # a window sees a long gap only if both turns fall in it, so observed gaps
+    # run shorter than drawn (median 120 s, p90 935 s)
+    assert 60 <= gaps[len(gaps) // 2] <= 150
+    assert gaps[-len(gaps) // 10] > 300  # minutes: a heavy tail
+    firsts = {v[0].info.block_hashes[0] for v in by_session.values()}
+    assert len(firsts) <= 50 < len(by_session)

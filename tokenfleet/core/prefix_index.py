@@ -15,7 +15,7 @@ O(prompt blocks / stride + instances), independent of pool-wide cache size.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 
 class PrefixIndex:
@@ -142,3 +142,27 @@ class PrefixIndex:
             holders.discard(instance_id)
             if not holders:
                 del self._holders[h]
+
+
+def weighted_runs(
+    block_hashes: Sequence[int], holders_of: Callable[[int], Mapping[str, float]]
+) -> tuple[dict[str, float], dict[str, int]]:
+    """Per holder, the leading run of ``block_hashes`` it holds and the run's
+    summed weight. ``holders_of(h)`` maps each holder of block ``h`` to that
+    block's weight there (the best tier holding it; <= 0 counts as absent), so
+    a run goes on while *some* tier holds the next block, as tier-aware
+    indexes (llm-d's per-``DeviceTier`` entries, vllm-router's
+    ``StorageTier``) score it."""
+    scores: dict[str, float] = {}
+    runs: dict[str, int] = {}
+    active: set[str] | None = None
+    for h in block_hashes:
+        here = holders_of(h)
+        alive = {w: v for w, v in here.items() if v > 0.0 and (active is None or w in active)}
+        if not alive:
+            break
+        for holder, v in alive.items():
+            scores[holder] = scores.get(holder, 0.0) + v
+            runs[holder] = runs.get(holder, 0) + 1
+        active = set(alive)
+    return scores, runs

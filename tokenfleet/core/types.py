@@ -199,3 +199,10 @@ class KVEvent:
     kind: str  # "stored" | "removed" | "cleared"
     block_hashes: tuple[int, ...]
     exact: bool = True
+    #: where the blocks are, as vLLM's ``medium`` field says: "GPU" (the block
+    #: pool) or "CPU" (the OffloadingConnector's host tier)
+    medium: str = "GPU"
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.medium == "GPU"

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenfleet.emulator.kv_events import (
+    MEDIUM_CPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -90,6 +91,18 @@ class EmulatedEngine(EngineInstance):
         super()._on_removed(hashes)
         if self.events is not None:
             self.events.append(BlockRemoved(tuple(hashes)))
+
+    # the host tier's events, as vLLM's OffloadingConnector.take_events gives them:
+    # no parent, no token ids, medium "CPU"
+    def _on_host_stored(self, hashes: list[int]) -> None:
+        super()._on_host_stored(hashes)
+        if self.events is not None:
+            self.events.append(BlockStored(tuple(hashes), None, (), self.block, MEDIUM_CPU))
+
+    def _on_host_removed(self, hashes: list[int]) -> None:
+        super()._on_host_removed(hashes)
+        if self.events is not None:
+            self.events.append(BlockRemoved(tuple(hashes), MEDIUM_CPU))
 
 
 class RequestHandle:
@@ -253,6 +266,10 @@ class EngineLoop:
                 generation_tokens=c.generation_tokens,
                 num_gpu_blocks=e.capacity_blocks,
                 block_size=e.block,
+                external_queries_tokens=c.host_queries_tokens,
+                external_hits_tokens=c.host_hits_tokens,
+                num_cpu_blocks=e.host_capacity_blocks,
+                cpu_blocks_used=e.host_blocks,
             )
 
     # -- the step loop --------------------------------------------------------------

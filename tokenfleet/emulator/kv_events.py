@@ -44,6 +44,8 @@ from tokenfleet.tokenizer import split_engine_blocks
 
 EVENT_FORMATS = ("map", "array")
 MEDIUM_GPU = "GPU"
+#: the OffloadingConnector's CPU tier (``CPULoadStoreSpec.medium()``)
+MEDIUM_CPU = "CPU"
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +54,13 @@ class BlockStored:
     parent_block_hash: int | None
     token_ids: tuple[int, ...]
     block_size: int
+    medium: str = MEDIUM_GPU
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
     block_hashes: tuple[int, ...]
+    medium: str = MEDIUM_GPU
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +87,7 @@ def encode_event(event: RawEvent, fmt: str = "map") -> Any:
                 list(event.token_ids),
                 event.block_size,
                 None,
-                MEDIUM_GPU,
+                event.medium,
             ]
         return {
             "type": "BlockStored",
@@ -92,16 +96,16 @@ def encode_event(event: RawEvent, fmt: str = "map") -> Any:
             "token_ids": list(event.token_ids),
             "block_size": event.block_size,
             "lora_id": None,
-            "medium": MEDIUM_GPU,
+            "medium": event.medium,
             "lora_name": None,
         }
     if isinstance(event, BlockRemoved):
         if fmt == "array":
-            return ["BlockRemoved", list(event.block_hashes), MEDIUM_GPU]
+            return ["BlockRemoved", list(event.block_hashes), event.medium]
         return {
             "type": "BlockRemoved",
             "block_hashes": list(event.block_hashes),
-            "medium": MEDIUM_GPU,
+            "medium": event.medium,
         }
     return ["AllBlocksCleared"] if fmt == "array" else {"type": "AllBlocksCleared"}
 
@@ -127,6 +131,11 @@ def _hashes(value: Any) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _medium(value: Any) -> str:
+    """vLLM leaves ``medium`` None for the GPU block pool in older releases."""
+    return str(value) if value else MEDIUM_GPU
+
+
 def decode_event(raw: Any) -> RawEvent | None:
     """One event, map or array encoded; unknown tags give ``None``."""
     if isinstance(raw, dict):
@@ -139,9 +148,10 @@ def decode_event(raw: Any) -> RawEvent | None:
                 _hashes([parent])[0] if parent is not None else None,
                 tuple(fields.get("token_ids") or ()),
                 int(fields.get("block_size") or 0),
+                _medium(fields.get("medium")),
             )
         if tag == "BlockRemoved":
-            return BlockRemoved(_hashes(fields.get("block_hashes")))
+            return BlockRemoved(_hashes(fields.get("block_hashes")), _medium(fields.get("medium")))
         if tag == "AllBlocksCleared":
             return AllBlocksCleared()
         return None
@@ -154,9 +164,10 @@ def decode_event(raw: Any) -> RawEvent | None:
                 _hashes([parent])[0] if parent is not None else None,
                 tuple(raw[3] or ()),
                 int(raw[4] or 0),
+                _medium(raw[6] if len(raw) > 6 else None),
             )
         if tag == "BlockRemoved" and len(raw) >= 2:
-            return BlockRemoved(_hashes(raw[1]))
+            return BlockRemoved(_hashes(raw[1]), _medium(raw[2] if len(raw) > 2 else None))
         if tag == "AllBlocksCleared":
             return AllBlocksCleared()
     return None
@@ -185,9 +196,11 @@ def to_kv_events(
     for e in events:
         if isinstance(e, BlockStored):
             size = e.block_size or size
-            out.append(KVEvent(instance_id, "stored", split_engine_blocks(e.block_hashes, size)))
+            hashes = split_engine_blocks(e.block_hashes, size)
+            out.append(KVEvent(instance_id, "stored", hashes, medium=e.medium))
         elif isinstance(e, BlockRemoved):
-            out.append(KVEvent(instance_id, "removed", split_engine_blocks(e.block_hashes, size)))
+            hashes = split_engine_blocks(e.block_hashes, size)
+            out.append(KVEvent(instance_id, "removed", hashes, medium=e.medium))
         else:
             out.append(KVEvent(instance_id, "cleared", ()))
     return out

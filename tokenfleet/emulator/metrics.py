@@ -103,6 +103,11 @@ class EngineState:
     generation_tokens: int
     num_gpu_blocks: int
     block_size: int
+    # the host tier (vLLM's KV connector counters; all 0 when it is off)
+    external_queries_tokens: int = 0
+    external_hits_tokens: int = 0
+    num_cpu_blocks: int = 0
+    cpu_blocks_used: int = 0
 
 
 class EmulatorMetrics:
@@ -223,6 +228,27 @@ class _StateCollector:
             "Prefix cache hits, in terms of number of cached tokens.",
             s.prefix_hits_tokens,
         )
+        if s.num_cpu_blocks:
+            # vLLM counts what KV connectors (here the OffloadingConnector) are
+            # asked for and serve: tokens past the local (GPU) prefix hit
+            yield counter(
+                "vllm:external_prefix_cache_queries",
+                "External prefix cache queries from KV connector cross-instance cache "
+                "sharing, in terms of number of queried tokens.",
+                s.external_queries_tokens,
+            )
+            yield counter(
+                "vllm:external_prefix_cache_hits",
+                "External prefix cache hits from KV connector cross-instance cache "
+                "sharing, in terms of number of cached tokens.",
+                s.external_hits_tokens,
+            )
+            # not a vLLM series: the host tier's occupancy, for dashboards and tests
+            yield gauge(
+                "tokenfleet:kv_offload_cpu_usage_perc",
+                "Host-memory KV tier usage (OffloadingConnector). 1 means 100 percent usage.",
+                s.cpu_blocks_used / s.num_cpu_blocks,
+            )
         yield counter(
             "vllm:num_preemptions",
             "Cumulative number of preemption from the engine.",

@@ -63,6 +63,8 @@ class EmulatorConfig:
     model: str | None = None  # defaults to the profile's model name
     served_model_names: tuple[str, ...] = ()
     kv_capacity_blocks: int | None = None
+    #: host-memory KV tier, GB (vLLM's ``--kv-offloading-size``); 0 = off
+    host_kv_gb: float = 0.0
     max_model_len_tokens: int | None = None
     time_scale: float = 1.0
     fail_5xx_rate: float = 0.0
@@ -87,6 +89,8 @@ class EmulatorConfig:
             prof = prof.with_overrides(
                 model=replace(prof.model, max_model_len_tokens=self.max_model_len_tokens)
             )
+        if self.host_kv_gb > 0:
+            prof = prof.with_overrides(host_kv_bytes=self.host_kv_gb * 1e9)
         return prof
 
     def validate(self) -> None:
@@ -106,6 +110,8 @@ class EmulatorConfig:
                 raise ConfigError(f"{name} must be >= 0 seconds, got {value}")
         if self.kv_capacity_blocks is not None and self.kv_capacity_blocks < 1:
             raise ConfigError("kv_capacity_blocks must be >= 1")
+        if not 0.0 <= self.host_kv_gb < float("inf"):
+            raise ConfigError(f"host_kv_gb must be a finite number >= 0, got {self.host_kv_gb}")
         if self.max_model_len_tokens is not None and self.max_model_len_tokens < 2:
             raise ConfigError("max_model_len must be >= 2 tokens")
         if self.kv_events_format not in EVENT_FORMATS:

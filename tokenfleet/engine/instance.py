@@ -21,7 +21,13 @@ docs/engine-model.md, section 5):
   the least recently freed block, cached or not (a request frees its tail
   first), as ``FreeKVCacheBlockQueue`` does;
 - recompute preemption when a running request cannot grow (counted, since
-  admission control aims to make it never happen).
+  admission control aims to make it never happen);
+- optionally (``profile.host_kv_bytes > 0``, off by default) a host-memory KV
+  tier as vLLM's ``OffloadingConnector`` keeps it (``--kv-offloading-size``):
+  every block the GPU caches is also written to host memory (its own LRU),
+  and a waiting request whose prefix continues in host memory first loads
+  those blocks into fresh GPU blocks at the host link's bandwidth, without
+  holding up the requests behind it, then prefills the rest.
 """
 
 from __future__ import annotations
@@ -63,6 +69,9 @@ class EngineRequest:
     preemptions: int = 0
     first_token: bool = False
     admitted: bool = False
+    host_hit_tokens: int = 0  # of cached_tokens, loaded from the host tier
+    loading: bool = False  # waiting for its prefix to arrive from host memory
+    load_left_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.prompt_tokens = self.input_tokens
@@ -85,6 +94,22 @@ class EngineCounters:
     busy_s: float = 0.0
     prompt_tokens_computed: int = 0
     generation_tokens: int = 0
+    # host tier (vLLM's external prefix cache counters: tokens past the GPU hit)
+    host_queries_tokens: int = 0
+    host_hits_tokens: int = 0
+    host_stored_blocks: int = 0
+    host_evicted_blocks: int = 0
+    host_load_s: float = 0.0  # link time spent loading (host -> GPU)
+    host_store_s: float = 0.0  # link time spent offloading (GPU -> host)
+
+
+#: While only host loads are in flight, the engine polls for their completion
+#: this often (vLLM's scheduler checks finished transfers every step).
+_LOAD_POLL_S = 0.002
+
+#: vLLM KV-event ``medium`` names: the GPU block pool and the CPU offloading tier.
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
 
 
 class _Empty:
@@ -96,13 +121,18 @@ class _Empty:
 class EngineInstance:
     """One inference engine: scheduler + paged KV cache + roofline timing.
 
-    Subclasses observe the prefix cache through two hooks, ``_on_stored`` and
-    ``_on_removed`` (the emulator turns them into vLLM KV events); by default
-    they forward to ``kv_listener``.
+    Subclasses observe the prefix cache through hooks, ``_on_stored`` and
+    ``_on_removed`` for the GPU and ``_on_host_stored`` / ``_on_host_removed``
+    for the host tier (the emulator turns them into vLLM KV events); by
+    default they forward to ``kv_listener`` and ``host_listener``.
     """
 
     def __init__(
-        self, instance_id: str, profile: EngineProfile, kv_capacity_blocks: int | None = None
+        self,
+        instance_id: str,
+        profile: EngineProfile,
+        kv_capacity_blocks: int | None = None,
+        host_capacity_blocks: int | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.profile = profile
@@ -126,6 +156,19 @@ class EngineInstance:
         self._batch: list[EngineRequest] = []
         # Optional vLLM-style KV event sink: ("stored" | "removed", block hashes).
         self.kv_listener: Callable[[str, Sequence[int]], None] | None = None
+        # host tier: hash -> None, least recently used first; None when off
+        self.host_capacity_blocks = (
+            host_capacity_blocks
+            if host_capacity_blocks is not None
+            else profile.host_kv_capacity_blocks
+        )
+        self._host: OrderedDict[int, None] | None = (
+            OrderedDict() if self.host_capacity_blocks > 0 else None
+        )
+        self._loading: list[EngineRequest] = []  # waiting on host -> GPU loads
+        self._step_s = 0.0
+        # the same for the host tier's events (vLLM: medium "CPU")
+        self.host_listener: Callable[[str, Sequence[int]], None] | None = None
 
     # -- public API -----------------------------------------------------------
     def add(self, req: EngineRequest) -> None:
@@ -165,6 +208,11 @@ class EngineInstance:
             self._free(req)
         else:
             self.waiting.remove(req)
+            if req.loading:
+                self._loading.remove(req)
+                req.loading = False
+            if req.blocks:  # holds blocks its host-tier prefix was loaded into
+                self._free(req)
         return req
 
     @property
@@ -178,6 +226,14 @@ class EngineInstance:
     @property
     def idle(self) -> bool:
         return not self.running and not self.waiting
+
+    @property
+    def host_blocks(self) -> int:
+        """Blocks the host tier holds now."""
+        return len(self._host) if self._host is not None else 0
+
+    def in_host(self, block_hash: int) -> bool:
+        return self._host is not None and block_hash in self._host
 
     def plan_step(self) -> float:
         """Choose the next batch; return its duration (0.0 when idle)."""
@@ -231,18 +287,41 @@ class EngineInstance:
         # in a step that preempted (vllm/v1/core/sched/scheduler.py:
         # `if not preempted_reqs`), else the victim could be readmitted at once
         max_seqs = self.profile.max_num_seqs
-        while not preempted and self.waiting and budget > 0 and len(self.running) < max_seqs:
-            req = self.waiting[0]
-            hit, revived = self._match(req)
-            start = hit * blk
+        waiting = self.waiting
+        host = self._host
+        w = 0  # requests passed over: their prefix is still loading from host memory
+        while not preempted and w < len(waiting) and budget > 0 and len(self.running) < max_seqs:
+            req = waiting[w]
+            if req.loading:  # vLLM: WAITING_FOR_REMOTE_KVS, skipped, keeps its place
+                w += 1
+                continue
+            if req.blocks:  # its host-tier prefix has arrived in blocks it holds
+                hit, revived = req.blocks, 0
+                start = req.computed_tokens
+            else:
+                hit, revived = self._match(req)
+                start = hit * blk
+                if host is not None:
+                    got = self._host_match(req, hit)
+                    if got:
+                        # the loaded KV needs GPU blocks of its own, now
+                        if got + revived > self.free_blocks:
+                            break
+                        self._start_load(req, hit, got)
+                        w += 1
+                        continue
             q = min(req.prompt_tokens - start, budget)
             need = -(-(start + q) // blk) - hit
             # cached blocks we revive stop being free, so they count against us
             if need + revived > self.free_blocks:
                 break
-            self._count_query(req, hit)
-            self.waiting.popleft()
-            self._acquire(req, hit, start)
+            if w:
+                del waiting[w]
+            else:
+                waiting.popleft()
+            if not req.blocks:
+                self._count_query(req, hit)
+                self._acquire(req, hit, start)
             self._grow(req, need)
             self._cache_blocks(req, start + q)
             req.admitted = True
@@ -256,12 +335,18 @@ class EngineInstance:
             p_ctx += start
         self._batch = batch
         if not batch:
+            if self._loading:  # nothing to compute: wait for the host loads
+                self.stepping = True
+                left = min(r.load_left_s for r in self._loading)
+                self._step_s = left if left < _LOAD_POLL_S else _LOAD_POLL_S
+                return self._step_s
             self.stepping = False
             return 0.0
         self.stepping = True
         dur = self.profile.step_time_s(p_new, p_pairs, p_ctx, d_seqs, d_ctx, p_seqs)
         self.counters.steps += 1
         self.counters.busy_s += dur
+        self._step_s = dur
         return dur
 
     def finish_step(self) -> StepResult:
@@ -303,6 +388,8 @@ class EngineInstance:
                 self.by_id.pop(req.request_id, None)
         self._batch = []
         self.stepping = False
+        if self._loading:
+            self._advance_loads(self._step_s)
         return StepResult(firsts, done, emitted)
 
     def reset_prefix_cache(self) -> list[int]:
@@ -331,6 +418,99 @@ class EngineInstance:
         """These cached blocks were evicted (or reset)."""
         if self.kv_listener is not None:
             self.kv_listener("removed", hashes)
+
+    def _on_host_stored(self, hashes: list[int]) -> None:
+        """These blocks were written to the host tier."""
+        if self.host_listener is not None:
+            self.host_listener("stored", hashes)
+
+    def _on_host_removed(self, hashes: list[int]) -> None:
+        """The host tier's LRU dropped these blocks."""
+        if self.host_listener is not None:
+            self.host_listener("removed", hashes)
+
+    # -- host tier ---------------------------------------------------------------
+    def _host_match(self, req: EngineRequest, hit: int) -> int:
+        """Blocks after the GPU hit that the host tier holds, contiguously.
+
+        Like vLLM's connector lookup, it also refreshes the request's blocks in
+        the host LRU (first block most recent, as ``touch`` walks them in
+        reverse) and writes back the GPU-hit blocks the host tier lost.
+        """
+        host = self._host
+        assert host is not None
+        hashes = req.chain
+        missing = [h for h in hashes[:hit] if h not in host]
+        if missing:
+            self._host_put(missing)
+        lim = min((req.prompt_tokens - 1) // self.block, len(hashes))
+        got = 0
+        while hit + got < lim and hashes[hit + got] in host:
+            got += 1
+        for j in range(hit + got - 1, -1, -1):
+            if hashes[j] in host:
+                host.move_to_end(hashes[j])
+        return got
+
+    def _start_load(self, req: EngineRequest, hit: int, got: int) -> None:
+        """Take GPU blocks for ``got`` host-tier blocks and start copying them in."""
+        blk = self.block
+        self._count_query(req, hit)
+        self._acquire(req, hit, hit * blk)
+        self._grow(req, got)
+        req.computed_tokens = (hit + got) * blk
+        tokens = got * blk
+        req.load_left_s = self.profile.host_load_time_s(tokens)
+        req.loading = True
+        self._loading.append(req)
+        c = self.counters
+        c.host_hits_tokens += tokens
+        c.host_load_s += req.load_left_s
+        if req.preemptions == 0:
+            req.cached_tokens = req.computed_tokens
+            req.host_hit_tokens = tokens
+
+    def _advance_loads(self, dt: float) -> None:
+        """Loads progress while steps run (a separate copy stream); a finished
+        one caches its blocks on the GPU, as vLLM does once the copy lands."""
+        still: list[EngineRequest] = []
+        for r in self._loading:
+            r.load_left_s -= dt
+            if r.load_left_s > 1e-12:
+                still.append(r)
+            else:
+                r.load_left_s = 0.0
+                r.loading = False
+                self._cache_blocks(r, r.computed_tokens)
+        self._loading = still
+
+    def _host_put(self, hashes: Sequence[int]) -> None:
+        """Write blocks to the host tier (already there: nothing), evicting its LRU."""
+        host = self._host
+        assert host is not None
+        cap = self.host_capacity_blocks
+        stored: list[int] = []
+        evicted: list[int] = []
+        for h in hashes:
+            if h in host:
+                continue
+            if len(host) >= cap:
+                old, _ = host.popitem(last=False)
+                evicted.append(old)
+            host[h] = None
+            stored.append(h)
+        if not stored:
+            return
+        c = self.counters
+        c.host_stored_blocks += len(stored)
+        c.host_evicted_blocks += len(evicted)
+        c.host_store_s += self.profile.host_store_time_s(len(stored) * self.block)
+        if evicted:
+            gone = set(evicted)
+            stored = [h for h in stored if h not in gone or h in host]
+            self._on_host_removed(evicted)
+        if stored:
+            self._on_host_stored(stored)
 
     # -- KV/cache internals ------------------------------------------------------
     def _blocks_needed(self, req: EngineRequest, q: int) -> int:
@@ -364,6 +544,8 @@ class EngineInstance:
     def _count_query(self, req: EngineRequest, hit: int) -> None:
         self.counters.prefix_queries_tokens += req.prompt_tokens
         self.counters.prefix_hits_tokens += hit * self.block
+        if self._host is not None:  # what the host tier is asked for: past the GPU hit
+            self.counters.host_queries_tokens += req.prompt_tokens - hit * self.block
         if req.preemptions == 0:
             req.cached_tokens = hit * self.block
 
@@ -416,7 +598,7 @@ class EngineInstance:
             return
         cache = self._cache
         run: list[int] = []
-        first = j
+        first = first_all = j
         while j < end:
             h = chain[j]
             if h in cache:  # computed twice (e.g. a full-hit prompt's last block)
@@ -432,6 +614,9 @@ class EngineInstance:
             j += 1
         if run:
             self._on_stored(req, first, run)
+        if self._host is not None:
+            # write-through, as vLLM's OffloadingConnector stores every new full block
+            self._host_put(chain[first_all:end])
 
     def _free(self, req: EngineRequest) -> None:
         """Return ``req``'s blocks, tail first, to the back of the free queue."""

@@ -71,6 +71,12 @@ class GPUSpec:
     hbm_bytes_per_s: float
     hbm_bytes: float
     interconnect_bytes_per_s: float  # per-GPU NVLink all-reduce bus bandwidth
+    #: effective host-to-device (load) and device-to-host (offload) DMA bandwidth
+    #: of one GPU's host link, pinned memory (docs/engine-model.md, section 2b)
+    host_read_bytes_per_s: float = 50e9
+    host_write_bytes_per_s: float = 50e9
+    #: fixed cost of one KV transfer job (launch, completion polling by the scheduler)
+    host_transfer_latency_s: float = 0.0005
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +103,9 @@ class EngineProfile:
     step_overhead_s: float = 0.000768  # scheduler + input prep + launch, per step (V1)
     per_seq_overhead_s: float = 0.0  # per sequence in the step (not fitted for V1: 0)
     allreduce_latency_s: float = 4e-5  # per all-reduce call under TP (NCCL, 4xH100)
+    #: host-memory KV tier per instance, bytes (vLLM's ``--kv-offloading-size``);
+    #: 0 = off, the GPU-only engine
+    host_kv_bytes: float = 0.0
     notes: str = field(default="", compare=False)
 
     # -- capacity -----------------------------------------------------------
@@ -114,6 +123,27 @@ class EngineProfile:
     @property
     def kv_capacity_blocks(self) -> int:
         return self.kv_capacity_tokens // self.block_size_tokens
+
+    @property
+    def host_kv_capacity_blocks(self) -> int:
+        """Blocks the host tier holds (0: no host tier)."""
+        per_block = self.model.kv_bytes_per_token * self.block_size_tokens
+        return int(self.host_kv_bytes // per_block) if self.host_kv_bytes > 0 else 0
+
+    def host_load_time_s(self, tokens: int) -> float:
+        """Loading ``tokens`` of KV from host memory: every TP rank reads its
+        shard over its own link, so the links add up."""
+        if tokens <= 0:
+            return 0.0
+        link = self.tp * self.gpu.host_read_bytes_per_s
+        return self.gpu.host_transfer_latency_s + tokens * self.model.kv_bytes_per_token / link
+
+    def host_store_time_s(self, tokens: int) -> float:
+        """Offloading ``tokens`` of KV to host memory (the device-to-host direction)."""
+        if tokens <= 0:
+            return 0.0
+        link = self.tp * self.gpu.host_write_bytes_per_s
+        return self.gpu.host_transfer_latency_s + tokens * self.model.kv_bytes_per_token / link
 
     # -- roofline step time ---------------------------------------------------
     def step_parts(
@@ -230,6 +260,10 @@ H200 = GPUSpec(
     # NCCL all-reduce bus bandwidth measured on NVLink 4 (900 GB/s bidirectional
     # nominal): Vidur's 4xH100 DGX profile; H200 has the same NVLink
     interconnect_bytes_per_s=330e9,
+    # host link: PCIe Gen5 x16 to the CPU, 64 GB/s per direction nominal (63 GB/s
+    # after 128b/130b coding); pinned-memory DMA reaches ~50 GB/s (section 2b)
+    host_read_bytes_per_s=50e9,
+    host_write_bytes_per_s=50e9,
 )
 
 H100 = GPUSpec(
@@ -238,6 +272,10 @@ H100 = GPUSpec(
     hbm_bytes_per_s=3.35e12,
     hbm_bytes=85e9,  # "80 GB" = 81559 MiB; ~79.2 GiB usable
     interconnect_bytes_per_s=330e9,
+    # host link: PCIe Gen5 x16 to the CPU, 64 GB/s per direction nominal (63 GB/s
+    # after 128b/130b coding); pinned-memory DMA reaches ~50 GB/s (section 2b)
+    host_read_bytes_per_s=50e9,
+    host_write_bytes_per_s=50e9,
 )
 
 LLAMA3_8B = ModelSpec(

@@ -589,6 +589,8 @@ class LiveState:
                 }
                 if not ev.exact:
                     fields["x"] = 0  # inferred, not reported by the engine
+                if not ev.on_gpu:
+                    fields["m"] = ev.medium  # a lower tier (vLLM's offloading: "CPU")
                 pipe.xadd(
                     self.k("kv"),
                     fields,
@@ -611,6 +613,7 @@ class LiveState:
                         fields[b"k"].decode(),
                         tuple(msgpack.unpackb(fields[b"h"])),
                         exact=fields.get(b"x", b"1") != b"0",
+                        medium=fields.get(b"m", b"GPU").decode(),
                     )
                 )
         return last_id, out

@@ -31,7 +31,7 @@ from tokenfleet.core.types import (
     RequestInfo,
     ScrapedMetrics,
 )
-from tokenfleet.engine.instance import EngineInstance, EngineRequest
+from tokenfleet.engine.instance import MEDIUM_CPU, MEDIUM_GPU, EngineInstance, EngineRequest
 from tokenfleet.engine.profiles import EngineProfile
 from tokenfleet.errors import CapacityError, NoCandidateError
 from tokenfleet.sim.core import URGENT, Environment
@@ -225,6 +225,8 @@ class PoolSim:
         if config.kv_events:
             for e in self.engines:
                 e.kv_listener = self._kv_sink(e.instance_id)
+                # vLLM's offloading connector publishes its tier on the same stream
+                e.host_listener = self._kv_sink(e.instance_id, MEDIUM_CPU)
         self._flights: dict[str, _Flight] = {}
         self._rng = random.Random(config.seed)
         # a generator of its own, so path latencies leave the replica draws alone
@@ -345,9 +347,11 @@ class PoolSim:
         if dur > 0.0:
             self.env.schedule(dur, self._end_step, idx, priority=URGENT)
 
-    def _kv_sink(self, instance_id: str) -> Callable[[str, Sequence[int]], None]:
+    def _kv_sink(
+        self, instance_id: str, medium: str = MEDIUM_GPU
+    ) -> Callable[[str, Sequence[int]], None]:
         def sink(kind: str, hashes: Sequence[int]) -> None:
-            self._kv_pending.append(KVEvent(instance_id, kind, tuple(hashes)))
+            self._kv_pending.append(KVEvent(instance_id, kind, tuple(hashes), medium=medium))
 
         return sink
 
@@ -371,6 +375,7 @@ class PoolSim:
             fl.got_first_token = True
             fl.record.first_token_s = now + fl.relay_s
             fl.record.cached_tokens = er.cached_tokens
+            fl.record.host_hit_tokens = er.host_hit_tokens
             self.views[fl.replica][idx].accounting.on_first_token(
                 fl.info, fl.expected_cached_tokens
             )

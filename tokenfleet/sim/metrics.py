@@ -79,6 +79,7 @@ def _metrics(records: Sequence[RequestRecord], duration_s: float) -> dict[str, A
     served = [r for r in records if r.dispatched_s is not None]
     in_tokens = sum(r.input_tokens for r in served)
     cached = sum(r.cached_tokens for r in served)
+    host_cached = sum(r.host_hit_tokens for r in served)
     n = len(records)
     count = {
         s: sum(1 for r in records if r.status == s)
@@ -103,5 +104,8 @@ def _metrics(records: Sequence[RequestRecord], duration_s: float) -> dict[str, A
         "goodput_tok_s": good_tokens / duration_s if duration_s > 0 else 0.0,
         "slo_attainment": (sum(1 for r in records if r.slo_met) / n) if n else None,
         "prefix_hit_ratio": cached / in_tokens if in_tokens else 0.0,
+        # by tier: the GPU's own prefix cache, and KV loaded from host memory
+        "gpu_hit_ratio": (cached - host_cached) / in_tokens if in_tokens else 0.0,
+        "host_hit_ratio": host_cached / in_tokens if in_tokens else 0.0,
         "wasted_gpu_s": sum(r.wasted_gpu_s for r in records),
     }

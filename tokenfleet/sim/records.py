@@ -23,6 +23,7 @@ class RequestRecord:
     first_token_s: float | None = None
     finish_s: float | None = None
     cached_tokens: int = 0
+    host_hit_tokens: int = 0  # of cached_tokens, loaded from the host-memory KV tier
     output_tokens: int = 0
     status: str = "pending"
     predicted_ttft_s: float | None = None

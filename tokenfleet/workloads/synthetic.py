@@ -253,9 +253,13 @@ def conversations(
     burst_share: float = 0.6,
     burst_gap_s: float = 1.5,
     think_median_s: float = 30.0,
+    think_sigma: float = 1.2,
+    app_tokens: tuple[int, int] = (500, 4000),
+    message_median_tokens: float = 150.0,
+    message_sigma: float = 1.0,
+    answer_median_tokens: float = 180.0,
+    answer_sigma: float = 0.9,
     max_context_tokens: int = 32768,
-    message_median_tokens: int = 150,
-    answer_median_tokens: int = 180,
 ) -> list[TraceRequest]:
     """Long multi-turn conversations whose next turns often come in bursts.
 
@@ -267,28 +271,34 @@ def conversations(
     the answer's KV. A next turn follows at once with probability
     ``burst_share`` (an exponential gap, mean ``burst_gap_s``: a tool call or
     a retry) and otherwise after a human think time (lognormal, median
-    ``think_median_s``, sigma 1.2: a heavy tail of minutes). Many sessions
-    share each system prompt, so routing by prompt prefix alone cannot tell
-    conversations apart; each request carries its ``session``.
-    ``message_median_tokens`` / ``answer_median_tokens`` set the medians of
-    new messages and answers.
+    ``think_median_s``, sigma ``think_sigma``: a heavy tail of minutes).
+    Many sessions share each system prompt, so routing by prompt prefix alone
+    cannot tell conversations apart; each request carries its ``session``.
+    ``app_tokens`` (system prompt range) and the lognormal message and answer
+    medians and sigmas shape the text; docs/workloads.md gives the published
+    chat statistics ``examples/scenarios/conversations.yaml`` sets them to.
     """
     _check(n_requests, seed, rate_rps)
     budget = check_budget(max_tokens)
     if mean_turns < 1 or n_apps < 1 or not 0.0 <= burst_share <= 1.0:
         raise ConfigError("need mean_turns >= 1, n_apps >= 1 and 0 <= burst_share <= 1")
-    if not burst_gap_s > 0 or not think_median_s > 0:
-        raise ConfigError("burst_gap_s and think_median_s must be > 0")
+    if not burst_gap_s > 0 or not think_median_s > 0 or not think_sigma >= 0:
+        raise ConfigError("burst_gap_s and think_median_s must be > 0, think_sigma >= 0")
+    lo_app, hi_app = (int(x) for x in app_tokens)
+    if not 1 <= lo_app < hi_app:
+        raise ConfigError(f"app_tokens must be (low, high) with 1 <= low < high, got {app_tokens}")
+    if not (message_median_tokens >= 1 and answer_median_tokens >= 1):
+        raise ConfigError("message_median_tokens and answer_median_tokens must be >= 1")
     rng = np.random.default_rng(seed)
     app_ids = [content_id("conv-app", seed, k) for k in range(n_apps)]
-    app_lens = [int(x) for x in rng.integers(500, 4000, size=n_apps)]
+    app_lens = [int(x) for x in rng.integers(lo_app, hi_app, size=n_apps)]
     weights = np.array([1.0 / (k + 1) for k in range(n_apps)])
     weights /= weights.sum()
 
     def gap(_answer: int) -> float:
         if rng.random() < burst_share:
             return float(rng.exponential(burst_gap_s))
-        return float(rng.lognormal(math.log(think_median_s), 1.2))
+        return float(rng.lognormal(math.log(think_median_s), think_sigma))
 
     def session(s: int, start_s: float) -> list[_Draft]:
         k_app = int(rng.choice(n_apps, p=weights))
@@ -304,12 +314,14 @@ def conversations(
             budget,
             max_context_tokens,
             tenant,
-            message=lambda: _lognormal_int(rng, message_median_tokens, 1.0, 4, 8000),
-            output=lambda: _lognormal_int(rng, answer_median_tokens, 0.9, 1, 4000),
+            message=lambda: _lognormal_int(rng, message_median_tokens, message_sigma, 4, 8000),
+            output=lambda: _lognormal_int(rng, answer_median_tokens, answer_sigma, 1, 4000),
             gap=gap,
         )
 
-    mean_gap = burst_share * burst_gap_s + (1 - burst_share) * think_median_s * math.exp(0.72)
+    mean_gap = burst_share * burst_gap_s + (1 - burst_share) * think_median_s * math.exp(
+        think_sigma**2 / 2
+    )
     drafts = _sessions(n_requests, rng, rate_rps / mean_turns, 3 * mean_turns * mean_gap, session)
     return _finish(drafts, n_requests, model, budget)
 

@@ -35,6 +35,14 @@ def register(subparsers: Any) -> None:
         help="override the profile's KV cache size, in 16-token blocks",
     )
     p.add_argument(
+        "--host-kv-gb",
+        type=float,
+        default=0.0,
+        metavar="N",
+        help="host-memory KV tier of N GB, as vLLM's --kv-offloading-size "
+        "(OffloadingConnector); 0 (default) = GPU KV only",
+    )
+    p.add_argument(
         "--max-model-len",
         type=int,
         default=None,
@@ -101,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         served_model_names=tuple(args.served_model_name or ()),
         kv_capacity_blocks=args.kv_capacity_blocks,
+        host_kv_gb=args.host_kv_gb,
         max_model_len_tokens=args.max_model_len,
         time_scale=args.time_scale,
         fail_5xx_rate=args.fail_5xx_rate,

@@ -26,6 +26,7 @@ ROUTER_NAMES = (
     "llmd_weighted",
     "sglang_cache_aware",
     "dynamo_kv",
+    "vllm_router_kv_aware",
 )
 
 
@@ -108,6 +109,14 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
         default="llama3-8b-h200",
         metavar="NAME",
         help="engine profile (see `tokenfleet profiles`)",
+    )
+    cl.add_argument(
+        "--host-kv-gb",
+        type=_positive_float("--host-kv-gb", True),
+        default=0.0,
+        metavar="N",
+        help="host-memory KV tier of N GB per instance, as vLLM's offloading "
+        "connector (--kv-offloading-size); 0 (default) = GPU KV only",
     )
     cl.add_argument(
         "--scrape-interval-ms",
@@ -225,6 +234,8 @@ def _settings(args: argparse.Namespace) -> Any:
     from tokenfleet.sim.runner import SimSettings
 
     profile = get_profile(args.profile)
+    if getattr(args, "host_kv_gb", 0.0):
+        profile = profile.with_overrides(host_kv_bytes=args.host_kv_gb * 1e9)
     slo = SLOConfig()
     if args.slo:
         slo = _load_slo(args.slo)
@@ -405,6 +416,8 @@ def _print_table(runs: Sequence[Any], title: str, console: Any = None) -> None:
         return "-" if v is None else fmt.format(v * scale)
 
     t = _table(title)
+    # a host-memory KV tier ran: show which share of the hits it served
+    tiered = any(r.summary.get("host_hit_ratio") for r in runs)
     for col in (
         "policy",
         "done/total",
@@ -416,13 +429,16 @@ def _print_table(runs: Sequence[Any], title: str, console: Any = None) -> None:
         "goodput tok/s",
         "SLO att.",
         "prefix hit",
+        "host hit",
         "util",
         "wall s",
     ):
+        if col == "host hit" and not tiered:
+            continue
         t.add_column(*_header(col, left=col == "policy"))
     for r in runs:
         s = r.summary
-        t.add_row(
+        cells = [
             getattr(r, "label", r.policy),
             f"{s['completed']}/{s['requests']}",
             f(s["ttft_p50_s"]),
@@ -433,9 +449,11 @@ def _print_table(runs: Sequence[Any], title: str, console: Any = None) -> None:
             f(s["goodput_tok_s"], fmt="{:.0f}"),
             f(s["slo_attainment"], 100, "{:.1f}%"),
             f(s["prefix_hit_ratio"], 100, "{:.1f}%"),
-            f(s["utilization"], 100, "{:.0f}%"),
-            f"{r.wall_s:.1f}",
-        )
+        ]
+        if tiered:
+            cells.append(f(s.get("host_hit_ratio"), 100, "{:.1f}%"))
+        cells += [f(s["utilization"], 100, "{:.0f}%"), f"{r.wall_s:.1f}"]
+        t.add_row(*cells)
     _print(t, console)
 
 
@@ -451,11 +469,13 @@ def _describe(args: argparse.Namespace, load: float | None, rate_label: str = ""
         if getattr(args, "shared_state_ms", None) is None or args.routers == 1
         else f" sharing state {args.shared_state_ms:g} ms late"
     )
+    gb = getattr(args, "host_kv_gb", 0.0)
+    host = f" + {gb:g} GB host KV" if gb else ""
     kv = {None: "KV events: shipped defaults", True: "KV events: on", False: "KV events: off"}[
         getattr(args, "kv_events", None)
     ]
     return (
-        f"{Path(src).name} | {args.instances} x {args.profile} | {rate} | "
+        f"{Path(src).name} | {args.instances} x {args.profile}{host} | {rate} | "
         f"scrape {args.scrape_interval_ms:g} ms | routers {args.routers}{shared} | {kv} | "
         f"seed {args.seed}"
     )

@@ -283,6 +283,11 @@ class DynamoKVRouter(BaseRouter):
     def on_kv_event(self, event: KVEvent) -> None:
         if self._use_kv_events is False:
             return
+        if not event.on_gpu:
+            # A host-tier block (vLLM offloading, medium "CPU") is no overlap:
+            # the overlap score prices the prefill the worker's device cache
+            # saves (docs/tokenpilot.md, "Host-memory KV tier").
+            return
         if not event.exact:
             if self._events_seen:
                 return  # engine events are the truth now; ignore inferred hints

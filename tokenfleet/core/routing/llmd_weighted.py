@@ -6,6 +6,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from tokenfleet.core.prefix_index import weighted_runs
 from tokenfleet.core.routing.base import ROUTERS, BaseRouter, eligible
 from tokenfleet.core.types import (
     BLOCK_SIZE_TOKENS,
@@ -121,7 +122,52 @@ class _PreciseIndex:
         return scores
 
 
-def normalized_precise_scores(pods: Sequence[str], raw: dict[str, int]) -> dict[str, float]:
+#: llm-d-kv-cache-manager ``DefaultKVCacheBackendConfig`` (``pkg/kvcache``): the
+#: scorer's weight per device tier, the lowercased ``medium`` of the KV events
+#: (vLLM's offloading connector reports its host tier as "CPU")
+DEFAULT_TIER_WEIGHTS = {"gpu": 1.0, "cpu": 0.8, "shared_storage": 0.4}
+
+
+class _TieredPreciseIndex:
+    """The precise index per device tier, as ``kvblock.PodEntry`` carries a
+    ``DeviceTier``: a pod's run of prompt blocks continues while any tier holds
+    the next block, and each block scores the weight of the best tier holding
+    it there. With GPU events only, scores are the plain run lengths."""
+
+    def __init__(self, weights: dict[str, float]) -> None:
+        self.weights = weights
+        self.tiers: dict[str, _PreciseIndex] = {"gpu": _PreciseIndex()}
+
+    def tier(self, medium: str) -> _PreciseIndex:
+        key = medium.lower()
+        idx = self.tiers.get(key)
+        if idx is None:
+            idx = self.tiers[key] = _PreciseIndex()
+        return idx
+
+    def cleared(self, pod: str) -> None:
+        for idx in self.tiers.values():
+            idx.cleared(pod)
+
+    def longest_prefix(self, hashes: Sequence[int]) -> tuple[dict[str, float], dict[str, int]]:
+        """(weighted scores, run lengths in blocks) per pod."""
+        if len(self.tiers) == 1:
+            run = self.tiers["gpu"].longest_prefix(hashes)
+            return {p: float(n) for p, n in run.items()}, run
+        tiers = [(self.weights.get(k, 0.0), idx._pods) for k, idx in self.tiers.items()]
+
+        def holders(h: int) -> dict[str, float]:
+            best: dict[str, float] = {}
+            for w, pods in tiers:
+                for pod in pods.get(h, ()):
+                    if w > best.get(pod, 0.0):
+                        best[pod] = w
+            return best
+
+        return weighted_runs(hashes, holders)
+
+
+def normalized_precise_scores(pods: Sequence[str], raw: dict[str, float]) -> dict[str, float]:
     """Upstream ``indexedScoresToNormalizedScoredPods``: min-max over the pods
     the index returned (all 1.0 when they tie), 0 for pods it did not return."""
     if not raw:
@@ -179,6 +225,10 @@ class LlmdWeightedRouter(BaseRouter):
     holding nothing 0). ``prefix_scorer``: ``"auto"`` (default) switches to
     it on the first engine event, as a deployment whose engines publish
     events is configured with it; ``"approximate"`` / ``"precise"`` force one.
+    Engines with a host-memory KV tier (vLLM's offloading connector) also
+    report its blocks, with ``medium="CPU"``: the precise index keeps them per
+    tier and weighs each block by its tier (``tier_weights``, upstream's
+    defaults gpu 1.0 / cpu 0.8).
     """
 
     name = "llmd_weighted"
@@ -194,13 +244,14 @@ class LlmdWeightedRouter(BaseRouter):
         auto_tune: bool = True,
         block_size_tokens: int = BLOCK_SIZE_TOKENS,
         prefix_scorer: str = "auto",
+        tier_weights: dict[str, float] | None = None,
         seed: int = 0,
     ) -> None:
         if prefix_scorer not in ("auto", "approximate", "precise"):
             raise ValueError("prefix_scorer must be 'auto', 'approximate' or 'precise'")
         self.prefix_scorer = prefix_scorer
         self._events_seen = False
-        self._precise = _PreciseIndex()
+        self._precise = _TieredPreciseIndex(dict(tier_weights or DEFAULT_TIER_WEIGHTS))
         self.prefix_weight = prefix_weight
         self.queue_weight = queue_weight
         self.kv_weight = kv_weight
@@ -227,8 +278,8 @@ class LlmdWeightedRouter(BaseRouter):
         """(prefix score in [0, 1], matched blocks) per candidate."""
         ids = [inst.instance_id for inst in candidates]
         if self.precise:
-            matched = self._precise.longest_prefix(request.block_hashes)
-            return normalized_precise_scores(ids, matched), matched
+            weighted, matched = self._precise.longest_prefix(request.block_hashes)
+            return normalized_precise_scores(ids, weighted), matched
         hashes = request.block_hashes[: self.max_prefix_blocks]
         matched = self._index.match_longest_prefix(hashes)
         n = len(hashes)
@@ -288,8 +339,8 @@ class LlmdWeightedRouter(BaseRouter):
             return
         self._events_seen = True
         if event.kind == "stored":
-            self._precise.stored(event.instance_id, event.block_hashes)
+            self._precise.tier(event.medium).stored(event.instance_id, event.block_hashes)
         elif event.kind == "removed":
-            self._precise.removed(event.instance_id, event.block_hashes)
+            self._precise.tier(event.medium).removed(event.instance_id, event.block_hashes)
         elif event.kind == "cleared":
             self._precise.cleared(event.instance_id)

@@ -51,6 +51,7 @@ from tokenfleet.core.tokenpilot.estimators import (
     PrefillModel,
     StepInflation,
 )
+from tokenfleet.core.tokenpilot.tiers import HostTierKnowledge
 from tokenfleet.core.types import (
     BLOCK_SIZE_TOKENS,
     CompletionEvent,
@@ -250,6 +251,7 @@ class TokenPilotRouter(BaseRouter):
         # ``**_shared``: the simulator passes one kwargs dict to every policy.
         self._rng = random.Random(seed)
         self.knowledge = PrefixKnowledge(stride_blocks, speculative_ttl_s)
+        self.host_tier = HostTierKnowledge(stride_blocks)  # priced hits: tiers.py
         self.outputs = OutputLengthModel(prior_tokens=output_prior_tokens)
         self.tie_abs_s = tie_abs_s
         self.tie_rel = tie_rel
@@ -307,6 +309,7 @@ class TokenPilotRouter(BaseRouter):
                 self._scraped_total -= st.scraped_load
             self._states[iid] = new
             self.knowledge.set_capacity(iid, new.cap_tokens // BLOCK_SIZE_TOKENS)
+            self.host_tier.set_instance(iid, inst.profile)
             st = new
         m = inst.metrics
         if m.scraped_at_s != st.scrape_seen_s:
@@ -377,6 +380,9 @@ class TokenPilotRouter(BaseRouter):
         if request.prompt_cache_key and self.conversation_keys:
             key = _conversation_key(request.prompt_cache_key)
         hits = self._expected_hits(confirmed, spec, max_cached) if confirmed or spec else None
+        loads = None  # host-tier hits: seconds of transfer per instance
+        if self.host_tier.enabled:
+            hits, loads = self.host_tier.price(probes, hits, max_cached)
         model = request.model
         version = request.model_version
         check_model = model != "default" or bool(version)
@@ -442,6 +448,8 @@ class TokenPilotRouter(BaseRouter):
             c = hits.get(inst.instance_id, 0) if hits else 0
             if c:
                 own = st.kappa.value * st.prefill.seconds(n_in - c, c)
+                if loads:
+                    own += loads.get(inst.instance_id, 0.0)
             else:
                 if st.prefill is not p0 or st.kappa is not k0:
                     p0, k0 = st.prefill, st.kappa
@@ -537,8 +545,9 @@ class TokenPilotRouter(BaseRouter):
                             j, jl, jr = k, load, rank
         st = states[j]
         c = hits.get(st.instance_id, 0)
+        load_s = loads.get(st.instance_id, 0.0) if loads else 0.0
         pred = (
-            queues[j] + st.kappa.value * st.prefill.seconds(n_in - c, c)
+            queues[j] + st.kappa.value * st.prefill.seconds(n_in - c, c) + load_s
         ) * st.infl_factor + st.infl_wait_s
         return self._dispatch(request, now, st, pred, c, probes, reserve_out, blind and j == top)
 
@@ -679,6 +688,7 @@ class TokenPilotRouter(BaseRouter):
         # the prompt is cached where it was prefilled: with late binding (live pool
         # queues) that can be another instance than the one this router chose
         self.knowledge.confirm(event.instance_id or flight.instance_id, flight.probes)
+        self.host_tier.confirm(event.instance_id or flight.instance_id, flight.probes)
 
     def on_complete(self, event: CompletionEvent) -> None:
         rid = event.request.request_id
@@ -722,6 +732,9 @@ class TokenPilotRouter(BaseRouter):
                 self.hit_realization = 0.3
 
     def on_kv_event(self, event: KVEvent) -> None:
+        if not event.on_gpu:  # the host tier's own events (vLLM offloading: "CPU")
+            self.host_tier.on_event(event)
+            return
         k = self.knowledge
         if not event.exact:  # a hint: the approximate tier, which LRU-ages its entries
             if event.instance_id in k.exact_instances:

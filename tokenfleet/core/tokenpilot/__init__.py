@@ -13,8 +13,10 @@ from tokenfleet.core.tokenpilot.estimators import (
     PrefillModel,
     StepInflation,
 )
+from tokenfleet.core.tokenpilot.tiers import HostTierKnowledge
 
 __all__ = [
+    "HostTierKnowledge",
     "LogRatioCorrector",
     "OutputLengthModel",
     "PrefillModel",
