@@ -53,7 +53,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.support
 
-from tests.support.stack import API_KEY, InstanceSpec, LiveStack  # noqa: E402
+from tests.support.stack import API_KEY, InstanceSpec, LiveStack, engine_sim_argv  # noqa: E402
 from tests.support.stores import temp_data_dir  # noqa: E402
 from tokenfleet.core.tiers import SLOConfig  # noqa: E402
 from tokenfleet.live.bench import path_delays, replay, summary  # noqa: E402
@@ -116,20 +116,12 @@ class Engines:
         for k in range(n):
             port, kv_port = free_port(), free_port()
             env = dict(os.environ, TOKENFLEET_EMULATOR_REQUEST_LOG=str(log_dir / f"e{k}.jsonl"))
-            argv = [
-                sys.executable,
-                "-m",
-                "tokenfleet.cli.main",
-                "engine-sim",
-                "--port",
-                str(port),
-                "--profile",
+            argv = engine_sim_argv(
+                port,
                 PROFILE,
-                "--seed",
-                str(seed + k + 1),
-                "--kv-events-endpoint",
-                f"tcp://127.0.0.1:{kv_port}",
-            ]
+                seed=seed + k + 1,
+                extra=["--kv-events-endpoint", f"tcp://127.0.0.1:{kv_port}"],
+            )
             log = open(log_dir / f"engine-{k}.log", "wb")  # noqa: SIM115 - closed by the process
             self.procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
             self.urls.append(f"http://127.0.0.1:{port}")

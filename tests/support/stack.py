@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -203,21 +203,7 @@ class LiveStack:
                 extra = ["--kv-events-endpoint", self.kv_endpoints[spec.instance_id]]
             self.sup.start(
                 f"engine-{spec.instance_id}",
-                [
-                    sys.executable,
-                    "-m",
-                    "tokenfleet.cli.main",
-                    "engine-sim",
-                    "--port",
-                    str(port),
-                    "--profile",
-                    self.profile,
-                    "--time-scale",
-                    str(ts),
-                    "--seed",
-                    str(k + 1),
-                    *extra,
-                ],
+                engine_sim_argv(port, self.profile, seed=k + 1, time_scale=ts, extra=extra),
                 env,
                 restart=False,
             )
@@ -469,6 +455,27 @@ class LiveStack:
     def worker_log(self, instance_id: str) -> str:
         assert self.sup is not None
         return self.sup.children[f"worker-{instance_id}"].log_path.read_text(errors="replace")
+
+
+def engine_sim_argv(
+    port: int, profile: str, *, seed: int, time_scale: float = 1.0, extra: Sequence[str] = ()
+) -> list[str]:
+    """The command line of one emulated engine (`tokenfleet engine-sim`)."""
+    return [
+        sys.executable,
+        "-m",
+        "tokenfleet.cli.main",
+        "engine-sim",
+        "--port",
+        str(port),
+        "--profile",
+        profile,
+        "--time-scale",
+        str(time_scale),
+        "--seed",
+        str(seed),
+        *extra,
+    ]
 
 
 def _answers(url: str) -> bool:

@@ -746,12 +746,7 @@ class TokenPilotRouter(BaseRouter):
             elif event.kind == "cleared":
                 k.routed.clear(event.instance_id)
             return
-        if event.kind == "stored":
-            self.knowledge.stored(event.instance_id, event.block_hashes)
-        elif event.kind == "removed":
-            self.knowledge.removed(event.instance_id, event.block_hashes)
-        elif event.kind == "cleared":
-            self.knowledge.cleared(event.instance_id)
+        self.knowledge.apply(event)
 
     # -- introspection for tests and dashboards -----------------------------------
     def kappa(self, instance_id: str) -> float:

@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
 from tokenfleet.core.prefix_index import PrefixIndex
+from tokenfleet.core.types import KVEvent
 
 #: Speculative entries keep every 4th probe: they only need to be right to
 #: within a few probes (2,048 tokens) and are written on the routing path,
@@ -220,3 +221,12 @@ class PrefixKnowledge:
         self.exact_instances.add(instance_id)
         self.removed(instance_id, list(self._exact_blocks.get(instance_id, ())))
         self.routed.clear(instance_id)
+
+    def apply(self, event: KVEvent) -> None:
+        """One exact engine event (stored, removed or cleared)."""
+        if event.kind == "stored":
+            self.stored(event.instance_id, event.block_hashes)
+        elif event.kind == "removed":
+            self.removed(event.instance_id, event.block_hashes)
+        elif event.kind == "cleared":
+            self.cleared(event.instance_id)

@@ -85,9 +85,4 @@ class HostTierKnowledge:
         """A host-tier engine event (vLLM's offloading connector, medium "CPU")."""
         if not event.exact:
             return
-        if event.kind == "stored":
-            self.blocks.stored(event.instance_id, event.block_hashes)
-        elif event.kind == "removed":
-            self.blocks.removed(event.instance_id, event.block_hashes)
-        elif event.kind == "cleared":
-            self.blocks.cleared(event.instance_id)
+        self.blocks.apply(event)
