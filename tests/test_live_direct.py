@@ -15,6 +15,7 @@ import pytest
 
 from tests.support.stack import LiveStack
 from tokenfleet.live.direct import outcome_key
+from tokenfleet.live.gateway.pump import StreamPump
 from tokenfleet.live.jobs import ChatJob, send_chat_job
 
 
@@ -147,3 +148,44 @@ def test_a_request_whose_api_is_gone_is_settled_by_its_worker(stack: LiveStack) 
     assert "API" in (rows[0]["error"] or "")
     assert state.request_state(rid).get("final") == "failed"
     assert _kinds(stack, state.stream_key(rid)) == ["go", "err"]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_stream_pump_carries_a_stream_past_its_first_token(
+    stack: LiveStack, stream: bool
+) -> None:
+    """With the pump on (``api_stream_pump``), the request's thread sends the
+    first token and the pump the rest: the answer is whole, its usage right,
+    the worker settles it, and the pump holds nothing afterwards."""
+    gw = stack.gateway
+    gw.pump = StreamPump()
+    try:
+        c = stack.client()
+        kw: dict[str, Any] = {
+            "model": stack.model,
+            "max_tokens": 60,
+            "extra_body": {"vllm_xargs": {"output_tokens": 60}},
+            "messages": [{"role": "user", "content": f"pumped {uuid.uuid4().hex}"}],
+        }
+        if stream:
+            chunks = list(
+                c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+            )
+            rid = chunks[0].id.removeprefix("chatcmpl-")
+            text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            usage = chunks[-1].usage
+            assert len([ch for ch in chunks if ch.choices and ch.choices[0].delta.content]) > 1
+        else:
+            resp = c.chat.completions.create(**kw)
+            rid = resp.id.removeprefix("chatcmpl-")
+            text = resp.choices[0].message.content or ""
+            usage = resp.usage
+        assert usage is not None and usage.completion_tokens == 60
+        assert len(text.split()) >= 30
+        row = _served(stack, rid)
+        assert row["completion_tokens"] == 60
+        assert gw.pump.carried == 1 and len(gw.pump) == 0
+    finally:
+        pump, gw.pump = gw.pump, None
+        if pump is not None:
+            pump.close()

@@ -27,6 +27,7 @@ not) cancels it: the wait asks the socket (:func:`web.server.client_gone`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from collections.abc import Generator, Iterator
@@ -41,7 +42,7 @@ from tokenfleet.live.relay import RelayEvent
 from web.errors import ApiError
 from web.limits import read_json
 from web.quota import ChatQuota
-from web.server import client_gone
+from web.server import client_gone, pump_sink
 
 #: the status logged for a request whose client left before its answer (nginx's)
 CLIENT_CLOSED = 499
@@ -193,6 +194,9 @@ def _serve_held(gw: Gateway, principal: Any, shape: _Shape, tier_hint: str) -> R
     finally:
         gw.front_gate.leave()
     gone = client_gone(request.environ)
+    if gw.pump is not None:
+        frame = functools.partial(shape.text_chunk, d) if req.stream else None
+        d.sink = pump_sink(request.environ, frame)
     try:
         events = gw.events(d, client_gone=gone)
         if not req.stream:

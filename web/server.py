@@ -62,6 +62,8 @@ from cheroot.workers.threadpool import WorkerThread
 from cheroot.wsgi import Gateway_10
 from cheroot.wsgi import Server as _CherootServer
 
+from tokenfleet.live.gateway.pump import PumpSink
+
 log = logging.getLogger("tokenfleet.api")
 
 #: seconds an idle keep-alive connection is kept; above the usual 60 s idle
@@ -86,6 +88,26 @@ _GROW_STEP = 16
 _RETIRE_IDLE_S = 30.0
 #: the WSGI environ key of the request's connection (see :func:`client_gone`)
 CONN_KEY = "tokenfleet.conn"
+#: the WSGI environ key of cheroot's request (see :func:`pump_sink`)
+REQ_KEY = "tokenfleet.req"
+
+
+def pump_sink(environ: Mapping[str, Any], frame: Callable[[str], bytes] | None) -> PumpSink | None:
+    """Where the stream pump may write this request's tokens (``frame`` set: a
+    streamed answer), or collect them (None: one JSON answer): the
+    connection's plain socket. None under another server, or TLS."""
+    conn = environ.get(CONN_KEY)
+    req = environ.get(REQ_KEY)
+    sock = getattr(conn, "socket", None)
+    if req is None or not (isinstance(sock, socket.socket) and type(sock) is socket.socket):
+        return None
+    return PumpSink(
+        sock,
+        frame,
+        # a streamed answer's body goes after its head; a whole one is collected
+        ready=lambda: frame is None or bool(req.sent_headers),
+        chunked=lambda: bool(req.chunked_write),
+    )
 
 
 def client_gone(environ: Mapping[str, Any]) -> Callable[[], bool] | None:
@@ -145,6 +167,7 @@ class _OneWriteGateway(Gateway_10):
     def get_environ(self) -> Any:
         env: dict[str, Any] = super().get_environ()  # type: ignore[no-untyped-call]
         env[CONN_KEY] = self.req.conn
+        env[REQ_KEY] = self.req
         return env
 
     def write(self, chunk: bytes) -> None:

@@ -180,6 +180,16 @@ class LiveConfig:
             " most of the control plane's CPU per request."
         ),
     )
+    api_stream_pump: bool = field(
+        default=False,
+        metadata=_doc(
+            "On the direct path, one thread of the API process (the stream pump) carries every"
+            " stream past its first token, waiting on all engine and client sockets at once;"
+            " the request's thread sleeps until the stream ends. False: each request's thread"
+            " reads its engine and writes its client itself (a thread woken per flush). Off by"
+            " default until its failures past about 1,000 streams are understood (docs/live.md)."
+        ),
+    )
     direct_stream: bool = field(
         default=True,
         metadata=_doc(

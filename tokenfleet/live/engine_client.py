@@ -87,6 +87,9 @@ class EngineCall:
         self._aborted: str | None = None
         self._lock = threading.Lock()
         self._reusable = False
+        #: the body's decoding state once the stream has begun
+        self.decoder: StreamDecoder | None = None
+        self._detached = False  # another reader has the socket (detach)
 
     # -- the process's keep-alive connections ---------------------------------------
     def _take_conn(self, reuse: bool = True) -> http.client.HTTPConnection:
@@ -107,6 +110,8 @@ class EngineCall:
         return conn
 
     def _give_back(self) -> None:
+        if self._detached:
+            return  # the reader it was handed to gives it back (reattach)
         conn, self._conn = self._conn, None
         if conn is None:
             return
@@ -230,58 +235,74 @@ class EngineCall:
         the connection's buffer as it comes and decoded here: one read returns
         every chunk that arrived, where ``HTTPResponse.read1`` returns one
         chunk (one engine step) per call."""
-        frames = _Dechunker() if resp.chunked else None
-        read1 = resp.fp.read1 if frames is not None and resp.fp is not None else resp.read1
-        buf = b""
-        started = False
+        dec = self.decoder = StreamDecoder(resp.chunked)
+        read1 = resp.fp.read1 if resp.chunked and resp.fp is not None else resp.read1
         last_s: float | None = None
-        while frames is None or not frames.done:
+        while not dec.done:
             if coalesce_s > 0 and last_s is not None:
                 wait = last_s + coalesce_s - time.monotonic()
                 if wait > 0:
                     time.sleep(wait)
-            data = self._read1(read1, started)
+            data = self._read1(read1, dec.started)
             if not data:
                 if self._aborted:
                     raise EngineError(
-                        f"aborted: {self._aborted}", 499, False, started, kind="aborted"
+                        f"aborted: {self._aborted}", 499, False, dec.started, kind="aborted"
                     )
-                if frames is not None:
-                    raise EngineError(
-                        "engine stream broke: connection closed inside the stream",
-                        502,
-                        True,
-                        started,
-                        kind="error",
-                    )
+                if dec.chunked:
+                    raise dec.broken("connection closed inside the stream")
                 break
-            if frames is not None:
-                try:
-                    data = frames.feed(data)
-                except ValueError as exc:
-                    raise EngineError(
-                        f"engine stream broke: {exc}", 502, True, started, kind="error"
-                    ) from None
-            buf += data
-            cut = buf.rfind(b"\n\n")
-            if cut < 0:
-                continue
-            block, buf = buf[: cut + 2], buf[cut + 2 :]
-            piece = _parse_events(block)
+            piece = dec.feed(data)
             if piece is None:
                 continue
             if piece.tokens:
-                started = True
                 last_s = time.monotonic()
             yield piece
-        if buf.strip():
-            piece = _parse_events(buf)
-            if piece is not None:
-                yield piece
+        piece = dec.finish()
+        if piece is not None:
+            yield piece
         # the whole body was read: the connection serves the next request
-        self._reusable = not resp.will_close and (frames is None or not frames.rest)
-        if frames is not None:
+        self._reusable = not resp.will_close and dec.clean
+        if dec.chunked:
             resp.close()  # read past http.client: it must not think the body pending
+
+    # -- hand-over to another reader (tokenfleet.live.gateway.pump) ------------------
+    def detach(self) -> tuple[socket.socket, bytes] | None:
+        """Hand the rest of a chunked stream to another reader: the engine
+        socket, made non-blocking, and the bytes already buffered for it
+        (:attr:`decoder` holds the decoding state). None when the call cannot
+        be handed over (not chunked, no socket). The connection stays this
+        call's; :meth:`reattach` gives it back once the reader is done."""
+        resp, conn, dec = self._resp, self._conn, self.decoder
+        if resp is None or conn is None or dec is None or not dec.chunked or resp.fp is None:
+            return None
+        sock = conn.sock
+        if not isinstance(sock, socket.socket):
+            return None
+        self._detached = True
+        sock.setblocking(False)
+        try:
+            buffered = resp.fp.read1(65536)  # non-blocking: what is buffered, or b""
+        except (BlockingIOError, InterruptedError):
+            buffered = b""
+        return sock, buffered or b""
+
+    def reattach(self, finished: bool) -> None:
+        """The other reader is done: the connection serves the next request if
+        the body was read to its end, else it is closed."""
+        self._detached = False
+        conn, resp, dec = self._conn, self._resp, self.decoder
+        if finished and conn is not None and conn.sock is not None and dec is not None:
+            self._reusable = resp is not None and not resp.will_close and dec.clean
+            try:
+                conn.sock.settimeout(self.stall_timeout_s)
+            except OSError:
+                self._reusable = False
+            if resp is not None:
+                resp.close()
+        else:
+            self._reusable = False
+        self._give_back()
 
     def abort(self, reason: str) -> None:
         """Thread-safe: close the socket under the reader (the engine aborts)."""
@@ -316,6 +337,57 @@ def send_abort(base_url: str, request_id: str, timeout_s: float = 1.0) -> None:
         conn.close()
     except (OSError, http.client.HTTPException):
         pass
+
+
+class StreamDecoder:
+    """An engine's SSE body, decoded from bytes as they arrive: one piece per
+    feed (the events it completed, merged). Shared by :meth:`EngineCall.stream`,
+    which reads on the request's thread, and the process's stream pump, which
+    reads many calls on one (``tokenfleet.live.gateway.pump``)."""
+
+    __slots__ = ("chunked", "frames", "buf", "started")
+
+    def __init__(self, chunked: bool) -> None:
+        self.chunked = chunked
+        self.frames = _Dechunker() if chunked else None
+        self.buf = b""  # SSE text not yet ended by a blank line
+        self.started = False  # a token was decoded
+
+    @property
+    def done(self) -> bool:
+        """The chunked body's last chunk (and trailer) arrived."""
+        return self.frames is not None and self.frames.done
+
+    @property
+    def clean(self) -> bool:
+        """Nothing past the body was received (the connection can be reused)."""
+        return self.frames is None or not self.frames.rest
+
+    def broken(self, why: str) -> EngineError:
+        return EngineError(f"engine stream broke: {why}", 502, True, self.started, kind="error")
+
+    def feed(self, data: bytes) -> StreamPiece | None:
+        """The events ``data`` completes, merged; raises :class:`EngineError`."""
+        if self.frames is not None:
+            try:
+                data = self.frames.feed(data)
+            except ValueError as exc:
+                raise self.broken(str(exc)) from None
+        buf = self.buf + data if self.buf else data
+        cut = buf.rfind(b"\n\n")
+        if cut < 0:
+            self.buf = buf
+            return None
+        block, self.buf = buf[: cut + 2], buf[cut + 2 :]
+        piece = _parse_events(block, self.started)
+        if piece is not None and piece.tokens:
+            self.started = True
+        return piece
+
+    def finish(self) -> StreamPiece | None:
+        """What is left once the body ended (events without a final blank line)."""
+        rest, self.buf = self.buf, b""
+        return _parse_events(rest, self.started) if rest.strip() else None
 
 
 class _Dechunker:
@@ -379,7 +451,7 @@ def _error_message(raw: bytes) -> str:
     return ""
 
 
-def _parse_events(block: bytes) -> StreamPiece | None:
+def _parse_events(block: bytes, started: bool = False) -> StreamPiece | None:
     """Merge the SSE events of one flush into one piece."""
     piece = StreamPiece()
     seen = False
@@ -398,7 +470,9 @@ def _parse_events(block: bytes) -> StreamPiece | None:
         if "error" in ev:
             err = ev["error"]
             msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
-            raise EngineError(f"engine stream error: {msg}", 502, True, started=bool(piece.tokens))
+            raise EngineError(
+                f"engine stream error: {msg}", 502, True, started=started or bool(piece.tokens)
+            )
         seen = True
         if ev.get("usage"):
             piece.usage = ev["usage"]

@@ -34,6 +34,7 @@ from tokenfleet.live.gateway.dispatch import Dispatcher
 from tokenfleet.live.gateway.errors import StoreUnavailable
 from tokenfleet.live.gateway.feedback import Feedback
 from tokenfleet.live.gateway.overload import FrontGate, InflightBound, WaitPredictor
+from tokenfleet.live.gateway.pump import StreamPump
 from tokenfleet.live.gateway.refresh import LiveView
 from tokenfleet.live.gateway.validate import ChatRequest, validate_chat
 from tokenfleet.live.gateway.watch import Watcher
@@ -125,8 +126,12 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
         self.relay_hub = RelayHub(state)
         #: the engine calls this process reads itself (direct.py)
         self.direct_calls = DirectCalls(state, live)
+        #: carries the direct streams past their first token, all on one thread (pump.py)
+        self.pump: StreamPump | None = StreamPump() if live.api_stream_pump else None
 
     def close(self) -> None:
+        if self.pump is not None:
+            self.pump.close()
         self.direct_calls.close()
         self.relay_hub.close()
         self.brokers.close()

@@ -34,6 +34,7 @@ from tokenfleet.live.gateway.errors import (
     RegionNotAllowed,
     StoreUnavailable,
 )
+from tokenfleet.live.gateway.pump import PumpSink
 from tokenfleet.live.gateway.validate import ChatRequest
 from tokenfleet.live.jobs import TASK_CHAT, ChatJob, send_chat_job
 from tokenfleet.live.queues import affinity_queue, pool_queue
@@ -70,6 +71,9 @@ class Dispatched:
     dc_ticket: DCTicket | None = None  # the DC choice's accounting, settled at the end
     #: the request's stream as this process's relay hub delivers it
     sub: Subscription | None = None
+    #: where the stream pump sends the tokens after the first (pump.py); None:
+    #: the request's thread reads the engine itself
+    sink: PumpSink | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -40,6 +40,7 @@ from tokenfleet.live.gateway.direct import (
     DirectCalls,
 )
 from tokenfleet.live.gateway.dispatch import Dispatched, ledger_record
+from tokenfleet.live.gateway.pump import PumpResult, StreamPump
 from tokenfleet.live.gateway.rows import (
     PendingSettlements,
     end_record,
@@ -69,6 +70,7 @@ class Watcher:
     index_lock: threading.Lock
     metrics: Any
     direct_calls: DirectCalls
+    pump: StreamPump | None
 
     if TYPE_CHECKING:  # from LiveView, Dispatcher and Feedback
 
@@ -237,7 +239,9 @@ class Watcher:
         self.direct_calls.register(watched)
         try:
             try:
-                for piece in call.stream(coalesce_s=self.live.relay_flush_interval_s):
+                coalesce_s = self.live.relay_flush_interval_s
+                pumped: PumpResult | None = None
+                for piece in call.stream(coalesce_s=coalesce_s):
                     if not (piece.text or piece.tokens):
                         pass
                     elif first_s is None:
@@ -256,6 +260,25 @@ class Watcher:
                         finish = piece.finish_reason
                     if piece.usage is not None:
                         usage = piece.usage
+                    if first_s is not None and d.sink is not None and self.pump is not None:
+                        # the rest of the stream goes through the process's pump
+                        pumped = self.pump.carry(
+                            call, d.sink, coalesce_s=coalesce_s, stall_s=call.stall_timeout_s
+                        )
+                        if pumped is not None:
+                            break
+                if pumped is not None:
+                    if pumped.client_failed:
+                        call.abort(GONE)
+                    tokens += pumped.tokens
+                    finish = pumped.finish_reason or finish
+                    usage = pumped.usage if pumped.usage is not None else usage
+                    if pumped.tokens and not pumped.client_failed:
+                        yield RelayEvent("d", pumped.text, pumped.tokens, instance=instance)
+                    if pumped.error is not None:
+                        raise pumped.error
+                    if pumped.client_failed:
+                        raise EngineError(f"aborted: {GONE}", 499, False, True, kind="aborted")
                 completed = True
             except EngineError as exc:
                 completed = True
