@@ -277,6 +277,75 @@ def test_relay_reader_reports_idle_and_a_terminal_idle_verdict(state: LiveState)
     assert [e.kind for e in evs] == ["idle", "idle", "err"]
 
 
+@pytest.mark.parametrize(
+    ("entries", "where"),
+    [
+        (["d", "err"], ("dc-a", "v0")),  # relay path: the attempt that streamed
+        (["d", "retry", "err"], (None, None)),  # re-sent: the next attempt's unknown
+        (["go", "err"], ("dc-a", "v0")),  # direct path: the attempt handed over
+    ],
+)
+def test_the_apis_error_row_says_where_the_attempt_ran(
+    state: LiveState, entries: list[str], where: tuple[str | None, str | None]
+) -> None:
+    """The API records its own copy of every error it relays; the worker's may
+    land later (or never, when it is killed), so the copy names the instance of
+    the attempt that was serving, as the worker's row does."""
+    from tokenfleet.live.config import LiveConfig
+    from tokenfleet.live.gateway.direct import DirectCalls
+    from tokenfleet.live.gateway.dispatch import Dispatched
+    from tokenfleet.live.gateway.validate import ChatRequest
+    from tokenfleet.live.gateway.watch import Watcher
+    from tokenfleet.live.jobs import ChatJob
+    from tokenfleet.service.embedded import free_port
+    from tokenfleet.service.writer import RequestRecord
+
+    class _Watcher(Watcher):
+        def __init__(self) -> None:
+            self.state = state
+            self.live = LiveConfig.load(env={})
+            self.metrics = None
+            self.direct_calls = DirectCalls(state, self.live)
+            self.rows: list[RequestRecord] = []
+
+        def instances(self, max_age_s: float = 60.0) -> list[InstanceInfo]:
+            return [InstanceInfo("v0", "dc-a", "m", "", "p", 4096, 1 << 20, 8)]
+
+        def _ledger(self, row: RequestRecord) -> None:
+            self.rows.append(row)
+
+        def first_token_feedback(self, d: Dispatched) -> None:
+            pass
+
+        def _settle_dc_choice(self, d: Dispatched, status: str) -> None:
+            pass
+
+    rid = f"placed-{'-'.join(entries)}"
+    info = RequestInfo(rid, time.time(), 10, 4, tier="interactive", model="m")
+    req = ChatRequest(info, {"messages": []}, True, include_usage=False, model="m", created=0)
+    job = ChatJob(rid, 1, "default", "interactive", "m", req.body, 10, 4, info.arrival_s, "dc-a.q")
+    d = Dispatched(req, job, job.queue, "", None, info.arrival_s, affinity=False)
+    w = RelayWriter(state, rid, 30, "v0")
+    for kind in entries:
+        if kind == "d":
+            w.delta("hi", 1)
+        elif kind == "retry":
+            w.retry(2)
+        elif kind == "go":  # an engine that refuses the connection: the API reports it
+            url = f"http://127.0.0.1:{free_port()}"
+            state.r.xadd(state.stream_key(rid), w.go_fields(url, f"{rid}-1", 1))
+        else:
+            w.error("engine failed", 502)
+    watcher = _Watcher()
+    try:
+        kinds = [ev.kind for ev in watcher.events(d)]
+    finally:
+        watcher.direct_calls.close()
+    assert kinds[-1] == "err"
+    (row,) = watcher.rows
+    assert (row.status, row.dc, row.instance) == ("failed", *where)
+
+
 # -- instances and the shared prefix feed ------------------------------------------------
 def test_instance_views_show_age_health_and_accounting(state: LiveState) -> None:
     info = InstanceInfo("v1", "dcv", "m", "http://x", "llama3-8b-h200", 4096, 100000, 8)

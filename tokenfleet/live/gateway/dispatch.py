@@ -67,6 +67,10 @@ class Dispatched:
     #: instance of the first token whose policy feedback has not run yet
     first_token_due: str | None = None
     tokens: int = 0  # completion tokens relayed so far
+    #: instance of the attempt serving this client now (direct path: from its
+    #: ``go``; relay path: its tokens), '' after a re-send: the API's own rows
+    #: then say where the request ran even if that worker's row never lands
+    serving: str = ""
     state_checked_s: float = 0.0
     dc_ticket: DCTicket | None = None  # the DC choice's accounting, settled at the end
     #: the request's stream as this process's relay hub delivers it

@@ -60,15 +60,19 @@ def end_record(d: Dispatched, ev: RelayEvent, dc: str | None) -> RequestRecord |
     )
 
 
-def error_record(d: Dispatched, ev: RelayEvent) -> RequestRecord:
+def error_record(d: Dispatched, ev: RelayEvent, dc: str | None = None) -> RequestRecord:
     """The row of a request that ended with an error event: the verdict the
     event carries (the API's own settlements), else ``timed_out`` for a 504
-    and ``failed`` otherwise (the worker's, which records the same)."""
+    and ``failed`` otherwise (the worker's, which records the same). Placed
+    on the attempt that was serving (``d.serving``, in ``dc``), as the worker's
+    row is: whichever copy lands first, the row says where it failed."""
     facts = ev.ledger or {}
     status = facts.get("s") or ("timed_out" if ev.code == 504 else "failed")
     return ledger_record(
         d.request.info,
         status,
+        dc=dc,
+        instance=d.serving or None,
         finished_ts=time.time(),
         first_token_ts=d.first_token_s,
         completion_tokens=d.tokens,

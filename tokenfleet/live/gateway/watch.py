@@ -163,14 +163,16 @@ class Watcher:
                 d.first_token_due = ev.instance or d.instance
             if ev.kind == "d":
                 d.tokens += ev.tokens
+                d.serving = ev.instance or d.serving
             elif ev.kind == "retry":
                 d.attempt = max(d.attempt, ev.attempt)
+                d.serving = ""  # the next attempt's instance is not known yet
             elif ev.kind == "end":
                 self._on_complete(d, ev)
                 self._ledger_end(d, ev)
             elif ev.kind == "err":
                 self._settle_dc_choice(d, "failed")
-                self._ledger(error_record(d, ev))
+                self._ledger(error_record(d, ev, self._dc_of(d.serving)))
             yield ev
             # the policies learn from the first token once the caller has sent it
             # on (it asks for the next event after writing the chunk)
@@ -215,6 +217,7 @@ class Watcher:
             return  # a superseded attempt's hand-over
         d.attempt = attempt
         instance = facts.get("i", "")
+        d.serving = instance
         call = EngineCall(
             facts.get("u", ""),
             d.job.body,
@@ -497,6 +500,8 @@ class Watcher:
                 ledger_record(
                     info,
                     "cancelled",
+                    dc=self._dc_of(d.serving),
+                    instance=d.serving or None,
                     finished_ts=time.time(),
                     first_token_ts=d.first_token_s,
                     completion_tokens=d.tokens,
@@ -508,14 +513,19 @@ class Watcher:
 
     def _ledger_end(self, d: Dispatched, ev: RelayEvent) -> None:
         """The API's copy of the worker's final row (see :mod:`.rows`)."""
+        row = end_record(d, ev, self._dc_of(ev.instance))
+        if row is not None:
+            self._ledger(row)
+
+    def _dc_of(self, instance: str) -> str | None:
+        """The datacenter of ``instance`` for the API's rows (None: not known)."""
+        if not instance:
+            return None
         try:
             infos = self.instances(max_age_s=60.0)
         except redis.RedisError:
-            infos = []
-        dc = next((i.dc for i in infos if i.instance_id == ev.instance), None)
-        row = end_record(d, ev, dc)
-        if row is not None:
-            self._ledger(row)
+            return None
+        return next((i.dc for i in infos if i.instance_id == instance), None)
 
     def _settle_later(self, request_id: str, status: str) -> None:
         """Settle in Redis when it answers again (:class:`.rows.PendingSettlements`)."""
