@@ -39,31 +39,39 @@ def _served(stack: LiveStack, rid: str) -> dict[str, Any]:
     return rows[0]
 
 
+def _chat(stack: LiveStack, stream: bool, tokens: int, tag: str) -> tuple[str, str, Any, int]:
+    """One chat of exactly ``tokens`` output tokens: its request id, text,
+    usage and how many chunks carried text (1 when not streamed)."""
+    c = stack.client()
+    kw: dict[str, Any] = {
+        "model": stack.model,
+        "max_tokens": tokens,
+        "extra_body": {"vllm_xargs": {"output_tokens": tokens}},
+        "messages": [{"role": "user", "content": f"{tag} {uuid.uuid4().hex}"}],
+    }
+    if not stream:
+        resp = c.chat.completions.create(**kw)
+        return (
+            resp.id.removeprefix("chatcmpl-"),
+            resp.choices[0].message.content or "",
+            resp.usage,
+            1,
+        )
+    chunks = list(
+        c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
+    texts = [ch.choices[0].delta.content for ch in chunks if ch.choices]
+    rid = chunks[0].id.removeprefix("chatcmpl-")
+    return rid, "".join(t or "" for t in texts), chunks[-1].usage, sum(1 for t in texts if t)
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_tokens_cross_no_redis_stream_and_the_worker_settles(
     stack: LiveStack, stream: bool
 ) -> None:
     """Per request: ``go`` and ``end`` on the relay stream, ``ft`` and ``out`` on
     the outcome stream, none per token; the answer and the worker's row whole."""
-    c = stack.client()
-    kw: dict[str, Any] = {
-        "model": stack.model,
-        "max_tokens": 40,
-        "extra_body": {"vllm_xargs": {"output_tokens": 40}},
-        "messages": [{"role": "user", "content": f"direct {uuid.uuid4().hex}"}],
-    }
-    if stream:
-        chunks = list(
-            c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
-        )
-        rid = chunks[0].id.removeprefix("chatcmpl-")
-        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-        usage = chunks[-1].usage
-    else:
-        resp = c.chat.completions.create(**kw)
-        rid = resp.id.removeprefix("chatcmpl-")
-        text = resp.choices[0].message.content or ""
-        usage = resp.usage
+    rid, text, usage, _ = _chat(stack, stream, 40, "direct")
     assert usage is not None and usage.completion_tokens == 40
     assert len(text.split()) >= 20
     state = stack.gateway.state
@@ -160,26 +168,8 @@ def test_the_stream_pump_carries_a_stream_past_its_first_token(
     gw = stack.gateway
     gw.pump = StreamPump()
     try:
-        c = stack.client()
-        kw: dict[str, Any] = {
-            "model": stack.model,
-            "max_tokens": 60,
-            "extra_body": {"vllm_xargs": {"output_tokens": 60}},
-            "messages": [{"role": "user", "content": f"pumped {uuid.uuid4().hex}"}],
-        }
-        if stream:
-            chunks = list(
-                c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
-            )
-            rid = chunks[0].id.removeprefix("chatcmpl-")
-            text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-            usage = chunks[-1].usage
-            assert len([ch for ch in chunks if ch.choices and ch.choices[0].delta.content]) > 1
-        else:
-            resp = c.chat.completions.create(**kw)
-            rid = resp.id.removeprefix("chatcmpl-")
-            text = resp.choices[0].message.content or ""
-            usage = resp.usage
+        rid, text, usage, text_chunks = _chat(stack, stream, 60, "pumped")
+        assert text_chunks > 1 or not stream
         assert usage is not None and usage.completion_tokens == 60
         assert len(text.split()) >= 30
         row = _served(stack, rid)
