@@ -269,6 +269,7 @@ class LedgerWriter:
         self._buf: deque[dict[str, Any]] = deque()
         self._oldest_at: float | None = None
         self._inflight: list[dict[str, Any]] = []
+        self._inflight_from_spill = False
         self._flush_requested = False
         self._stopping = False
         self._spill_fh: Any = None
@@ -319,7 +320,9 @@ class LedgerWriter:
         """Rows not yet confirmed written, counting this process's spill only."""
         with self._cond:
             spilled = max(0, self.stats.spilled - self.stats.replayed)
-            return len(self._buf) + len(self._inflight) + spilled
+            # a batch replayed from a spill file is counted there until it is written
+            inflight = 0 if self._inflight_from_spill else len(self._inflight)
+            return len(self._buf) + inflight + spilled
 
     def flush(self, timeout: float | None = 10.0) -> bool:
         """Write everything queued and every spill file now; True if fully drained in time."""
@@ -527,6 +530,7 @@ class LedgerWriter:
                     return
                 batch, from_spill = taken
                 self._inflight = batch
+                self._inflight_from_spill = from_spill
             try:
                 self._write_with_isolation(batch)
             except _TRANSIENT as exc:
