@@ -35,13 +35,16 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -159,15 +162,46 @@ def chat_body(model: str, tokens: int, stream: bool) -> bytes:
     return json.dumps(body).encode()
 
 
-async def probe_health(host: str, port: int, stop: asyncio.Event, probes: Probes) -> None:
-    while not stop.is_set():
-        r = await http_request(host, port, "GET", "/health", None, 30.0)
-        if r.status in (200, 503) and r.ttfb_s is not None:
-            probes.latencies_s.append(r.ttfb_s)
-        else:
-            probes.failures += 1
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 0.5)
+def _probe_main(host: str, port: int, conn: Connection) -> None:
+    """``/health`` every 0.5 s with a blocking socket, in its own process: the
+    asyncio client carrying thousands of streams would otherwise add its own
+    loop's delay to each probe."""
+    lat: list[float] = []
+    failures = 0
+    while not conn.poll(0.5):
+        t0 = time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=30.0) as s:
+                head = f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close"
+                s.sendall(head.encode() + b"\r\n\r\n")
+                first = s.recv(4096)
+                dt = time.monotonic() - t0
+                parts = first.split(b"\r\n", 1)[0].split()
+                status = int(parts[1]) if len(parts) > 1 else 0
+                while s.recv(65536):
+                    pass
+            if status in (200, 503):
+                lat.append(dt)
+            else:
+                failures += 1
+        except OSError:
+            failures += 1
+    conn.send((lat, failures))
+
+
+class HealthProber:
+    """The ``/health`` prober's process, started and stopped around a phase."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._conn, child = multiprocessing.Pipe()
+        self._proc = multiprocessing.Process(target=_probe_main, args=(host, port, child))
+        self._proc.start()
+
+    def stop(self) -> Probes:
+        self._conn.send(None)
+        lat, failures = self._conn.recv()
+        self._proc.join(10)
+        return Probes(lat, failures)
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -196,6 +230,8 @@ def summarize(results: list[Result], probes: Probes) -> dict[str, Any]:
             "failures": probes.failures,
             "max_s": round(max(probes.latencies_s), 3) if probes.latencies_s else None,
             "p50_s": pct(probes.latencies_s, 0.5),
+            "p99_s": pct(probes.latencies_s, 0.99),
+            "over_100ms": sum(1 for x in probes.latencies_s if x > 0.1),
         },
     }
 
@@ -203,9 +239,7 @@ def summarize(results: list[Result], probes: Probes) -> dict[str, Any]:
 async def run_streams(
     host: str, port: int, model: str, n: int, ramp_s: float, tokens: int, timeout_s: float
 ) -> dict[str, Any]:
-    stop = asyncio.Event()
-    probes = Probes()
-    prober = asyncio.create_task(probe_health(host, port, stop, probes))
+    prober = HealthProber(host, port)
     body = chat_body(model, tokens, True)
     hdr = {"Authorization": f"Bearer {API_KEY}"}
     tasks = []
@@ -219,8 +253,7 @@ async def run_streams(
             )
         )
     results = await asyncio.gather(*tasks)
-    stop.set()
-    await prober
+    probes = prober.stop()
     out = summarize(list(results), probes)
     out["wall_s"] = round(time.monotonic() - t0, 1)
     out["peak_open_streams"] = Open.peak
@@ -236,9 +269,7 @@ async def run_rate(
     timeout_s: float,
     tokens: int,
 ) -> dict[str, Any]:
-    stop = asyncio.Event()
-    probes = Probes()
-    prober = asyncio.create_task(probe_health(host, port, stop, probes))
+    prober = HealthProber(host, port)
     body = chat_body(model, tokens, False)
     hdr = {"Authorization": f"Bearer {API_KEY}"}
     n = int(rate * duration_s)
@@ -252,8 +283,7 @@ async def run_rate(
             )
         )
     results = await asyncio.gather(*tasks)
-    stop.set()
-    await prober
+    probes = prober.stop()
     return summarize(list(results), probes)
 
 

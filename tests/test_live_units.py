@@ -187,6 +187,52 @@ def test_claim_runs_an_attempt_once(state: LiveState) -> None:
     assert state.claim("nope", 1, "w", 5, "i") == "missing"
 
 
+def test_a_lapsed_lease_is_taken_back_by_its_owner_only_while_it_runs(state: LiveState) -> None:
+    state.create_request("c9", "q.interactive", 60)
+    assert state.claim("c9", 1, "w1", 5, "i1") == "run"
+    lease = state.k("lease", "c9")
+    state.r.delete(lease)  # the worker was starved past its lease
+    state.renew_leases(["c9"], 5, owner="w2")  # not its request
+    assert not state.lease_alive("c9")
+    state.renew_leases(["c9"], 5)  # a plain renewal extends, never creates
+    assert not state.lease_alive("c9")
+    state.renew_leases(["c9"], 5, owner="w1")
+    assert state.lease_alive("c9") and 4000 < state.r.pttl(lease) <= 5000
+    state.r.delete(lease)
+    assert state.redispatch("c9", 1, 3, "q2.interactive") == 2  # re-sent meanwhile
+    state.renew_leases(["c9"], 5, owner="w1")
+    assert not state.lease_alive("c9")  # the re-send wins
+    assert state.claim("c9", 2, "w2", 5, "i2") == "run"
+    assert state.finish("c9", "completed", "w2") == (True, "completed")
+    state.renew_leases(["c9"], 5, owner="w2")
+    assert not state.lease_alive("c9")  # settled: nothing to hold
+
+
+def test_a_streaming_direct_call_survives_one_lapsed_lease_check(state: LiveState) -> None:
+    """After the first token a lapsed lease ends the API's stream only when a
+    second check finds it lapsed too; before it, the first check re-sends."""
+    from tokenfleet.live.gateway.direct import LOST, DirectCall, DirectCalls
+
+    calls = DirectCalls(state, LiveConfig())
+    for rid in ("s1", "s2"):
+        state.create_request(rid, "q.interactive", 60)
+        assert state.claim(rid, 1, "w1", 5, "i1") == "run"
+        state.r.delete(state.k("lease", rid))
+    state.mark_first_token("s1")
+    started = DirectCall("s1", 1, EngineCall("http://127.0.0.1:9", {}, "s1"), time.time() + 60)
+    fresh = DirectCall("s2", 1, EngineCall("http://127.0.0.1:9", {}, "s2"), time.time() + 60)
+    calls._check_state([started, fresh])
+    assert fresh.call.aborted == LOST and started.call.aborted is None
+    state.renew_leases(["s1"], 5, owner="w1")  # the starved worker is back
+    calls._check_state([started])
+    assert started.lease_missing == 0
+    state.r.delete(state.k("lease", "s1"))  # now it is gone for good
+    calls._check_state([started])
+    assert started.call.aborted is None
+    calls._check_state([started])
+    assert started.call.aborted == LOST
+
+
 def test_redispatch_moves_to_a_new_attempt_and_stales_the_old(state: LiveState) -> None:
     state.create_request("c2", "q.interactive", 60)
     assert state.claim("c2", 1, "w1", 0.2, "i1") == "run"

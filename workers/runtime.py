@@ -326,7 +326,7 @@ class WorkerRuntime:
             try:
                 now = time.monotonic()
                 if now >= next_renew:
-                    self.state.renew_leases(rids, self.live.lease_ttl_s)
+                    self.state.renew_leases(rids, self.live.lease_ttl_s, self.worker_id)
                     next_renew = now + renew_every
                 gone = self.state.cancelled(rids)
             except Exception as exc:  # noqa: BLE001

@@ -55,6 +55,14 @@ for i = 8, #ARGV, 2 do redis.call('HINCRBY', KEYS[4], ARGV[i], ARGV[i + 1]) end
 return 'run'
 """
 
+_RENEW = """
+if redis.call('PEXPIRE', KEYS[2], ARGV[2]) == 1 then return 1 end
+if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return 0 end
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+return 2
+"""
+
 _REDISPATCH = """
 local st = redis.call('HGET', KEYS[1], 'status')
 if st ~= 'queued' and st ~= 'running' then return -1 end
@@ -172,6 +180,7 @@ class LiveState:
         self.p = prefix
         self._claim = client.register_script(_CLAIM)
         self._redispatch = client.register_script(_REDISPATCH)
+        self._renew = client.register_script(_RENEW)
         self._finish = client.register_script(_FINISH)
         self._profiles: dict[str, EngineProfile] = {}
 
@@ -525,11 +534,18 @@ class LiveState:
         )
         return out.decode() if isinstance(out, bytes) else str(out)
 
-    def renew_leases(self, rids: Iterable[str], lease_ttl_s: float) -> None:
+    def renew_leases(self, rids: Iterable[str], lease_ttl_s: float, owner: str = "") -> None:
+        """Extend each lease; with ``owner``, also take back a lease that lapsed
+        while this worker still runs the request (status running, owner it): a
+        worker starved of CPU for longer than the lease is not a lost one, and a
+        re-send or a settle since then (owner reset, status moved on) wins."""
         ms = int(lease_ttl_s * 1000)
         with self.r.pipeline(transaction=False) as pipe:
             for rid in rids:
-                pipe.pexpire(self.k("lease", rid), ms)
+                if owner:
+                    self._renew(keys=self._req_keys(rid)[:2], args=[owner, ms], client=pipe)
+                else:
+                    pipe.pexpire(self.k("lease", rid), ms)
             pipe.execute()
 
     def mark_first_token(self, rid: str) -> None:

@@ -48,6 +48,8 @@ class DirectCall:
     call: EngineCall
     deadline_s: float  # epoch
     client_gone: Callable[[], bool] | None = None
+    #: checks in a row that found the lease missing after the first token
+    lease_missing: int = 0
 
 
 class DirectCalls:
@@ -127,17 +129,27 @@ class DirectCalls:
         with self.state.r.pipeline(transaction=False) as pipe:
             for c in calls:
                 pipe.exists(k("lease", c.request_id))
-                pipe.hmget(k("req", c.request_id), "status", "attempt")
+                pipe.hmget(k("req", c.request_id), "status", "attempt", "first_token")
             replies = pipe.execute()
         for i, c in enumerate(calls):
             if c.call.aborted is not None:
                 continue
             leased = bool(replies[2 * i])
-            raw_status, raw_attempt = replies[2 * i + 1]
+            raw_status, raw_attempt, raw_first = replies[2 * i + 1]
             status = raw_status.decode() if raw_status else ""
             attempt = int(raw_attempt or 0)
             if status != "running" or attempt != c.attempt:
                 if status:  # a state lost with Redis is the request thread's to judge
                     c.call.abort(SUPERSEDED)
-            elif not leased:
-                c.call.abort(LOST)
+            elif leased:
+                c.lease_missing = 0
+            elif raw_first != b"1":
+                c.call.abort(LOST)  # before the first token: re-sent elsewhere at once
+            else:
+                # streaming: the engine still feeds this process and nothing can take
+                # the request over, so end it only when the lease stays lapsed for
+                # a second check (the worker takes a lapsed lease back when it was
+                # starved of CPU, not lost: workers/runtime.py, the watchdog)
+                c.lease_missing += 1
+                if c.lease_missing >= 2:
+                    c.call.abort(LOST)
