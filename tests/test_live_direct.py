@@ -166,7 +166,7 @@ def test_the_stream_pump_carries_a_stream_past_its_first_token(
     first token and the pump the rest: the answer is whole, its usage right,
     the worker settles it, and the pump holds nothing afterwards."""
     gw = stack.gateway
-    gw.pump = StreamPump()
+    before, gw.pump = gw.pump, StreamPump()
     try:
         rid, text, usage, text_chunks = _chat(stack, stream, 60, "pumped")
         assert text_chunks > 1 or not stream
@@ -176,6 +176,6 @@ def test_the_stream_pump_carries_a_stream_past_its_first_token(
         assert row["completion_tokens"] == 60
         assert gw.pump.carried == 1 and len(gw.pump) == 0
     finally:
-        pump, gw.pump = gw.pump, None
+        pump, gw.pump = gw.pump, before
         if pump is not None:
             pump.close()

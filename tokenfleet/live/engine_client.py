@@ -271,11 +271,13 @@ class EngineCall:
         """Hand the rest of a chunked stream to another reader: the engine
         socket, made non-blocking, and the bytes already buffered for it
         (:attr:`decoder` holds the decoding state). None when the call cannot
-        be handed over (not chunked, no socket). The connection stays this
+        be handed over (not chunked, no socket, read to its end). The connection stays this
         call's; :meth:`reattach` gives it back once the reader is done."""
         resp, conn, dec = self._resp, self._conn, self.decoder
         if resp is None or conn is None or dec is None or not dec.chunked or resp.fp is None:
             return None
+        if dec.done:
+            return None  # the body is read already (a short answer): nothing to hand over
         sock = conn.sock
         if not isinstance(sock, socket.socket):
             return None
