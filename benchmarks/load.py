@@ -338,6 +338,62 @@ def threads_of(pid: int | None) -> int | None:
     return None
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _label(argv: list[str]) -> str:
+    """A short name for one process of the stack (what ``up`` started)."""
+    joined = " ".join(argv)
+    for word, name in (
+        ("engine-sim", "engines"),
+        (" worker ", "workers"),
+        (" beat", "beat"),
+        (" api", "api"),
+        ("redis", "redis"),
+        ("postgres", "postgres"),
+    ):
+        if word in f" {joined} ":
+            return name
+    return "other"
+
+
+def stack_cpu_s(root_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of ``root_pid``'s descendants, by role.
+
+    Read from ``/proc``: a phase's figure is the difference of two readings
+    (a process that ended between them is not counted)."""
+    parent: dict[int, int] = {}
+    stat: dict[int, list[str]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            raw = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2 :].split()
+        parent[int(d.name)] = int(fields[1])
+        stat[int(d.name)] = fields
+    out: dict[str, float] = {}
+    for pid, fields in stat.items():
+        p = pid
+        while p not in (0, 1, root_pid) and p in parent:
+            p = parent[p]
+        if p != root_pid:
+            continue
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        role = _label(argv)
+        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / _TICK
+    return out
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: round(after[k] - before.get(k, 0.0), 1) for k in sorted(after)}
+
+
 def ledger_counts(
     data_dir: Path, since_ts: float, settle_s: float, expect: int = 0
 ) -> dict[str, int]:
@@ -470,6 +526,7 @@ def main() -> int:
                 if phase == "streams":
                     for n in [int(x) for x in args.streams.split(",") if x]:
                         since = time.time()
+                        cpu0, own0 = stack_cpu_s(up.pid), os.times()
                         r = asyncio.run(
                             run_streams(
                                 host,
@@ -481,6 +538,10 @@ def main() -> int:
                                 args.stream_timeout_s,
                             )
                         )
+                        own1 = os.times()
+                        own_s = own1.user + own1.system - own0.user - own0.system
+                        r["cpu_s"] = cpu_delta(cpu0, stack_cpu_s(up.pid))
+                        r["cpu_s"]["load_client"] = round(own_s, 1)
                         r["api_rss_mib"] = rss_mib(pid)
                         r["api_threads"] = threads_of(pid)
                         r["api_disconnects"] = disconnects(host, args.port)
@@ -498,6 +559,7 @@ def main() -> int:
                         print(json.dumps({"abandon": res["abandon"]}), flush=True)
                     for rate in [float(x) for x in args.rates.split(",") if x]:
                         since = time.time()
+                        cpu0 = stack_cpu_s(up.pid)
                         r = asyncio.run(
                             run_rate(
                                 host,
@@ -509,6 +571,7 @@ def main() -> int:
                                 args.chat_tokens,
                             )
                         )
+                        r["cpu_s"] = cpu_delta(cpu0, stack_cpu_s(up.pid))
                         r["api_rss_mib"] = rss_mib(pid)
                         r["ledger"] = ledger_counts(data_dir, since, args.settle_s, r["requests"])
                         res[f"rate_{rate:g}"] = r
