@@ -897,3 +897,26 @@ def test_in_the_simulator_host_hits_follow_returning_turns_and_events_name_the_t
     assert on["host_hit_ratio"] > 0.03 and out[8.0][1] == {"local/i0", "local/i1"}
     assert on["prefix_hit_ratio"] > off["prefix_hit_ratio"] + 0.03
     assert on["ttft_p50_s"] < off["ttft_p50_s"]
+
+
+def test_a_prefill_under_way_elsewhere_counts_as_the_whole_prefix() -> None:
+    """Another replica's request is prefilling a 1,280-block context on i1:
+    the engine's events so far show its first 512 blocks, the newest of them
+    where our visible match ends. Our next turn extends that context; we
+    expect the whole prefix there, as our own speculative entry would, not
+    the 512 blocks seen so far. A match that ends at older blocks is not
+    extended."""
+    context = prompt(1280)
+    turn = req(context + prompt(60))
+    router = TokenPilotRouter()
+    router.on_kv_event(KVEvent("i1", "stored", context[:256]))
+    router.on_kv_event(KVEvent("i1", "stored", context[256:512]))
+    d = router.route(turn, PoolSnapshot(now_s=1.0, instances=views(2)))
+    assert d.instance_id == "i1"
+    assert d.expected_cached_tokens >= 1280 * BLOCK_SIZE_TOKENS
+    stale = TokenPilotRouter()
+    stale.on_kv_event(KVEvent("i1", "stored", context[:512]))
+    for _ in range(4):  # the engine has stored other prompts since
+        stale.on_kv_event(KVEvent("i1", "stored", prompt(32)))
+    d = stale.route(req(context + prompt(60)), PoolSnapshot(now_s=1.0, instances=views(2)))
+    assert d.expected_cached_tokens == 512 * BLOCK_SIZE_TOKENS

@@ -166,6 +166,7 @@ class _InstState:
         "pos",
         "last_running",
         "last_kappa",
+        "ties_load",
     )
 
     def __init__(
@@ -213,6 +214,7 @@ class _InstState:
         self.pos = inst.index  # position in the pool, for rendezvous order
         self.last_running = -1
         self.last_kappa = 0.0
+        self.ties_load = 0
 
 
 @ROUTERS.register("tokenpilot")
@@ -265,6 +267,9 @@ class TokenPilotRouter(BaseRouter):
         self.full_scan_max = full_scan_max
         self.refresh_per_call = max(1, refresh_per_call)
         self.sample_size = sample_size
+        # last blocks of the engine's newest BlockStored runs, per instance: the
+        # tips of prefills (and decodes) under way there
+        self._tips: dict[str, tuple[int, ...]] = {}
         self._by_id: dict[str, InstanceView] = {}
         self._stamp = 0
         self._states: dict[str, _InstState] = {}
@@ -379,6 +384,8 @@ class TokenPilotRouter(BaseRouter):
         key = _family_key(hashes)
         if request.prompt_cache_key and self.conversation_keys:
             key = _conversation_key(request.prompt_cache_key)
+        if confirmed and self._tips:
+            confirmed = self._growing(confirmed, hashes, spec)
         hits = self._expected_hits(confirmed, spec, max_cached) if confirmed or spec else None
         loads = None  # host-tier hits: seconds of transfer per instance
         if self.host_tier.enabled:
@@ -444,6 +451,10 @@ class TokenPilotRouter(BaseRouter):
                 others = acc.prefill_pending_uncached_tokens - st.own_uncached_tokens
                 if others > 0:
                     d = (d if d > now else now) + st.kappa.value * others * st.pending_token_s
+                # ties break by every replica's requests in flight, as one router's do
+                st.ties_load = acc.inflight_requests
+            else:
+                st.ties_load = len(st.inflight)
             q = (d if d > x else x) - now
             c = hits.get(inst.instance_id, 0) if hits else 0
             if c:
@@ -481,7 +492,9 @@ class TokenPilotRouter(BaseRouter):
         own_total = len(self._flights) + (seen_elsewhere if seen_elsewhere > 0 else 0)
         if own_total >= 4:
             ratio = self._scraped_total / own_total
-            ratio = 1.0 if ratio < 1.0 else (64.0 if ratio > 64.0 else ratio)
+            # Clamped only above: clamping each sample at 1 biased a lone
+            # router's estimate to ~1.02-1.05, a herd window with nobody unseen.
+            ratio = 64.0 if ratio > 64.0 else ratio
             self.replicas_est += 0.05 * (ratio - self.replicas_est)
         # The family's rendezvous instance: the first candidate at or after
         # position key mod N. Another replica may have sent this family there:
@@ -507,8 +520,9 @@ class TokenPilotRouter(BaseRouter):
         # scrape's age, is what might sit unseen on the instance that looks
         # best to all of us; candidates within that much of it are as good.
         age = now - self._scrape_at_s
-        unseen = (self.replicas_est - 1.0) * age / self._gap_s if age > 0.0 else 0.0
-        cap = 1.0 - 1.0 / self.replicas_est  # the old, fixed herd term's share
+        rr = self.replicas_est if self.replicas_est > 1.0 else 1.0
+        unseen = (rr - 1.0) * age / self._gap_s if age > 0.0 else 0.0
+        cap = 1.0 - 1.0 / rr  # the old, fixed herd term's share
         if unseen > cap:
             unseen = cap
         herd = self.herd_window * unseen * self._mean_work_s
@@ -538,7 +552,7 @@ class TokenPilotRouter(BaseRouter):
             jl = 1 << 62
             for k in range(n):
                 if fits[k] and costs[k] <= limit:
-                    load = len(states[k].inflight)
+                    load = states[k].ties_load
                     if load <= jl:
                         rank = (states[k].pos - home) % n_pool
                         if load < jl or rank < jr:
@@ -550,6 +564,30 @@ class TokenPilotRouter(BaseRouter):
             queues[j] + st.kappa.value * st.prefill.seconds(n_in - c, c) + load_s
         ) * st.infl_factor + st.infl_wait_s
         return self._dispatch(request, now, st, pred, c, probes, reserve_out, blind and j == top)
+
+    def _growing(
+        self, confirmed: dict[str, int], hashes: Sequence[int], spec: dict[str, int]
+    ) -> dict[str, int]:
+        """An instance whose newest stored blocks are where our visible prefix
+        ends is computing this prefix now (another replica's request, as our
+        own speculative entry would say): expect all of it, as for our own."""
+        s = self.knowledge.stride_blocks
+        n = len(hashes)
+        out = confirmed
+        for iid, blocks in confirmed.items():
+            if blocks + s >= n or spec.get(iid, 0) > blocks:
+                continue
+            tips = self._tips.get(iid)
+            if not tips:
+                continue
+            window = hashes[blocks - s if blocks > s else 0 : blocks + s]
+            for t in tips:
+                if t in window:
+                    if out is confirmed:
+                        out = dict(confirmed)
+                    out[iid] = n
+                    break
+        return out
 
     def _home_slot(self, instances: Sequence[InstanceView], home: int, stamp: int) -> int:
         """Slot of the first candidate at or after pool position ``home``."""
@@ -747,6 +785,9 @@ class TokenPilotRouter(BaseRouter):
                 k.routed.clear(event.instance_id)
             return
         self.knowledge.apply(event)
+        if event.kind == "stored" and event.block_hashes:
+            tips = self._tips.get(event.instance_id, ())
+            self._tips[event.instance_id] = (*tips[-3:], event.block_hashes[-1])
 
     # -- introspection for tests and dashboards -----------------------------------
     def kappa(self, instance_id: str) -> float:
