@@ -510,6 +510,56 @@ def test_client_disconnect_aborts_and_frees_kv() -> None:
         assert m["vllm:generation_tokens_total"] < 1000
 
 
+def test_non_streamed_client_that_hangs_up_while_waiting_is_aborted() -> None:
+    """Nothing is written to a non-streamed client before its answer, so only the
+    hang-up watch can tell the engine: the request must not run to its end."""
+    import socket as _socket
+
+    with EmulatorServer(PROFILE, time_scale=1.0, kv_capacity_blocks=4000) as srv:
+        assert srv.hangups.available
+        host, port = srv.url.removeprefix("http://").split(":")
+        body = json.dumps(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "write forever"}],
+                "max_tokens": 20000,
+                "ignore_eos": True,
+            }
+        ).encode()
+        s = _socket.create_connection((host, int(port)))
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        assert wait_for(lambda: metrics(srv.url)["vllm:num_requests_running"] == 1)
+        s.close()
+        assert wait_for(lambda: metrics(srv.url)["vllm:request_success_total{abort}"] == 1)
+        m = metrics(srv.url)
+        assert m["vllm:num_requests_running"] == 0
+        assert m["vllm:kv_cache_usage_perc"] == 0.0
+        assert m["vllm:generation_tokens_total"] < 20000
+
+
+def test_hangup_watch_fires_on_close_not_on_data() -> None:
+    import socket as _socket
+
+    from tokenfleet.emulator.hangup import HangupWatch
+
+    watch = HangupWatch()
+    a, b = _socket.socketpair()
+    gone = threading.Event()
+    try:
+        assert watch.watch(a, gone.set)
+        b.sendall(b"GET /next HTTP/1.1\r\n\r\n")  # a pipelined request is no hang-up
+        assert not gone.wait(0.3)
+        b.close()
+        assert gone.wait(3.0)
+        watch.unwatch(a)  # already fired: a no-op
+    finally:
+        watch.close()
+        a.close()
+
+
 def test_admin_abort_ends_a_request_by_id() -> None:
     with EmulatorServer(PROFILE, time_scale=1.0) as srv:
         result: dict[str, Any] = {}

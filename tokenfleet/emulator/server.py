@@ -3,9 +3,10 @@
 A stdlib ``ThreadingHTTPServer`` (one thread per connection, HTTP/1.1 keep-
 alive). Streams use chunked transfer encoding and write each SSE event as it
 is produced, with TCP_NODELAY, so a client sees every token when the engine
-step that made it ends. A waiting handler polls its socket for EOF every
-50 ms, so a client that goes away is aborted in the engine even before its
-first token, as vLLM aborts on ``http.disconnect``.
+step that made it ends. A client that goes away is aborted in the engine
+even before its first token, as vLLM aborts on ``http.disconnect``: one
+thread watches every waiting socket for the hang-up (:mod:`.hangup`), so a
+handler thread sleeps until a token, its end or the hang-up wakes it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tokenfleet.emulator.engine import (
     RequestHandle,
     finish_reason,
 )
+from tokenfleet.emulator.hangup import HangupWatch
 from tokenfleet.emulator.kv_events import EVENT_FORMATS, KVEventPublisher
 from tokenfleet.emulator.metrics import EmulatorMetrics
 from tokenfleet.emulator.openai_api import (
@@ -49,7 +51,10 @@ from tokenfleet.tokenizer import block_hashes, decode_token_ids, filler_word, to
 
 #: exit status when ``crash_after_s`` fires
 CRASH_EXIT_CODE = 1
+#: how often a handler asks its own socket for EOF where no hang-up watch runs
 _POLL_S = 0.05
+#: a watched handler's longest sleep between looks at its request (seconds)
+_WATCHED_WAIT_S = 2.0
 _MAX_BODY_BYTES = 64 << 20
 
 
@@ -190,6 +195,7 @@ class EmulatorServer:
             stall_after_s=cfg.stall_after_s,
             publisher=self.publisher,
         )
+        self.hangups = HangupWatch()
         self._rng = random.Random(cfg.seed)
         self._fail_rng = random.Random(cfg.seed ^ 0x5EED)
         self._rng_lock = threading.Lock()
@@ -265,6 +271,7 @@ class EmulatorServer:
 
     def _close(self) -> None:
         self.loop.stop()
+        self.hangups.close()
         if self._httpd is not None:
             self._httpd.server_close()
         if self.publisher is not None:
@@ -398,6 +405,9 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "tokenfleet-emulator"
     server: _HTTPServer
+    #: the request in the engine is on the hang-up watch; the client hung up
+    _watched = False
+    _gone = False
 
     def setup(self) -> None:
         super().setup()
@@ -465,7 +475,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _wait(self, handle: RequestHandle, seen: int | None) -> None:
         """Block until ``handle`` has more than ``seen`` tokens (``None``: until
-        done), checking every 50 ms that the client is still there."""
+        done); raises :class:`_ClientGone` when the client hung up."""
+        if self._watched:
+            while True:
+                handle.changed.clear()
+                if self._gone:
+                    raise _ClientGone()
+                if handle.done or (seen is not None and handle.generated > seen):
+                    return
+                handle.changed.wait(_WATCHED_WAIT_S)
         next_check = time.monotonic() + _POLL_S
         while True:
             handle.changed.clear()
@@ -609,6 +627,13 @@ class _Handler(BaseHTTPRequestHandler):
         handle = app.submit(parsed, request_id)
         prefix = "chatcmpl-" if chat else "cmpl-"
         rid = prefix + request_id
+        self._gone = False
+
+        def hung_up() -> None:
+            self._gone = True
+            handle.changed.set()
+
+        self._watched = app.hangups.watch(self.connection, hung_up)
         try:
             if parsed.stream:
                 self._stream(handle, parsed, rid)
@@ -618,6 +643,8 @@ class _Handler(BaseHTTPRequestHandler):
             app.loop.abort(handle.request_id)
             self.close_connection = True
         finally:
+            if self._watched:
+                app.hangups.unwatch(self.connection)
             app.log_request(handle, received)
 
     def _respond(self, handle: RequestHandle, parsed: ParsedRequest, rid: str) -> None:
