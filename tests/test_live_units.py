@@ -208,12 +208,33 @@ def test_a_lapsed_lease_is_taken_back_by_its_owner_only_while_it_runs(state: Liv
     assert not state.lease_alive("c9")  # settled: nothing to hold
 
 
-def test_a_streaming_direct_call_survives_one_lapsed_lease_check(state: LiveState) -> None:
-    """After the first token a lapsed lease ends the API's stream only when a
-    second check finds it lapsed too; before it, the first check re-sends."""
+def test_a_worker_renews_and_reads_cancel_flags_of_many_requests_in_batches(
+    state: LiveState,
+) -> None:
+    """More requests than one script call or MGET carries: every lease is
+    renewed (or taken back by its owner) and every cancel flag is seen."""
+    rids = [f"b{i}" for i in range(600)]
+    for rid in rids:
+        state.create_request(rid, "q.interactive", 60)
+        assert state.claim(rid, 1, "w1", 1, "i1") == "run"
+    state.r.delete(*(state.k("lease", rid) for rid in rids[::3]))  # starved past these
+    state.renew_leases(rids, 5, owner="w1")
+    assert all(4000 < state.r.pttl(state.k("lease", rid)) <= 5000 for rid in rids)
+    for rid in rids[5::100]:
+        state.cancel(rid)
+    assert state.cancelled(rids) == set(rids[5::100])
+
+
+def test_a_streaming_direct_call_survives_a_lease_lapsed_for_less_than_its_grace(
+    state: LiveState,
+) -> None:
+    """After the first token a lapsed lease ends the API's stream only when it
+    stays lapsed for two lease periods of checks; before it, the first check
+    re-sends."""
     from tokenfleet.live.gateway.direct import LOST, DirectCall, DirectCalls
 
-    calls = DirectCalls(state, LiveConfig())
+    live = LiveConfig()
+    calls = DirectCalls(state, live)
     for rid in ("s1", "s2"):
         state.create_request(rid, "q.interactive", 60)
         assert state.claim(rid, 1, "w1", 5, "i1") == "run"
@@ -221,15 +242,20 @@ def test_a_streaming_direct_call_survives_one_lapsed_lease_check(state: LiveStat
     state.mark_first_token("s1")
     started = DirectCall("s1", 1, EngineCall("http://127.0.0.1:9", {}, "s1"), time.time() + 60)
     fresh = DirectCall("s2", 1, EngineCall("http://127.0.0.1:9", {}, "s2"), time.time() + 60)
-    calls._check_state([started, fresh])
+    t = 100.0
+    calls._check_state([started, fresh], now_m=t)
     assert fresh.call.aborted == LOST and started.call.aborted is None
+    calls._check_state([started], now_m=t + 1.9 * live.lease_ttl_s)
+    assert started.call.aborted is None  # lapsed, but not for two periods yet
     state.renew_leases(["s1"], 5, owner="w1")  # the starved worker is back
-    calls._check_state([started])
-    assert started.lease_missing == 0
+    calls._check_state([started], now_m=t + 2.5 * live.lease_ttl_s)
+    assert started.lease_missing_since is None
     state.r.delete(state.k("lease", "s1"))  # now it is gone for good
-    calls._check_state([started])
-    assert started.call.aborted is None
-    calls._check_state([started])
+    t = 200.0
+    for dt in (0.0, 1.0, 1.9 * live.lease_ttl_s):
+        calls._check_state([started], now_m=t + dt)
+        assert started.call.aborted is None
+    calls._check_state([started], now_m=t + 2.0 * live.lease_ttl_s)
     assert started.call.aborted == LOST
 
 

@@ -123,6 +123,23 @@ class WorkerRuntime:
         self.gate_kick = threading.Event()
         self.exact_kv_events = False
         self._outcome_hub: RelayHub | None = None
+        #: API liveness key -> (monotonic time read, it existed)
+        self._api_alive: dict[str, tuple[float, bool]] = {}
+
+    def api_alive(self, key: str, max_age_s: float) -> bool:
+        """Whether an API's liveness key exists, read at most once per
+        ``max_age_s`` for all the requests waiting on that API: a worker holding
+        a thousand direct streams asks once, not a thousand times (raises
+        RedisError)."""
+        now = time.monotonic()
+        with self._lock:
+            seen = self._api_alive.get(key)
+        if seen is not None and now - seen[0] < max_age_s:
+            return seen[1]
+        alive = bool(self.state.r.exists(key))
+        with self._lock:
+            self._api_alive[key] = (now, alive)
+        return alive
 
     def outcome_hub(self) -> RelayHub:
         """Reads the outcome streams of this process's direct requests

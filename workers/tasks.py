@@ -45,6 +45,11 @@ from workers.runtime import RequestInFlight, WorkerRuntime, runtime
 
 log = logging.getLogger("tokenfleet.worker")
 
+#: how often a worker waiting on a direct stream asks whether the request was
+#: settled without it (the API's own verdict); its API's liveness is asked at
+#: every wait, through one shared read per API (``WorkerRuntime.api_alive``)
+_SETTLED_CHECK_S = 10.0
+
 
 @app.task(name=TASK_CHAT, acks_late=True, reject_on_worker_lost=True, ignore_result=True, bind=True)
 def chat(self: Any, message: dict[str, Any]) -> str:
@@ -415,6 +420,7 @@ class _ApiStream:
             deadline = job.arrival_ts + rt.live.request_timeout_s + 2 * rt.live.lease_ttl_s
             wait_s = max(0.05, rt.live.lease_ttl_s / 2)
             alive_key = api_alive_key(state, job.direct)
+            status_at = sent
             while True:
                 try:
                     ev = self.sub.inbox.get(timeout=wait_s)
@@ -422,13 +428,15 @@ class _ApiStream:
                     # the API renews its key while it streams; a fresh hand-over may
                     # not have reached it yet. A request settled meanwhile (the API's
                     # verdict after its outcome entry was lost to a Redis outage)
-                    # needs no outcome either.
-                    if time.monotonic() - sent > rt.live.lease_ttl_s:
+                    # needs no outcome either: that rare case is looked at less often.
+                    now_m = time.monotonic()
+                    if now_m - sent > rt.live.lease_ttl_s:
+                        alive, status = True, None
                         try:
-                            with state.r.pipeline(transaction=False) as pipe:
-                                pipe.exists(alive_key)
-                                pipe.hget(state.k("req", job.request_id), "status")
-                                alive, status = pipe.execute()
+                            alive = rt.api_alive(alive_key, wait_s)
+                            if now_m - status_at > _SETTLED_CHECK_S:
+                                status_at = now_m
+                                status = state.r.hget(state.k("req", job.request_id), "status")
                         except Exception:  # noqa: BLE001 - Redis blip: look again later
                             alive, status = True, None
                         if not alive or status == b"done":

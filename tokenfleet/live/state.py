@@ -55,13 +55,24 @@ for i = 8, #ARGV, 2 do redis.call('HINCRBY', KEYS[4], ARGV[i], ARGV[i + 1]) end
 return 'run'
 """
 
+# KEYS: (req, lease) of each request; one call renews a worker's whole set
 _RENEW = """
-if redis.call('PEXPIRE', KEYS[2], ARGV[2]) == 1 then return 1 end
-if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return 0 end
-if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
-return 2
+local n = 0
+for i = 1, #KEYS, 2 do
+  if redis.call('PEXPIRE', KEYS[i + 1], ARGV[2]) == 1 then
+    n = n + 1
+  elseif redis.call('HGET', KEYS[i], 'status') == 'running'
+      and redis.call('HGET', KEYS[i], 'owner') == ARGV[1] then
+    redis.call('SET', KEYS[i + 1], ARGV[1], 'PX', ARGV[2])
+    n = n + 1
+  end
+end
+return n
 """
+#: requests per renewal script call or cancel-flag MGET: a worker holding
+#: a thousand streams sends a few commands a tick, not a thousand, and no
+#: single script holds Redis for long
+_BATCH_KEYS = 256
 
 _REDISPATCH = """
 local st = redis.call('HGET', KEYS[1], 'status')
@@ -540,12 +551,16 @@ class LiveState:
         worker starved of CPU for longer than the lease is not a lost one, and a
         re-send or a settle since then (owner reset, status moved on) wins."""
         ms = int(lease_ttl_s * 1000)
+        rids = list(rids)
         with self.r.pipeline(transaction=False) as pipe:
-            for rid in rids:
+            for i in range(0, len(rids), _BATCH_KEYS):
+                chunk = rids[i : i + _BATCH_KEYS]
                 if owner:
-                    self._renew(keys=self._req_keys(rid)[:2], args=[owner, ms], client=pipe)
+                    keys = [k for rid in chunk for k in self._req_keys(rid)[:2]]
+                    self._renew(keys=keys, args=[owner, ms], client=pipe)
                 else:
-                    pipe.pexpire(self.k("lease", rid), ms)
+                    for rid in chunk:
+                        pipe.pexpire(self.k("lease", rid), ms)
             pipe.execute()
 
     def mark_first_token(self, rid: str) -> None:
@@ -587,10 +602,10 @@ class LiveState:
         if not rids:
             return set()
         with self.r.pipeline(transaction=False) as pipe:
-            for rid in rids:
-                pipe.exists(self.k("cancel", rid))
-            flags = pipe.execute()
-        return {rid for rid, f in zip(rids, flags, strict=True) if f}
+            for i in range(0, len(rids), _BATCH_KEYS):
+                pipe.mget([self.k("cancel", rid) for rid in rids[i : i + _BATCH_KEYS]])
+            flags = [f for reply in pipe.execute() for f in reply]
+        return {rid for rid, f in zip(rids, flags, strict=True) if f is not None}
 
     # -- shared prefix index feed ----------------------------------------------------------
     def publish_kv_events(self, events: Sequence[KVEvent], maxlen: int = 200_000) -> None:

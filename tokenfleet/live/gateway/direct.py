@@ -32,6 +32,10 @@ log = logging.getLogger("tokenfleet.api")
 #: how often the watch thread looks at its calls (seconds)
 TICK_S = 0.25
 
+#: after the first token, how long (in lease periods) a request's lease must
+#: stay lapsed before the API ends its stream as lost
+STREAMING_LEASE_GRACE_LEASES = 2.0
+
 #: reasons a call is closed by the watch thread (``EngineCall.aborted``)
 GONE = "client went away"
 LOST = "worker lost"
@@ -48,8 +52,9 @@ class DirectCall:
     call: EngineCall
     deadline_s: float  # epoch
     client_gone: Callable[[], bool] | None = None
-    #: checks in a row that found the lease missing after the first token
-    lease_missing: int = 0
+    #: monotonic time of the first of the checks in a row that found the lease
+    #: missing after the first token (None: the last check found it)
+    lease_missing_since: float | None = None
 
 
 class DirectCalls:
@@ -123,8 +128,10 @@ class DirectCalls:
                     c.call.abort(DEADLINE)
             self._stop.wait(TICK_S)
 
-    def _check_state(self, calls: list[DirectCall]) -> None:
+    def _check_state(self, calls: list[DirectCall], now_m: float | None = None) -> None:
         """One round trip: each request's lease, status and attempt."""
+        now_m = time.monotonic() if now_m is None else now_m
+        grace_s = STREAMING_LEASE_GRACE_LEASES * self.live.lease_ttl_s
         k = self.state.k
         with self.state.r.pipeline(transaction=False) as pipe:
             for c in calls:
@@ -142,14 +149,16 @@ class DirectCalls:
                 if status:  # a state lost with Redis is the request thread's to judge
                     c.call.abort(SUPERSEDED)
             elif leased:
-                c.lease_missing = 0
+                c.lease_missing_since = None
             elif raw_first != b"1":
                 c.call.abort(LOST)  # before the first token: re-sent elsewhere at once
             else:
                 # streaming: the engine still feeds this process and nothing can take
                 # the request over, so end it only when the lease stays lapsed for
-                # a second check (the worker takes a lapsed lease back when it was
-                # starved of CPU, not lost: workers/runtime.py, the watchdog)
-                c.lease_missing += 1
-                if c.lease_missing >= 2:
+                # a while (the worker takes a lapsed lease back when it was starved
+                # of CPU, not lost: workers/runtime.py, the watchdog; a burst of
+                # streams ending together starved workers for seconds)
+                if c.lease_missing_since is None:
+                    c.lease_missing_since = now_m
+                elif now_m - c.lease_missing_since >= grace_s:
                     c.call.abort(LOST)
