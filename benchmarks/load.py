@@ -78,6 +78,8 @@ class Open:
 class Probes:
     latencies_s: list[float] = field(default_factory=list)
     failures: int = 0
+    #: seconds since the phase began of each probe over 100 ms
+    slow_at_s: list[float] = field(default_factory=list)
 
 
 async def http_request(
@@ -167,7 +169,9 @@ def _probe_main(host: str, port: int, conn: Connection) -> None:
     asyncio client carrying thousands of streams would otherwise add its own
     loop's delay to each probe."""
     lat: list[float] = []
+    slow_at: list[float] = []
     failures = 0
+    began = time.monotonic()
     while not conn.poll(0.5):
         t0 = time.monotonic()
         try:
@@ -182,11 +186,13 @@ def _probe_main(host: str, port: int, conn: Connection) -> None:
                     pass
             if status in (200, 503):
                 lat.append(dt)
+                if dt > 0.1:
+                    slow_at.append(round(t0 - began, 1))
             else:
                 failures += 1
         except OSError:
             failures += 1
-    conn.send((lat, failures))
+    conn.send((lat, failures, slow_at))
 
 
 class HealthProber:
@@ -199,9 +205,9 @@ class HealthProber:
 
     def stop(self) -> Probes:
         self._conn.send(None)
-        lat, failures = self._conn.recv()
+        lat, failures, slow_at = self._conn.recv()
         self._proc.join(10)
-        return Probes(lat, failures)
+        return Probes(lat, failures, slow_at)
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -232,6 +238,7 @@ def summarize(results: list[Result], probes: Probes) -> dict[str, Any]:
             "p50_s": pct(probes.latencies_s, 0.5),
             "p99_s": pct(probes.latencies_s, 0.99),
             "over_100ms": sum(1 for x in probes.latencies_s if x > 0.1),
+            "over_100ms_at_s": probes.slow_at_s[:40],
         },
     }
 
