@@ -24,7 +24,7 @@ from tests.support.stack import API_KEY, InstanceSpec, LiveStack
 from tokenfleet.core.tiers import SLOConfig
 from tokenfleet.core.types import RequestInfo
 from tokenfleet.live.gateway import AtCapacity, Overloaded
-from tokenfleet.live.gateway.overload import InflightBound, WaitPredictor
+from tokenfleet.live.gateway.overload import FrontGate, InflightBound, WaitPredictor
 
 MAX_INFLIGHT = 3
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -157,6 +157,40 @@ def _info(tier: str = "interactive") -> RequestInfo:
         max_tokens=16,
         tier=tier,
     )
+
+
+def test_front_gate_refuses_at_once_when_the_wait_ahead_outlasts_its_limit() -> None:
+    """A request that would wait longer than the gate's limit for its turn (the
+    requests waiting ahead over the rate they pass) is refused without waiting;
+    one that can make it waits and gets in when a slot frees."""
+    now = [0.0]
+    gate = FrontGate(1, wait_s=5.0, clock=lambda: now[0])
+    gate.enter()
+    now[0] = 0.25
+    gate.leave()  # one pass so far: a pass rate to predict from
+    gate.enter()  # the slot is held from here on
+    now[0] = 0.5  # 1 pass in 0.5 s: 2/s, a first waiter's turn is 0.5 s away
+    entered = threading.Event()
+
+    def waiter() -> None:
+        gate.enter()
+        entered.set()
+
+    t = threading.Thread(target=waiter, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while gate._waiting < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gate._waiting == 1 and not entered.is_set()
+    now[0] = 4.9  # the pass rate fell to 1 per 4.9 s: a second waiter would wait ~10 s
+    with pytest.raises(Overloaded) as exc:
+        gate.enter()
+    assert exc.value.retry_after_s > 0
+    assert gate._waiting == 1 and not entered.is_set()  # refused, not queued
+    gate.leave()
+    assert entered.wait(10)
+    t.join(10)
+    gate.leave()
 
 
 def test_wait_predictor_sheds_when_the_queue_outlasts_the_tier_limit() -> None:

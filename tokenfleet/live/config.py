@@ -288,6 +288,13 @@ class LiveConfig:
             "grows to this plus a reserve, so /health never waits behind chat requests."
         ),
     )
+    api_switch_interval_ms: float = field(
+        default=1.0,
+        metadata=_doc(
+            "The API process's interpreter switch interval (Python's default is 5 ms): how "
+            "long a thread running Python may keep the others, /health included, waiting."
+        ),
+    )
     api_front_slots: int = field(
         default=8,
         metadata=_doc(

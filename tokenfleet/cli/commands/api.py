@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import signal
 import sys
 import threading
@@ -39,6 +40,35 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+#: objects allocated (net) between young collections in the API process
+#: (Python's default is 700), and the young collections between older ones
+API_GC_THRESHOLDS = (50_000, 20, 100)
+
+
+def tune_interpreter(switch_interval_ms: float) -> None:
+    """Shorter interpreter turns, and rare full collections, for the API process.
+
+    One process holds thousands of streams on threads: a request's parse and
+    routing, the stream pump and the watch thread take turns at the
+    interpreter, and ``/health`` waits for its turn at every step of its
+    answer (accept, parse, the Redis ping, the write). At the default 5 ms
+    interval a probe waited longer behind them. Streams live for minutes, so
+    the collector's young generations, run every 700 allocations, promoted
+    thousands of live stream objects a second; a full collection of the
+    process (about 240,000 objects, 200 ms on a loaded 2-core machine, the
+    interpreter held throughout) then ran every ~9 s and was the longest
+    ``/health`` wait. With young collections every 50,000 allocations most
+    of those objects are gone before they are looked at, and full
+    collections stop (docs/benchmarks.md, "Overload"). ``gc.freeze()`` takes
+    what start-up built (Flask, Celery, kombu, the routers) out of every
+    collection."""
+    if switch_interval_ms > 0:
+        sys.setswitchinterval(switch_interval_ms / 1000.0)
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*API_GC_THRESHOLDS)
+
+
 def run(args: argparse.Namespace) -> int:
     from tokenfleet.cli.logs import setup_logging
     from tokenfleet.errors import ConfigError
@@ -62,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             "LIVE": cfg.live,
         }
     )
+    tune_interpreter(cfg.live.api_switch_interval_ms)
     host = args.host or cfg.api_host
     port = args.port if args.port is not None else cfg.api_port
     try:

@@ -53,10 +53,10 @@ RATE_WINDOW_S = 5.0
 class _RateMeter:
     """Events per second over the last :data:`RATE_WINDOW_S` (monotonic clock)."""
 
-    def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
+    def __init__(self, window_s: float = RATE_WINDOW_S, started: float | None = None) -> None:
         self.window_s = window_s
         self._times: deque[float] = deque()
-        self._started = time.monotonic()
+        self._started = time.monotonic() if started is None else started
 
     def add(self, now: float, n: int = 1) -> None:
         for _ in range(n):
@@ -112,20 +112,40 @@ class InflightBound:
 
 
 class FrontGate:
-    """At most ``slots`` requests in their CPU-bound front half at once."""
+    """At most ``slots`` requests in their CPU-bound front half at once.
 
-    def __init__(self, slots: int, wait_s: float) -> None:
+    A request that finds every slot taken waits at most ``wait_s``; one whose
+    predicted wait (the requests waiting ahead of it over the rate requests
+    pass the gate) is already longer is refused at once, not after the wait."""
+
+    def __init__(
+        self, slots: int, wait_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.slots = slots
         self.wait_s = wait_s
+        self.clock = clock
         self._sem = threading.BoundedSemaphore(max(1, slots))
         self._lock = threading.Lock()
-        self._passed = _RateMeter()
-        self._refused = _RateMeter(window_s=1.0)
+        self._passed = _RateMeter(started=clock())
+        self._refused = _RateMeter(window_s=1.0, started=clock())
+        self._waiting = 0
 
     def enter(self) -> None:
-        if self.slots <= 0 or self._sem.acquire(timeout=self.wait_s):
+        if self.slots <= 0 or self._sem.acquire(blocking=False):
             return
-        now = time.monotonic()
+        with self._lock:
+            rate = self._passed.rate(self.clock())
+            hopeless = rate > 0 and (self._waiting + 1) / rate > self.wait_s
+            if not hopeless:
+                self._waiting += 1
+        if not hopeless:
+            try:
+                if self._sem.acquire(timeout=self.wait_s):
+                    return
+            finally:
+                with self._lock:
+                    self._waiting -= 1
+        now = self.clock()
         with self._lock:
             self._refused.add(now)
             rate = self._passed.rate(now)
@@ -142,7 +162,7 @@ class FrontGate:
             return
         self._sem.release()
         with self._lock:
-            self._passed.add(time.monotonic())
+            self._passed.add(self.clock())
 
 
 class WaitPredictor:
