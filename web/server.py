@@ -193,24 +193,49 @@ class _LingeringServer(_CherootServer):
     linger_s = LINGER_S
     _last_retire = 0.0
     _idle_since = 0.0
+    _grower: threading.Thread | None = None
+    _grow_kick: threading.Event | None = None
 
     def process_conn(self, conn: Any) -> None:
-        # runs on the selector thread: never wait here (cheroot's own grow()
-        # sleeps until each new thread is up)
+        # runs on the selector thread: never wait here. Starting a thread waits
+        # until it runs (``Thread.start``), which on a loaded machine took long
+        # enough for 16 of them to hold up every connection behind, /health
+        # probes included: the grower thread starts them instead.
         pool = self.requests
         try:
             idle = pool.idle
             if idle <= pool.qsize and len(pool._threads) < pool.max:
-                n = min(_GROW_STEP, int(pool.max - len(pool._threads)))
-                for _ in range(n):
-                    worker = WorkerThread(self)  # type: ignore[no-untyped-call]
-                    worker.name = f"CP Server {worker.name!s}"
-                    worker.start()
-                    pool._threads.append(worker)
+                self._want_threads()
             self._maybe_retire(pool, idle)
         except Exception:  # serve with the threads there are
             log.exception("could not grow the server's thread pool")
         super().process_conn(conn)
+
+    def _want_threads(self) -> None:
+        if self._grower is None:
+            self._grow_kick = threading.Event()
+            self._grower = threading.Thread(target=self._grow_loop, name="api-grow", daemon=True)
+            self._grower.start()
+        assert self._grow_kick is not None
+        self._grow_kick.set()
+
+    def _grow_loop(self) -> None:
+        """Add threads, :data:`_GROW_STEP` at a time, while connections find none idle."""
+        kick = self._grow_kick
+        assert kick is not None
+        while True:
+            kick.wait()
+            kick.clear()
+            pool = self.requests
+            try:
+                while self.ready and pool.idle <= pool.qsize and len(pool._threads) < pool.max:
+                    for _ in range(min(_GROW_STEP, int(pool.max - len(pool._threads)))):
+                        worker = WorkerThread(self)  # type: ignore[no-untyped-call]
+                        worker.name = f"CP Server {worker.name!s}"
+                        worker.start()
+                        pool._threads.append(worker)
+            except Exception:  # serve with the threads there are
+                log.exception("could not grow the server's thread pool")
 
     def _maybe_retire(self, pool: Any, idle: int) -> None:
         """Retire threads above the base count that have been idle a while."""
