@@ -153,6 +153,9 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     def _redis_down(err: redis.RedisError) -> Response:
         # any code on the request path (ours or a hook) that needs Redis while it
         # is down or restarting: a retryable 503, not an internal error
+        gw = app.extensions.get("tokenfleet")
+        if gw is not None:
+            gw.redis_failed()  # /health pings Redis again rather than trust its copy
         metrics.error(503, **who())
         return ApiError(
             503,

@@ -214,9 +214,13 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
         streams, the ping itself once waited 855 ms behind the store's and the
         machine's load (docs/benchmarks.md, "Overload"). An older copy means
         the thread is behind or Redis is down: then Redis is pinged and read
-        now, and a failure says it is down."""
+        now, and a failure says it is down; so it is after any Redis call of
+        this process failed since the copy was read."""
         with self._infos_lock:
-            fresh = time.monotonic() - self._infos_at <= HEALTH_MAX_AGE_S
+            fresh = (
+                time.monotonic() - self._infos_at <= HEALTH_MAX_AGE_S
+                and self._redis_failed_at < self._infos_at
+            )
             infos = self._infos
         if not fresh:
             self.state.r.ping()

@@ -59,6 +59,8 @@ class LiveView:
         self.index_lock = threading.Lock()
         self._infos: list[InstanceInfo] = []
         self._infos_at = 0.0
+        #: monotonic time of the last Redis failure this process saw (0: none)
+        self._redis_failed_at = 0.0
         self._infos_lock = threading.Lock()
         self._knobs_at = 0.0
         self._plan_at = 0.0
@@ -172,9 +174,16 @@ class LiveView:
                     self._refresh_admission_knobs(max_age_s=0.0)
                     self._refresh_fleet_plan(max_age_s=0.0)
             except redis.RedisError:
+                self.redis_failed()
                 continue  # requests see the outage themselves
             except Exception:
                 log.exception("live-state refresh failed")
+
+    def redis_failed(self) -> None:
+        """A Redis call of this process failed: ``/health`` stops trusting the
+        instances' copy until a later read succeeds."""
+        with self._infos_lock:
+            self._redis_failed_at = time.monotonic()
 
     def live_instances(self) -> list[InstanceInfo]:
         now = time.time()
