@@ -34,7 +34,7 @@ from tokenfleet.service.config import config_reference_markdown, load_config
 from tokenfleet.service.embedded import EmbeddedPostgres, EmbeddedRedis, pid_alive
 from tokenfleet.service.endpoints import ServiceStack, discover
 from tokenfleet.service.ledger import ALL_TABLES, ApiKey, RequestStatus
-from tokenfleet.service.writer import LedgerWriter, RequestRecord
+from tokenfleet.service.writer import LedgerWriter, RequestRecord, normalize_row
 
 REPO = Path(__file__).resolve().parents[1]
 _db_names = itertools.count()
@@ -339,6 +339,53 @@ def test_same_request_id_is_one_row_merged(engine: sa.Engine, tmp_path: Path) ->
     status, attempts, tokens, instance, finished = rows[0]
     assert (status, attempts, tokens, instance) == ("completed", 2, 42, "i-7")
     assert finished is not None
+
+
+def test_two_writers_upserting_the_same_rows_in_opposite_orders_do_not_deadlock(
+    engine: sa.Engine, tmp_path: Path
+) -> None:
+    """The API and a worker write rows of the same requests in batches of their
+    own order; PostgreSQL locks each row as it upserts it, so two such batches
+    deadlocked ("deadlock detected" while 2,000 streams ended together). Rows
+    are written in request-id order, so locks are taken in one order."""
+    import threading
+
+    a = _writer(engine, tmp_path / "spill-a")
+    b = _writer(engine, tmp_path / "spill-b")
+    try:
+        for rnd in range(8):
+            rows = [
+                normalize_row(_row(i, status="in_flight", finished_ts=None, attempts=rnd + 1))
+                for i in range(400)
+            ]
+            start = threading.Barrier(2)
+            errors: list[BaseException] = []
+
+            def write(
+                w: LedgerWriter,
+                batch: list[dict[str, object]],
+                start: threading.Barrier = start,
+                errors: list[BaseException] = errors,
+            ) -> None:
+                start.wait()
+                try:
+                    w._upsert(batch)
+                except BaseException as exc:  # noqa: BLE001 - reported below
+                    errors.append(exc)
+
+            threads = [
+                threading.Thread(target=write, args=(a, rows)),
+                threading.Thread(target=write, args=(b, rows[::-1])),
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert not errors, errors
+    finally:
+        a.close()
+        b.close()
+    assert _count(engine) == (400, 400)
 
 
 @pytest.mark.parametrize("one_batch", [False, True], ids=["upserts", "in-batch"])

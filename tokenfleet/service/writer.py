@@ -619,7 +619,10 @@ class LedgerWriter:
             else:
                 merged[rid] = row
         now = utcnow()
-        values = [{**row, "updated_at": now} for row in merged.values()]
+        # in request-id order: PostgreSQL locks each row as it upserts it, and
+        # two writers (the API and a worker) taking the same rows in their own
+        # orders deadlocked; one order for everyone cannot
+        values = [{**merged[rid], "updated_at": now} for rid in sorted(merged)]
         with self.engine.begin() as conn:
             conn.execute(upsert_statement(conn.dialect.name), values)
 
