@@ -138,6 +138,11 @@ class WorkerRuntime:
             return seen[1]
         alive = bool(self.state.r.exists(key))
         with self._lock:
+            # an API process that restarted has a new key: forget readings no
+            # waiter has asked for in a while, so the cache stays the live APIs
+            old = [k for k, (at, _) in self._api_alive.items() if now - at > 60 * max_age_s]
+            for k in old:
+                del self._api_alive[k]
             self._api_alive[key] = (now, alive)
         return alive
 
