@@ -115,8 +115,15 @@ class FrontGate:
     """At most ``slots`` requests in their CPU-bound front half at once.
 
     A request that finds every slot taken waits at most ``wait_s``; one whose
-    predicted wait (the requests waiting ahead of it over the rate requests
-    pass the gate) is already longer is refused at once, not after the wait."""
+    predicted wait is already longer is refused at once, not after the wait.
+    The prediction is the gate's capacity, not its recent traffic: the
+    requests waiting ahead, times the mean time a request holds a slot, over
+    the number of slots (Little's law for a saturated gate). A pass *rate*
+    would read an idle process as a slow one and refuse the first burst
+    after a quiet spell."""
+
+    #: weight of the newest hold time in the running mean
+    HOLD_EWMA_ALPHA = 0.2
 
     def __init__(
         self, slots: int, wait_s: float, clock: Callable[[], float] = time.monotonic
@@ -126,43 +133,57 @@ class FrontGate:
         self.clock = clock
         self._sem = threading.BoundedSemaphore(max(1, slots))
         self._lock = threading.Lock()
-        self._passed = _RateMeter(started=clock())
+        self._entered = threading.local()
+        #: mean seconds a request holds a slot (None: no request has left yet)
+        self.mean_hold_s: float | None = None
         self._refused = _RateMeter(window_s=1.0, started=clock())
         self._waiting = 0
 
+    def _turn_s(self, ahead: int) -> float | None:
+        """Predicted wait of a request with ``ahead`` requests waiting before it."""
+        if self.mean_hold_s is None:
+            return None
+        return (ahead + 1) * self.mean_hold_s / max(1, self.slots)
+
     def enter(self) -> None:
-        if self.slots <= 0 or self._sem.acquire(blocking=False):
+        if self.slots <= 0:
             return
-        with self._lock:
-            rate = self._passed.rate(self.clock())
-            hopeless = rate > 0 and (self._waiting + 1) / rate > self.wait_s
+        if not self._sem.acquire(blocking=False):
+            with self._lock:
+                wait = self._turn_s(self._waiting)
+                hopeless = wait is not None and wait > self.wait_s
+                if not hopeless:
+                    self._waiting += 1
+            acquired = False
             if not hopeless:
-                self._waiting += 1
-        if not hopeless:
-            try:
-                if self._sem.acquire(timeout=self.wait_s):
-                    return
-            finally:
-                with self._lock:
-                    self._waiting -= 1
-        now = self.clock()
+                try:
+                    acquired = self._sem.acquire(timeout=self.wait_s)
+                finally:
+                    with self._lock:
+                        self._waiting -= 1
+            if not acquired:
+                self._refuse()
+        self._entered.at = self.clock()
+
+    def _refuse(self) -> None:
         with self._lock:
-            self._refused.add(now)
-            rate = self._passed.rate(now)
-            waiting = self._refused.count(now) + 1
-        retry = waiting / rate if rate > 0 else RATE_WINDOW_S
+            self._refused.add(self.clock())
+            retry = self._turn_s(self._refused.count(self.clock()))
         raise Overloaded(
             "this API process cannot take more requests this second; "
             "retry after the indicated delay (or send to another replica)",
-            retry_after_s=retry,
+            retry_after_s=RATE_WINDOW_S if retry is None else retry,
         )
 
     def leave(self) -> None:
         if self.slots <= 0:
             return
+        held_s = max(0.0, self.clock() - getattr(self._entered, "at", self.clock()))
         self._sem.release()
         with self._lock:
-            self._passed.add(self.clock())
+            a = self.HOLD_EWMA_ALPHA
+            m = self.mean_hold_s
+            self.mean_hold_s = held_s if m is None else (1 - a) * m + a * held_s
 
 
 class WaitPredictor:
