@@ -295,6 +295,13 @@ class LiveConfig:
             "long a thread running Python may keep the others, /health included, waiting."
         ),
     )
+    api_stall_log_ms: float = field(
+        default=100.0,
+        metadata=_doc(
+            "The API process logs every garbage collection, and every stall of its threads, "
+            "of at least this long (what makes /health late; 0: off)."
+        ),
+    )
     api_front_slots: int = field(
         default=8,
         metadata=_doc(

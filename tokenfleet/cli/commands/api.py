@@ -93,6 +93,10 @@ def run(args: argparse.Namespace) -> int:
         }
     )
     tune_interpreter(cfg.live.api_switch_interval_ms)
+    if cfg.live.api_stall_log_ms > 0:
+        from tokenfleet.live.stalls import StallWatch
+
+        StallWatch(cfg.live.api_stall_log_ms).start()
     host = args.host or cfg.api_host
     port = args.port if args.port is not None else cfg.api_port
     try:
