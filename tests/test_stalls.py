@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 
 import pytest
 
-from tokenfleet.live.stalls import StallWatch
+from tokenfleet.live.stalls import StallWatch, describe_busy_threads
 
 
 def test_a_call_that_holds_the_interpreter_is_logged_as_a_stall(
@@ -45,3 +46,26 @@ def test_a_slow_collection_is_logged_with_its_generation(
     assert any(gen == 2 for _, gen, _ in watch.collections)
     assert "garbage collection of generation 2" in caplog.text
     assert watch._on_gc not in gc.callbacks  # stop() takes the callback away
+
+
+def _spin(stop: threading.Event) -> None:
+    while not stop.is_set():
+        pass
+
+
+def test_a_stall_names_the_code_the_busy_threads_run() -> None:
+    stop = threading.Event()
+    idle = threading.Event()
+    threads = [threading.Thread(target=_spin, args=(stop,)) for _ in range(2)]
+    threads.append(threading.Thread(target=idle.wait))  # waits: not named
+    for t in threads:
+        t.start()
+    try:
+        described = describe_busy_threads()
+    finally:
+        stop.set()
+        idle.set()
+        for t in threads:
+            t.join()
+    assert "test_stalls.py _spin x2" in described, described
+    assert "wait" not in described

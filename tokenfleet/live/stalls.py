@@ -8,8 +8,9 @@ to a process with thousands of threads, so the process watches itself:
 * a collector callback times every collection and logs those of at least
   ``threshold_ms`` (generation, objects examined, collected);
 * a watch thread sleeps ``tick_s`` at a time and logs a wake-up late by at
-  least ``threshold_ms``: the interpreter (or the host) held every thread
-  back that long.
+  least ``threshold_ms``, with the CPU the process used meanwhile: about as
+  much as the stall when its own threads held the interpreter, little when
+  the host did not run the process.
 
 Both cost next to nothing when nothing is slow (one callback per
 collection, ``1 / tick_s`` wake-ups a second), so the API runs them by
@@ -20,14 +21,74 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
+import sysconfig
 import threading
 import time
+from pathlib import Path
+from types import FrameType
 from typing import Any
+
+import tokenfleet
 
 log = logging.getLogger("tokenfleet.stalls")
 
 #: how often the watch thread wakes (seconds)
 TICK_S = 0.02
+#: a stall's log line names the busy threads' code at most this often (seconds)
+DESCRIBE_EVERY_S = 1.0
+#: a thread whose innermost frame is one of these waits, it does not compete
+_IDLE_FUNCTIONS = frozenset(
+    {
+        "wait",
+        "select",
+        "poll",
+        "accept",
+        "readinto",
+        "recv_into",
+        "recv",
+        "sleep",
+        "_recv",
+        "readline",
+        "read",
+        "acquire",
+        "get",
+        "_wait_for_tstate_lock",
+        "serve_forever",
+    }
+)
+#: a busy thread is named by its innermost frame outside these (the standard
+#: library and the installed packages): the project's code that made it run
+_LIBRARY_DIRS = tuple(
+    sorted({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+)
+
+#: this project's packages (installed or not): tokenfleet, web and workers sit side by side
+_ROOT = Path(tokenfleet.__file__ or ".").resolve().parent.parent
+_PROJECT_DIRS = tuple(f"{_ROOT / name}/" for name in ("tokenfleet", "web", "workers"))
+
+
+def _library(filename: str) -> bool:
+    return filename.startswith(_LIBRARY_DIRS) and not filename.startswith(_PROJECT_DIRS)
+
+
+def describe_busy_threads(top: int = 5) -> str:
+    """Where most threads that are not waiting run now, as ``file function x
+    count`` (their innermost frame in this project's code), busiest first:
+    after a stall, those are the threads that took the interpreter's turns."""
+    counts: dict[str, int] = {}
+    me = threading.get_ident()
+    for ident, frame in sys._current_frames().items():
+        if ident == me or frame.f_code.co_name in _IDLE_FUNCTIONS:
+            continue
+        f: FrameType | None = frame
+        while f is not None and _library(f.f_code.co_filename):
+            f = f.f_back
+        code = (frame if f is None else f).f_code
+        key = f"{code.co_filename.rsplit('/', 1)[-1]} {code.co_name}"
+        counts[key] = counts.get(key, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+    return ", ".join(f"{k} x{n}" for k, n in ranked) or "none"
 
 
 class StallWatch:
@@ -37,6 +98,7 @@ class StallWatch:
         self.threshold_s = threshold_ms / 1000.0
         self.tick_s = tick_s
         self._gc_started = 0.0
+        self._described_at = float("-inf")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         #: (monotonic time, seconds) of every logged stall, newest last (bounded)
@@ -76,16 +138,27 @@ class StallWatch:
 
     def _watch(self) -> None:
         while True:
-            t0 = time.monotonic()
+            t0, cpu0 = time.monotonic(), time.process_time()
             if self._stop.wait(self.tick_s):
                 return
             late_s = time.monotonic() - t0 - self.tick_s
             if late_s >= self.threshold_s:
+                # CPU the process used meanwhile: about the stall's length when its
+                # own threads held the interpreter; near zero when the host did not
+                # run it (or it waited on something)
+                cpu_s = time.process_time() - cpu0
                 self._keep(self.stalls, (time.monotonic(), late_s))
+                busy = ""
+                if time.monotonic() - self._described_at >= DESCRIBE_EVERY_S:
+                    self._described_at = time.monotonic()
+                    busy = "; busy threads: " + describe_busy_threads()
                 log.warning(
-                    "the process stalled %.0f ms (a thread woke that late; %d threads)",
+                    "the process stalled %.0f ms (a thread woke that late; the process "
+                    "used %.0f ms of CPU meanwhile; %d threads%s)",
                     late_s * 1000,
+                    cpu_s * 1000,
                     threading.active_count(),
+                    busy,
                 )
 
     @staticmethod
