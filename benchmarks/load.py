@@ -42,6 +42,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -80,6 +81,24 @@ class Probes:
     failures: int = 0
     #: seconds since the phase began of each probe over 100 ms
     slow_at_s: list[float] = field(default_factory=list)
+    #: (seconds since the phase began, latency) of each probe over 100 ms
+    slow: list[tuple[float, float]] = field(default_factory=list)
+    #: (seconds since the phase began, how late) of each wake-up of the prober's
+    #: bare stall thread at least HOST_STALL_S late: the host ran no thread of
+    #: a process that did nothing else
+    host_stalls: list[tuple[float, float]] = field(default_factory=list)
+
+
+#: the prober's stall thread sleeps this long at a time
+HOST_TICK_S = 0.01
+#: a wake-up this late (seconds) is a host stall
+HOST_STALL_S = 0.05
+
+
+def during_host_stall(at_s: float, took_s: float, stalls: list[tuple[float, float]]) -> bool:
+    """A probe sent at ``at_s`` that took ``took_s`` overlapped a host stall: a
+    stall ending at ``t`` after ``late`` seconds covered ``[t - late, t]``."""
+    return any(t - late < at_s + took_s and t > at_s for t, late in stalls)
 
 
 async def http_request(
@@ -167,11 +186,28 @@ def chat_body(model: str, tokens: int, stream: bool) -> bytes:
 def _probe_main(host: str, port: int, conn: Connection) -> None:
     """``/health`` every 0.5 s with a blocking socket, in its own process: the
     asyncio client carrying thousands of streams would otherwise add its own
-    loop's delay to each probe."""
+    loop's delay to each probe. A second thread of this process does nothing
+    but wake every 10 ms: when it wakes late, the machine ran none of this
+    process's threads, and a slow probe then is the host's as much as the API's."""
     lat: list[float] = []
-    slow_at: list[float] = []
+    slow: list[tuple[float, float]] = []
+    stalls: list[tuple[float, float]] = []
     failures = 0
     began = time.monotonic()
+    done = threading.Event()
+
+    def watch_host() -> None:
+        while True:
+            t0 = time.monotonic()
+            if done.wait(HOST_TICK_S):
+                return
+            now = time.monotonic()
+            late = now - t0 - HOST_TICK_S
+            if late >= HOST_STALL_S:
+                stalls.append((round(now - began, 3), round(late, 3)))
+
+    watcher = threading.Thread(target=watch_host, daemon=True)
+    watcher.start()
     while not conn.poll(0.5):
         t0 = time.monotonic()
         try:
@@ -187,12 +223,14 @@ def _probe_main(host: str, port: int, conn: Connection) -> None:
             if status in (200, 503):
                 lat.append(dt)
                 if dt > 0.1:
-                    slow_at.append(round(t0 - began, 1))
+                    slow.append((round(t0 - began, 3), round(dt, 3)))
             else:
                 failures += 1
         except OSError:
             failures += 1
-    conn.send((lat, failures, slow_at))
+    done.set()
+    watcher.join(1.0)
+    conn.send((lat, failures, slow, stalls))
 
 
 class HealthProber:
@@ -205,9 +243,9 @@ class HealthProber:
 
     def stop(self) -> Probes:
         self._conn.send(None)
-        lat, failures, slow_at = self._conn.recv()
+        lat, failures, slow, stalls = self._conn.recv()
         self._proc.join(10)
-        return Probes(lat, failures, slow_at)
+        return Probes(lat, failures, [round(at, 1) for at, _ in slow], slow, stalls)
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -224,6 +262,11 @@ def summarize(results: list[Result], probes: Probes) -> dict[str, Any]:
     ttfb = [r.ttfb_s for r in results if r.ttfb_s is not None and r.outcome == "ok"]
     refused_ttfb = [r.ttfb_s for r in results if r.ttfb_s is not None and r.outcome == "refused"]
     retry = sorted({r.retry_after for r in results if r.outcome == "refused"})
+    host_slow = [
+        (at, dt) for at, dt in probes.slow if during_host_stall(at, dt, probes.host_stalls)
+    ]
+    outside = [dt for at, dt in probes.slow if (at, dt) not in host_slow]
+    fast_max = max((x for x in probes.latencies_s if x <= 0.1), default=None)
     return {
         "requests": len(results),
         "outcomes": by,
@@ -239,6 +282,12 @@ def summarize(results: list[Result], probes: Probes) -> dict[str, Any]:
             "p99_s": pct(probes.latencies_s, 0.99),
             "over_100ms": sum(1 for x in probes.latencies_s if x > 0.1),
             "over_100ms_at_s": probes.slow_at_s[:40],
+            # the slow probes during which a bare process on the machine was not run
+            # either, and the slowest probe of the others (None: all were)
+            "over_100ms_during_host_stall": len(host_slow),
+            "max_s_outside_host_stalls": max(outside) if outside else fast_max,
+            "host_stalls": len(probes.host_stalls),
+            "host_stall_max_s": max((late for _, late in probes.host_stalls), default=0.0),
         },
     }
 
@@ -482,6 +531,13 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=18765)
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--time-scale", type=float, default=20.0, help="emulator slow-down")
+    ap.add_argument(
+        "--engine-nice",
+        type=int,
+        default=0,
+        help="the emulated engines' niceness (tokenfleet up --engine-nice): they stand "
+        "in for GPU servers, which do not share the API's cores in production",
+    )
     ap.add_argument("--slots", type=int, default=1024, help="worker slots, streams phase")
     ap.add_argument("--rate-slots", type=int, default=64, help="worker slots, rates phase")
     ap.add_argument("--streams", default="1000", help="comma list of N concurrent streams")
@@ -522,6 +578,8 @@ def main() -> int:
             cmd = [sys.executable, "-m", "tokenfleet.cli.main", "up", "--port", str(args.port)]
             cmd += ["--data-dir", str(data_dir), "--time-scale", str(ts)]
             cmd += ["--slots", str(slots), "--loglevel", "WARNING"]
+            if args.engine_nice:
+                cmd += ["--engine-nice", str(args.engine_nice)]
             if args.admission:
                 cmd += ["--admission", args.admission]
             up = subprocess.Popen(cmd, cwd=args.src, env=env, stdout=log, stderr=log)

@@ -54,6 +54,14 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--slots", type=int, default=64, help="requests per worker at once")
     p.add_argument(
+        "--engine-nice",
+        type=int,
+        default=0,
+        help="run the emulated engines at this CPU niceness (default 0): in production "
+        "they are GPU servers of their own, here they share the machine's cores with "
+        "the control plane",
+    )
+    p.add_argument(
         "--max-instances-per-dc",
         type=int,
         default=3,
@@ -244,9 +252,11 @@ def run(args: argparse.Namespace) -> int:
             # the engine publishes vLLM KV events; its worker relays them to the
             # shared prefix index (exact cache knowledge for every API replica)
             kv_of[inst] = f"tcp://127.0.0.1:{_free_port()}"
+            nice = ["nice", "-n", str(args.engine_nice)] if args.engine_nice else []
             sup.start(
                 f"engine-{inst}",
-                py
+                nice
+                + py
                 + [
                     "engine-sim",
                     "--port",
