@@ -27,10 +27,9 @@ not) cancels it: the wait asks the socket (:func:`web.server.client_gone`).
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import redis
@@ -73,6 +72,17 @@ class _Shape:
     def text_chunk(self, d: Dispatched, text: str) -> bytes:
         """:meth:`chunk` of a text delta, byte for byte, from the request's
         template: one string encode per chunk instead of a dict's."""
+        before, after = self._template(d)
+        return before + json.dumps(text).encode() + after
+
+    def text_framer(self, d: Dispatched) -> Callable[[str], bytes]:
+        """:meth:`text_chunk` for this request, holding its template only: the
+        stream pump keeps it in ``d.sink``, and a framer that held ``d`` made
+        every stream a reference cycle that only a full collection freed."""
+        before, after = self._template(d)
+        return lambda text: before + json.dumps(text).encode() + after
+
+    def _template(self, d: Dispatched) -> tuple[bytes, bytes]:
         tpl: tuple[bytes, bytes] | None = d.extra.get("sse_template")
         if tpl is None:
             head = json.dumps(self.head(d))[:-1].encode()
@@ -83,7 +93,7 @@ class _Shape:
                 close + b', "logprobs": null, "finish_reason": null}]}\n\n',
             )
             d.extra["sse_template"] = tpl
-        return tpl[0] + json.dumps(text).encode() + tpl[1]
+        return tpl
 
     def chunk(
         self, d: Dispatched, text: str | None, finish: str | None = None, role: bool = False
@@ -195,7 +205,7 @@ def _serve_held(gw: Gateway, principal: Any, shape: _Shape, tier_hint: str) -> R
         gw.front_gate.leave()
     gone = client_gone(request.environ)
     if gw.pump is not None:
-        frame = functools.partial(shape.text_chunk, d) if req.stream else None
+        frame = shape.text_framer(d) if req.stream else None
         d.sink = pump_sink(request.environ, frame)
     try:
         events = gw.events(d, client_gone=gone)
