@@ -295,6 +295,20 @@ class LiveConfig:
             "long a thread running Python may keep the others, /health included, waiting."
         ),
     )
+    api_full_gc_every_s: float = field(
+        default=60.0,
+        metadata=_doc(
+            "The API process runs its full garbage collections itself: at most this often, "
+            "when few requests are in flight (a full collection holds every thread; 0: "
+            "Python's own schedule)."
+        ),
+    )
+    api_full_gc_at_most_s: float = field(
+        default=900.0,
+        metadata=_doc(
+            "...and after this long without one even when the process is never quiet."
+        ),
+    )
     api_stall_log_ms: float = field(
         default=100.0,
         metadata=_doc(

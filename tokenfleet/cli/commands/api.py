@@ -58,8 +58,9 @@ def tune_interpreter(switch_interval_ms: float) -> None:
     process (about 240,000 objects, 200 ms on a loaded 2-core machine, the
     interpreter held throughout) then ran every ~9 s and was the longest
     ``/health`` wait. With young collections every 50,000 allocations most
-    of those objects are gone before they are looked at, and full
-    collections stop (docs/benchmarks.md, "Overload"). ``gc.freeze()`` takes
+    of those objects are gone before they are looked at (docs/benchmarks.md,
+    "Overload"); full collections run at quiet moments
+    (:mod:`tokenfleet.live.collector`). ``gc.freeze()`` takes
     what start-up built (Flask, Celery, kombu, the routers) out of every
     collection."""
     if switch_interval_ms > 0:
@@ -93,6 +94,15 @@ def run(args: argparse.Namespace) -> int:
         }
     )
     tune_interpreter(cfg.live.api_switch_interval_ms)
+    if cfg.live.api_full_gc_every_s > 0:
+        from tokenfleet.live.collector import QuietCollector
+
+        gw = app.extensions["tokenfleet"]
+        QuietCollector(
+            lambda: int(gw.inflight.inflight),
+            every_s=cfg.live.api_full_gc_every_s,
+            at_most_s=max(cfg.live.api_full_gc_every_s, cfg.live.api_full_gc_at_most_s),
+        ).start()
     if cfg.live.api_stall_log_ms > 0:
         from tokenfleet.live.stalls import StallWatch
 
