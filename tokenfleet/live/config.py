@@ -316,6 +316,13 @@ class LiveConfig:
             "of at least this long (what makes /health late; 0: off)."
         ),
     )
+    worker_stall_log_ms: float = field(
+        default=250.0,
+        metadata=_doc(
+            "A worker process logs every garbage collection, and every stall of its threads, "
+            "of at least this long (what lapses its leases; 0: off)."
+        ),
+    )
     api_front_slots: int = field(
         default=8,
         metadata=_doc(

@@ -83,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
     ep = discover(cfg, require=("redis",))
     assert ep.redis_url is not None and ep.broker_url is not None
     instance = args.instance or f"{args.dc}-pool"
+    if cfg.live.worker_stall_log_ms > 0:
+        from tokenfleet.live.stalls import StallWatch
+
+        StallWatch(cfg.live.worker_stall_log_ms).start()
     opts = WorkerOptions(
         dc=args.dc,
         instance_id=instance,
