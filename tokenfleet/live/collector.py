@@ -29,6 +29,20 @@ log = logging.getLogger("tokenfleet.api")
 
 #: the oldest generation's threshold while the collector runs: never reached
 NEVER = 2**31 - 1
+#: objects allocated (net) between young collections in a long-lived service
+#: process (Python's default is 700), and the young collections between older ones
+SERVICE_GC_THRESHOLDS = (50_000, 20, 100)
+
+
+def space_collections() -> None:
+    """For a process that holds thousands of requests on threads (the API, a
+    worker): take what start-up built out of every collection (``gc.freeze``)
+    and collect young objects every 50,000 allocations instead of 700. At
+    Python's default a worker holding 1,000 streams ran full collections of
+    up to 1.2 s on the 2-core machine, and its leases lapsed meanwhile."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*SERVICE_GC_THRESHOLDS)
 
 
 class QuietCollector:

@@ -305,9 +305,7 @@ class LiveConfig:
     )
     api_full_gc_at_most_s: float = field(
         default=900.0,
-        metadata=_doc(
-            "...and after this long without one even when the process is never quiet."
-        ),
+        metadata=_doc("...and after this long without one even when the process is never quiet."),
     )
     api_stall_log_ms: float = field(
         default=100.0,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import signal
 import sys
 import threading
@@ -40,11 +39,6 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-#: objects allocated (net) between young collections in the API process
-#: (Python's default is 700), and the young collections between older ones
-API_GC_THRESHOLDS = (50_000, 20, 100)
-
-
 def tune_interpreter(switch_interval_ms: float) -> None:
     """Shorter interpreter turns, and rare full collections, for the API process.
 
@@ -65,9 +59,9 @@ def tune_interpreter(switch_interval_ms: float) -> None:
     collection."""
     if switch_interval_ms > 0:
         sys.setswitchinterval(switch_interval_ms / 1000.0)
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*API_GC_THRESHOLDS)
+    from tokenfleet.live.collector import space_collections
+
+    space_collections()
 
 
 def run(args: argparse.Namespace) -> int:

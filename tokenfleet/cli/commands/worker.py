@@ -83,6 +83,9 @@ def run(args: argparse.Namespace) -> int:
     ep = discover(cfg, require=("redis",))
     assert ep.redis_url is not None and ep.broker_url is not None
     instance = args.instance or f"{args.dc}-pool"
+    from tokenfleet.live.collector import space_collections
+
+    space_collections()
     if cfg.live.worker_stall_log_ms > 0:
         from tokenfleet.live.stalls import StallWatch
 
