@@ -50,6 +50,7 @@ class _Phase:
     prefill_idx: int
     decode_idx: int
     prefill_req: EngineRequest
+    prefill_cached_tokens: int = 0  # the router's cache estimate on the prefill side
     prefill_done_s: float | None = None
     transfer_s: float = 0.0
     transfer_done_s: float | None = None
@@ -183,7 +184,7 @@ class PDPoolSim(PoolSim):
             decode_req,
             hook_instance=p_idx,
         )
-        phase = _Phase(fl, p_idx, d_idx, prefill_req)
+        phase = _Phase(fl, p_idx, d_idx, prefill_req, d.expected_cached_tokens)
         self._flights[info.request_id] = fl
         self._phases[info.request_id] = phase
         self._by_prefill_id[prefill_req.request_id] = phase
@@ -225,8 +226,8 @@ class PDPoolSim(PoolSim):
         ph.prefill_done_s = now
         views = self.views[fl.replica]
         p_view = views[ph.prefill_idx]
-        p_view.accounting.on_first_token(fl.info, 0)
-        p_view.accounting.on_finish(fl.info, True, 0)
+        p_view.accounting.on_first_token(fl.info, ph.prefill_cached_tokens)
+        p_view.accounting.on_finish(fl.info, True, ph.prefill_cached_tokens)
         router = self.routers[fl.replica]
         if isinstance(router, PDRouter):
             router.on_prefill_done(fl.info, p_view.instance_id, now)
@@ -254,7 +255,7 @@ class PDPoolSim(PoolSim):
             self._by_prefill_id.pop(ph.prefill_req.request_id, None)
             self.engines[ph.prefill_idx].abort(ph.prefill_req.request_id)
             p_acc = self.views[fl.replica][ph.prefill_idx].accounting
-            p_acc.on_finish(fl.info, False, 0)
+            p_acc.on_finish(fl.info, False, ph.prefill_cached_tokens)
             fl.done = True
             self._flights.pop(fl.info.request_id, None)
             self.inflight -= 1
