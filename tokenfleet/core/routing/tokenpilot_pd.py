@@ -169,7 +169,12 @@ class TokenPilotPDRouter(PDRouter):
                             p.instance_id, d_inst.instance_id, c, ttft, tpot, "disaggregated"
                         ),
                     )
-        assert best is not None, "eligible() returned instances, one option exists"
+        if best is None:
+            # roles leave no option among the instances shown (admission may show
+            # a subset): the least-loaded one serves it aggregated
+            i = min(insts, key=lambda v: (self._queue_s(v), v.accounting.inflight_requests))
+            c = min(hit[i.instance_id], request.input_tokens - 1)
+            best = (0.0, 0.0, PDDecision(i.instance_id, None, c, reason="aggregated: fallback"))
         decision = best[2]
         self._prefixes.add(decision.prefill_instance_id, hashes)
         if decision.disaggregated:
