@@ -126,6 +126,10 @@ class PDPoolSim(PoolSim):
         if not isinstance(router, PDRouter):
             super()._route_and_dispatch(trace, info, record, replica, snap)
             return
+        # An admission layer's instance subset (SLOMax's per-tier capacity split)
+        # is not applied: the P/D router's pools replace it; admission still
+        # decides when a request is dispatched.
+        snap = PoolSnapshot(snap.now_s, self.views[replica], replica)
         if not self._planning:
             self._planning = True
             self.env.schedule(self.role_period_s, self._plan)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from typing import Any
 
 from tokenfleet.core.routing.base import ROUTERS, eligible
 from tokenfleet.core.routing.pd_base import DECODE, MIXED, PREFILL, PDDecision, PDRouter
@@ -34,6 +35,7 @@ from tokenfleet.core.types import (
     RequestInfo,
 )
 from tokenfleet.engine.kv_link import KVLink
+from tokenfleet.errors import NoCandidateError
 
 
 class _Prefixes:
@@ -76,6 +78,7 @@ class TokenPilotPDRouter(PDRouter):
         role_period_s: float = 15.0,
         target_prefill_util: float = 0.8,
         decode_budget_frac: float = 0.5,
+        shed_ttft_factor: float | None = None,
         seed: int = 0,
     ) -> None:
         super().__init__(link=link, prefill_share=prefill_share)
@@ -83,6 +86,9 @@ class TokenPilotPDRouter(PDRouter):
         self.role_period_s = role_period_s
         self.target_prefill_util = target_prefill_util
         self.decode_budget_frac = decode_budget_frac
+        #: reject (NoCandidateError: 503 at once) a request whose best predicted
+        #: TTFT exceeds this many times its tier's limit; None: never
+        self.shed_ttft_factor = shed_ttft_factor
         self._prefixes = _Prefixes()
         self._out_tokens: dict[str, float] = {}  # tier -> EWMA of observed outputs
         self._long_log: deque[tuple[float, float]] = deque()  # (t, long prefill s)
@@ -176,6 +182,17 @@ class TokenPilotPDRouter(PDRouter):
             c = min(hit[i.instance_id], request.input_tokens - 1)
             best = (0.0, 0.0, PDDecision(i.instance_id, None, c, reason="aggregated: fallback"))
         decision = best[2]
+        limit = tier_slo.ttft_limit_s(request.input_tokens)
+        if (
+            self.shed_ttft_factor is not None
+            and limit is not None
+            and decision.predicted_ttft_s is not None
+            and decision.predicted_ttft_s > self.shed_ttft_factor * limit
+        ):
+            raise NoCandidateError(
+                f"predicted TTFT {decision.predicted_ttft_s:.2f}s > "
+                f"{self.shed_ttft_factor:g} x {limit:.2f}s on every instance; retry later"
+            )
         self._prefixes.add(decision.prefill_instance_id, hashes)
         if decision.disaggregated:
             self._prefixes.add(str(decision.decode_instance_id), hashes)
@@ -228,3 +245,15 @@ class TokenPilotPDRouter(PDRouter):
         old = self._out_tokens.get(tier)
         x = float(event.output_tokens)
         self._out_tokens[tier] = x if old is None else 0.95 * old + 0.05 * x
+
+
+@ROUTERS.register("tokenpilot_pd_shed")
+class TokenPilotPDShedRouter(TokenPilotPDRouter):
+    """``tokenpilot_pd`` that sheds load: a request predicted to miss its TTFT
+    limit on every option is refused at arrival (the client can retry or go
+    elsewhere) instead of queueing and delaying the requests behind it."""
+
+    name = "tokenpilot_pd_shed"
+
+    def __init__(self, *, shed_ttft_factor: float | None = 1.0, **kwargs: Any) -> None:
+        super().__init__(shed_ttft_factor=shed_ttft_factor, **kwargs)
