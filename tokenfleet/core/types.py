@@ -135,6 +135,11 @@ class InstanceView:
     metrics: ScrapedMetrics = field(default_factory=ScrapedMetrics)
     accounting: DispatchAccounting = field(default_factory=DispatchAccounting)
     index: int = 0  # position in the pool, for cheap array-based policies
+    #: P/D disaggregation role: "mixed" (prefill and decode, the default),
+    #: "prefill" (vLLM kv_producer) or "decode" (kv_consumer)
+    role: str = "mixed"
+    #: the node the instance runs on: KV moves over NVLink inside a node, RDMA across
+    node: int = 0
 
 
 @dataclass(slots=True)

@@ -188,6 +188,9 @@ class EngineLoop:
         self.resyncs = 0
         self.lost_s = 0.0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        #: P/D decode side: called (engine thread, lock held) when a request's
+        #: remote KV has arrived; it must not block
+        self.on_remote_loaded: Callable[[EngineRequest], None] | None = None
         metrics.attach(self.snapshot)
 
     # -- lifecycle ------------------------------------------------------------
@@ -240,6 +243,11 @@ class EngineLoop:
         handle.changed.set()
         return True
 
+    def release_kv(self, request_id: str) -> bool:
+        """P/D prefill side: a decode instance has read this request's KV."""
+        with self._cond:
+            return self.engine.release(request_id, transferred=True) is not None
+
     def abort_all(self) -> int:
         with self._cond:
             ids = list(self.handles)
@@ -270,6 +278,10 @@ class EngineLoop:
                 external_hits_tokens=c.host_hits_tokens,
                 num_cpu_blocks=e.host_capacity_blocks,
                 cpu_blocks_used=e.host_blocks,
+                kv_transfer_in_tokens=c.kv_transfer_in_tokens,
+                kv_transfer_in_s=c.kv_transfer_in_s,
+                kv_transfer_out_tokens=c.kv_transfer_out_tokens,
+                kv_held_blocks=e.held_blocks,
             )
 
     # -- the step loop --------------------------------------------------------------
@@ -336,6 +348,9 @@ class EngineLoop:
         handles = self.handles
         metrics = self.metrics
         woken: list[RequestHandle] = []
+        if result.remote_loaded and self.on_remote_loaded is not None:
+            for req in result.remote_loaded:
+                self.on_remote_loaded(req)
         for req in batch:
             h = handles.get(req.request_id)
             if h is None or req.output_tokens < 0:

@@ -108,6 +108,11 @@ class EngineState:
     external_hits_tokens: int = 0
     num_cpu_blocks: int = 0
     cpu_blocks_used: int = 0
+    # P/D disaggregation (NixlConnector-style transfers; 0 when unused)
+    kv_transfer_in_tokens: int = 0
+    kv_transfer_in_s: float = 0.0
+    kv_transfer_out_tokens: int = 0
+    kv_held_blocks: int = 0
 
 
 class EmulatorMetrics:
@@ -248,6 +253,28 @@ class _StateCollector:
                 "tokenfleet:kv_offload_cpu_usage_perc",
                 "Host-memory KV tier usage (OffloadingConnector). 1 means 100 percent usage.",
                 s.cpu_blocks_used / s.num_cpu_blocks,
+            )
+        if s.kv_transfer_in_tokens or s.kv_transfer_out_tokens or s.kv_held_blocks:
+            # not vLLM series (its NIXL stats differ by version): what P/D moved
+            yield counter(
+                "tokenfleet:kv_transfer_received_tokens",
+                "Prompt tokens whose KV this (decode) instance received from a prefill instance.",
+                s.kv_transfer_in_tokens,
+            )
+            yield counter(
+                "tokenfleet:kv_transfer_received_seconds",
+                "Model seconds the received KV transfers took.",
+                s.kv_transfer_in_s,
+            )
+            yield counter(
+                "tokenfleet:kv_transfer_sent_tokens",
+                "Prompt tokens whose KV a decode instance read from this (prefill) instance.",
+                s.kv_transfer_out_tokens,
+            )
+            yield gauge(
+                "tokenfleet:kv_transfer_held_blocks",
+                "KV blocks this prefill instance holds until a decode instance reads them.",
+                s.kv_held_blocks,
             )
         yield counter(
             "vllm:num_preemptions",

@@ -45,6 +45,16 @@ from tokenfleet.emulator.openai_api import (
     usage,
     usage_chunk,
 )
+from tokenfleet.emulator.pd import (
+    RELEASE_PATH,
+    KVTransferParams,
+    log,
+    notify_release,
+    parse_kv_transfer_params,
+    prefill_response_params,
+)
+from tokenfleet.engine.instance import EngineRequest
+from tokenfleet.engine.kv_link import KVLink
 from tokenfleet.engine.profiles import EngineProfile, get_profile
 from tokenfleet.errors import CapacityError, ConfigError
 from tokenfleet.tokenizer import block_hashes, decode_token_ids, filler_word, token_ids
@@ -196,6 +206,10 @@ class EmulatorServer:
             publisher=self.publisher,
         )
         self.hangups = HangupWatch()
+        #: P/D: KV link to other instances; decode-side requests waiting for KV
+        self.kv_link = KVLink()
+        self._remote: dict[str, KVTransferParams] = {}
+        self.loop.on_remote_loaded = self._remote_loaded
         self._rng = random.Random(cfg.seed)
         self._fail_rng = random.Random(cfg.seed ^ 0x5EED)
         self._rng_lock = threading.Lock()
@@ -357,7 +371,9 @@ class EmulatorServer:
             raise ApiError(404, f"The model `{parsed.model}` does not exist.", "model")
         return parsed
 
-    def submit(self, parsed: ParsedRequest, request_id: str) -> RequestHandle:
+    def submit(
+        self, parsed: ParsedRequest, request_id: str, kv: KVTransferParams | None = None
+    ) -> RequestHandle:
         req = EmulatedRequest(
             request_id=request_id,
             input_tokens=parsed.input_tokens,
@@ -367,12 +383,53 @@ class EmulatorServer:
             max_tokens=parsed.max_tokens,
             filler_seed=parsed.filler_seed,
         )
+        if kv is not None and kv.do_remote_decode:
+            req.hold_kv = True  # the decode instance reads the KV, then releases it
+        elif kv is not None and kv.do_remote_prefill:
+            same_node = kv.remote_host == self.config.host
+            req.remote_kv_tokens = parsed.input_tokens
+            req.remote_load_s = self.kv_link.transfer_s(
+                self.profile, parsed.input_tokens, same_node
+            )
+            self._remote[request_id] = kv
         try:
             return self.loop.submit(req)
         except CapacityError as exc:
             raise ApiError(400, str(exc), "max_tokens") from None
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
+
+    def _remote_loaded(self, req: EngineRequest) -> None:
+        """Decode side: the prompt's KV arrived; tell the prefill side (engine thread)."""
+        kv = self._remote.pop(req.request_id, None)
+        if kv is None or kv.remote_host is None or kv.remote_port is None:
+            return
+        log.info(
+            "kv transfer: %s received %d tokens of KV from engine %s in %.4f s (model time)",
+            req.request_id,
+            req.remote_hit_tokens,
+            kv.remote_engine_id,
+            req.remote_load_s,
+        )
+        notify_release(
+            kv.remote_host,
+            kv.remote_port,
+            kv.remote_request_id or req.request_id,
+            self.config.instance_id,
+            req.remote_hit_tokens,
+        )
+
+    def release_kv(self, request_id: str, reader: str, tokens: int) -> bool:
+        """Prefill side: a decode instance has read ``request_id``'s KV."""
+        ok = self.loop.release_kv(request_id)
+        log.info(
+            "kv transfer: %s sent %d tokens of KV to engine %s%s",
+            request_id,
+            tokens,
+            reader,
+            "" if ok else " (nothing held: already released)",
+        )
+        return ok
 
     def served_model(self, parsed: ParsedRequest) -> str:
         return parsed.model or self.served_model_names[0]
@@ -532,6 +589,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._render(chat=path.startswith("/v1/chat"))
             elif path == "/abort_request":
                 self._abort()
+            elif path == RELEASE_PATH:
+                self._release_kv()
             elif path == "/reset_prefix_cache":
                 self._read_json_or_empty()
                 dropped = self.app.loop.reset_prefix_cache()
@@ -549,6 +608,19 @@ class _Handler(BaseHTTPRequestHandler):
         if not length or length == "0":
             return {}
         return self._read_json()
+
+    def _release_kv(self) -> None:
+        """P/D: the decode side read a held request's KV (NIXL's notification)."""
+        body = self._read_json_or_empty()
+        if not isinstance(body, dict) or not isinstance(body.get("request_id"), str):
+            raise ApiError(400, 'body must be {"request_id": ID, ...}')
+        tokens = body.get("tokens")
+        ok = self.app.release_kv(
+            body["request_id"],
+            str(body.get("engine_id", "?")),
+            tokens if isinstance(tokens, int) else 0,
+        )
+        self._send_json(200, {"released": ok})
 
     def _abort(self) -> None:
         """SGLang-style ``{"rid": ID}`` or ``{"abort_all": true}`` (vLLM has none)."""
@@ -623,8 +695,9 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(500, "injected failure (--fail-5xx-rate)")
         headers = {k.lower(): v for k, v in self.headers.items()}
         parsed = app.parse(body, headers, chat)
+        kv = parse_kv_transfer_params(body) if isinstance(body, dict) else None
         request_id = self.headers.get("X-Request-Id") or uuid.uuid4().hex
-        handle = app.submit(parsed, request_id)
+        handle = app.submit(parsed, request_id, kv)
         prefix = "chatcmpl-" if chat else "cmpl-"
         rid = prefix + request_id
         self._gone = False
@@ -664,6 +737,16 @@ class _Handler(BaseHTTPRequestHandler):
             reason,
             usage(parsed.input_tokens, n, handle.cached_tokens),
         )
+        if handle.req.hold_kv:
+            app = self.app
+            body["kv_transfer_params"] = prefill_response_params(
+                app.config.instance_id,
+                app.config.host,
+                self.server.server_address[1],
+                handle.request_id,
+                list(range(-(-handle.req.input_tokens // app.profile.block_size_tokens))),
+                app.profile.tp,
+            )
         self._send_json(200, body, {"X-Request-Id": handle.request_id})
 
     def _write_chunk(self, data: bytes) -> None:

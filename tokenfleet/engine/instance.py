@@ -27,7 +27,13 @@ docs/engine-model.md, section 5):
   every block the GPU caches is also written to host memory (its own LRU),
   and a waiting request whose prefix continues in host memory first loads
   those blocks into fresh GPU blocks at the host link's bandwidth, without
-  holding up the requests behind it, then prefills the rest.
+  holding up the requests behind it, then prefills the rest;
+- prefill/decode disaggregation, as vLLM's ``NixlConnector`` does it: a
+  prefill-side request (``hold_kv``) keeps its blocks after its one token
+  until the decode side has read them (``release``); a decode-side request
+  (``remote_kv_tokens``) takes blocks for the prompt's KV at admission and
+  waits while it arrives (``remote_load_s``), then recomputes the last
+  prompt token and decodes (docs/engine-model.md, section 2c).
 """
 
 from __future__ import annotations
@@ -72,6 +78,13 @@ class EngineRequest:
     host_hit_tokens: int = 0  # of cached_tokens, loaded from the host tier
     loading: bool = False  # waiting for its prefix to arrive from host memory
     load_left_s: float = 0.0
+    #: P/D, prefill side: keep the KV blocks after finishing, until ``release``
+    hold_kv: bool = False
+    #: P/D, decode side: prompt tokens whose KV a prefill instance computed
+    remote_kv_tokens: int = 0
+    #: P/D, decode side: seconds the KV transfer takes once blocks are allocated
+    remote_load_s: float = 0.0
+    remote_hit_tokens: int = 0  # of the prompt, received from the prefill instance
 
     def __post_init__(self) -> None:
         self.prompt_tokens = self.input_tokens
@@ -83,6 +96,8 @@ class StepResult:
     first_tokens: list[EngineRequest]
     finished: list[EngineRequest]
     tokens_emitted: int
+    #: P/D decode side: requests whose remote KV arrived during this step
+    remote_loaded: list[EngineRequest] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -101,6 +116,11 @@ class EngineCounters:
     host_evicted_blocks: int = 0
     host_load_s: float = 0.0  # link time spent loading (host -> GPU)
     host_store_s: float = 0.0  # link time spent offloading (GPU -> host)
+    # P/D disaggregation (NixlConnector-style KV transfer)
+    kv_transfer_in_tokens: int = 0  # decode side: prompt KV received
+    kv_transfer_in_s: float = 0.0  # decode side: transfer time of what it received
+    kv_transfer_out_tokens: int = 0  # prefill side: KV read by a decode instance
+    kv_held_peak_blocks: int = 0  # prefill side: most blocks held for transfers at once
 
 
 #: While only host loads are in flight, the engine polls for their completion
@@ -166,6 +186,10 @@ class EngineInstance:
             OrderedDict() if self.host_capacity_blocks > 0 else None
         )
         self._loading: list[EngineRequest] = []  # waiting on host -> GPU loads
+        self._loaded_now: list[EngineRequest] = []  # remote loads done this step
+        #: P/D prefill side: finished requests whose blocks a decode side still reads
+        self.held: dict[str, EngineRequest] = {}
+        self.held_blocks = 0
         self._step_s = 0.0
         # the same for the host tier's events (vLLM: medium "CPU")
         self.host_listener: Callable[[str, Sequence[int]], None] | None = None
@@ -197,7 +221,7 @@ class EngineInstance:
         """Cancel a request wherever it is; frees its blocks. Idempotent."""
         req = self.by_id.pop(request_id, None)
         if req is None:
-            return None
+            return self.release(request_id)
         if req in self._batch:
             # Mid-step: the step's work is spent; drop it once the step ends.
             req.output_tokens = -1
@@ -213,6 +237,20 @@ class EngineInstance:
                 req.loading = False
             if req.blocks:  # holds blocks its host-tier prefix was loaded into
                 self._free(req)
+        return req
+
+    def release(self, request_id: str, transferred: bool = False) -> EngineRequest | None:
+        """P/D prefill side: the decode side has the KV (or gave up); free it.
+
+        ``transferred`` counts the request's prompt as sent. Idempotent.
+        """
+        req = self.held.pop(request_id, None)
+        if req is None:
+            return None
+        self.held_blocks -= req.blocks
+        if transferred:
+            self.counters.kv_transfer_out_tokens += req.input_tokens
+        self._free(req)
         return req
 
     @property
@@ -301,6 +339,16 @@ class EngineInstance:
             else:
                 hit, revived = self._match(req)
                 start = hit * blk
+                if req.remote_kv_tokens and req.preemptions == 0:
+                    # P/D decode side: the prefill instance's KV past the local hit
+                    lim = min((req.prompt_tokens - 1) // blk, req.remote_kv_tokens // blk)
+                    got = max(0, lim - hit)
+                    if got:
+                        if got + revived > self.free_blocks:
+                            break
+                        self._start_remote_load(req, hit, got)
+                        w += 1
+                        continue
                 if host is not None:
                     got = self._host_match(req, hit)
                     if got:
@@ -384,13 +432,22 @@ class EngineInstance:
                 gone = {id(r) for r in done}
                 self.running = [r for r in self.running if id(r) not in gone]
             for req in done:
-                self._free(req)
                 self.by_id.pop(req.request_id, None)
+                if req.hold_kv:  # P/D prefill side: a decode instance reads it next
+                    self.held[req.request_id] = req
+                    self.held_blocks += req.blocks
+                    if self.held_blocks > self.counters.kv_held_peak_blocks:
+                        self.counters.kv_held_peak_blocks = self.held_blocks
+                else:
+                    self._free(req)
         self._batch = []
         self.stepping = False
+        loaded: list[EngineRequest] = []
         if self._loading:
             self._advance_loads(self._step_s)
-        return StepResult(firsts, done, emitted)
+            if self._loaded_now:
+                loaded, self._loaded_now = self._loaded_now, []
+        return StepResult(firsts, done, emitted, loaded)
 
     def reset_prefix_cache(self) -> list[int]:
         """Forget every cached block no request holds (vLLM's /reset_prefix_cache).
@@ -470,6 +527,23 @@ class EngineInstance:
             req.cached_tokens = req.computed_tokens
             req.host_hit_tokens = tokens
 
+    def _start_remote_load(self, req: EngineRequest, hit: int, got: int) -> None:
+        """Take GPU blocks for ``got`` blocks of prompt KV and start receiving them
+        (vLLM: ``WAITING_FOR_REMOTE_KVS`` until the connector reports them done)."""
+        blk = self.block
+        self._count_query(req, hit)
+        self._acquire(req, hit, hit * blk)
+        self._grow(req, got)
+        req.computed_tokens = (hit + got) * blk
+        tokens = got * blk
+        req.load_left_s = req.remote_load_s
+        req.loading = True
+        self._loading.append(req)
+        self.counters.kv_transfer_in_tokens += tokens
+        self.counters.kv_transfer_in_s += req.remote_load_s
+        req.cached_tokens = hit * blk  # local prefix-cache hit only, as vLLM reports
+        req.remote_hit_tokens = tokens
+
     def _advance_loads(self, dt: float) -> None:
         """Loads progress while steps run (a separate copy stream); a finished
         one caches its blocks on the GPU, as vLLM does once the copy lands."""
@@ -482,6 +556,8 @@ class EngineInstance:
                 r.load_left_s = 0.0
                 r.loading = False
                 self._cache_blocks(r, r.computed_tokens)
+                if r.remote_kv_tokens:
+                    self._loaded_now.append(r)
         self._loading = still
 
     def _host_put(self, hashes: Sequence[int]) -> None:

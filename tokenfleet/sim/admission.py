@@ -425,7 +425,9 @@ def run_pool_with_admission(
         if progress is not None and (len(records) % step == 0 or len(records) == total):
             progress(len(records), total)
 
-    pool = PoolSim(env, config, slo)
+    from tokenfleet.sim.pd import make_pool
+
+    pool = make_pool(env, config, slo)
     driver = AdmissionDriver(
         env, pool, policy, slo, control_period_s=control_period_s, on_done=done
     )

@@ -29,9 +29,16 @@ from tokenfleet.core.types import (
     KVEvent,
     PoolSnapshot,
     RequestInfo,
+    RouteDecision,
     ScrapedMetrics,
 )
-from tokenfleet.engine.instance import MEDIUM_CPU, MEDIUM_GPU, EngineInstance, EngineRequest
+from tokenfleet.engine.instance import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    EngineInstance,
+    EngineRequest,
+    StepResult,
+)
 from tokenfleet.engine.profiles import EngineProfile
 from tokenfleet.errors import CapacityError, NoCandidateError
 from tokenfleet.sim.core import URGENT, Environment
@@ -95,6 +102,9 @@ class _Flight:
     got_first_token: bool = False
     done: bool = False
     relay_s: float = 0.0  # first token (and end) reach the client this much later
+    #: the instance the admission hooks were told of at dispatch (-1: ``instance``);
+    #: a disaggregated request is dispatched to its prefill instance, decoded elsewhere
+    hook_instance: int = -1
 
 
 @dataclass
@@ -264,11 +274,35 @@ class PoolSim:
             self._shared.catch_up(replica, env.now)
         shown = views if not allowed else [v for v in views if v.instance_id in allowed]
         snap = PoolSnapshot(now_s=env.now, instances=shown, router_id=replica)
+        self._route_and_dispatch(trace, info, record, replica, snap)
+
+    def _route_and_dispatch(
+        self,
+        trace: TraceRequest,
+        info: RequestInfo,
+        record: RequestRecord,
+        replica: int,
+        snap: PoolSnapshot,
+    ) -> None:
+        """Ask the replica's router, then hand the request to that engine
+        (a P/D pool overrides this to run two-phase requests)."""
         try:
             decision = self.routers[replica].route(info, snap)
         except NoCandidateError:
             self._finish_unrouted(record, "rejected")
             return
+        self._dispatch(trace, info, record, replica, decision)
+
+    def _dispatch(
+        self,
+        trace: TraceRequest,
+        info: RequestInfo,
+        record: RequestRecord,
+        replica: int,
+        decision: RouteDecision,
+    ) -> None:
+        env = self.env
+        views = self.views[replica]
         idx = self.by_index[decision.instance_id]
         eng_req = EngineRequest(
             info.request_id,
@@ -362,11 +396,16 @@ class PoolSim:
                 router.on_kv_event(ev)
 
     def _end_step(self, idx: int) -> None:
-        engine = self.engines[idx]
-        res = engine.finish_step()
-        now = self.env.now
+        res = self.engines[idx].finish_step()
         if self._kv_pending:
             self._publish_kv_events()
+        self._apply_step(idx, res)
+        self._start_step(idx)
+
+    def _apply_step(self, idx: int, res: StepResult) -> None:
+        """First tokens and completions of one finished step."""
+        engine = self.engines[idx]
+        now = self.env.now
         flights = self._flights
         for er in res.first_tokens:
             fl = flights.get(er.request_id)
@@ -393,14 +432,13 @@ class PoolSim:
                 )
             )
             if self.on_first_token is not None:
-                self.on_first_token(fl.info, idx)
+                self.on_first_token(fl.info, idx if fl.hook_instance < 0 else fl.hook_instance)
         for er in res.finished:
             fl = flights.get(er.request_id)
             if fl is None or fl.done:
                 continue
             fl.record.output_tokens = er.generated_tokens
             self._complete(fl, "completed")
-        self._start_step(idx)
 
     def _complete(self, fl: _Flight, status: str) -> None:
         now = self.env.now
@@ -539,7 +577,9 @@ def run_pool(
         if progress is not None and (len(records) % step == 0 or len(records) == total):
             progress(len(records), total)
 
-    pool = PoolSim(env, config, slo, on_done=done)
+    from tokenfleet.sim.pd import make_pool
+
+    pool = make_pool(env, config, slo, on_done=done)
     for tr in requests:
         env.schedule_at(tr.info.arrival_s, pool.submit, tr)
         if tr.client_timeout_s is not None:

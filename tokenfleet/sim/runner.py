@@ -44,6 +44,8 @@ class SimSettings:
     path_latency: PathLatency = field(default_factory=PathLatency)
     #: router replicas share dispatch accounting this late (None: independent)
     shared_state_s: float | None = None
+    #: extra keyword arguments for disaggregating (P/D) routers only
+    pd_router_kwargs: dict[str, object] = field(default_factory=dict)
 
     def kv_events_for(self, router: str) -> bool:
         if self.kv_events is None:
@@ -51,11 +53,14 @@ class SimSettings:
         return self.kv_events
 
     def pool_config(self, router: str) -> PoolConfig:
+        kwargs = dict(self.router_kwargs)
+        if getattr(ROUTERS.get(router), "disaggregating", False):
+            kwargs.update(self.pd_router_kwargs)
         return PoolConfig(
             profile=self.profile,
             n_instances=self.instances,
             router=router,
-            router_kwargs=dict(self.router_kwargs),
+            router_kwargs=kwargs,
             n_routers=self.routers,
             scrape_interval_s=self.scrape_interval_s,
             seed=self.seed,

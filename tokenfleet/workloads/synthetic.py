@@ -553,3 +553,7 @@ def generate(
 ) -> list[TraceRequest]:
     """Run a registered generator by name."""
     return SYNTHETIC.get(name)(n_requests, seed, rate_rps, **options)
+
+
+# Generators in modules of their own register on import.
+from tokenfleet.workloads import code_completion as _code_completion  # noqa: E402, F401

@@ -183,6 +183,14 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="admission controller period (default 5)",
     )
+    pol.add_argument(
+        "--pd-prefill-share",
+        type=float,
+        default=None,
+        metavar="F",
+        help="P/D routers with a fixed split (dynamo_disagg, llmd_pd): share of "
+        "instances that prefill (default 0.5; tokenpilot_pd sizes its pools itself)",
+    )
     pol.add_argument("--slo", metavar="FILE", help="per-tier SLO file (YAML)")
     pol.add_argument("--seed", type=int, default=0)
     pol.add_argument("--json", metavar="OUT", help="write results as JSON")
@@ -253,6 +261,11 @@ def _settings(args: argparse.Namespace) -> Any:
         kv_events=args.kv_events,
         shared_state_s=(None if args.shared_state_ms is None else args.shared_state_ms / 1000.0),
         control_period_s=getattr(args, "control_period_s", 5.0),
+        pd_router_kwargs=(
+            {}
+            if getattr(args, "pd_prefill_share", None) is None
+            else {"prefill_share": args.pd_prefill_share}
+        ),
     )
 
 

@@ -1,0 +1,259 @@
+"""TokenPilot-PD: aggregated or disaggregated per request, in predicted seconds.
+
+For every request it predicts, from its own dispatch accounting and the
+profile, the TTFT and TPOT of each way to serve it: aggregated on one
+instance (prefill queue + own prefill, then decodes that ride with that
+instance's coming prefill chunks) or disaggregated (prefill queue on P +
+own prefill + KV transfer P->D + D's first step, then D's decode steps),
+and takes the option with the smallest SLO-normalised worst of the two.
+Why: on prefill-heavy traffic a decode that shares an instance with 8k-token
+chunks runs at the chunk's step time, so TPOT is what disaggregation buys,
+while TTFT pays the transfer; only a prediction in seconds can weigh them.
+
+Pools: ``plan_roles`` sizes the prefill pool from the prefill seconds per
+second the router itself sent as "long" (a chunk step over the decode
+budget), at a target utilisation, and keeps every instance mixed while that
+demand is under half an instance. It moves one instance per cycle and only
+after two cycles agree (hysteresis), so roles do not flap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from typing import Any
+
+from tokenfleet.core.routing.base import ROUTERS, eligible
+from tokenfleet.core.routing.pd_base import DECODE, MIXED, PREFILL, PDDecision, PDRouter
+from tokenfleet.core.tiers import SLOConfig
+from tokenfleet.core.types import (
+    BLOCK_SIZE_TOKENS,
+    CompletionEvent,
+    InstanceView,
+    PoolSnapshot,
+    RequestInfo,
+)
+from tokenfleet.engine.kv_link import KVLink
+from tokenfleet.errors import NoCandidateError
+
+
+class _Prefixes:
+    """Blocks this router sent to each instance, LRU-bounded (approximate)."""
+
+    def __init__(self, capacity_blocks: int = 40_000) -> None:
+        self.capacity = capacity_blocks
+        self.held: dict[str, OrderedDict[int, None]] = {}
+
+    def hit_tokens(self, inst: str, hashes: Sequence[int]) -> int:
+        held = self.held.get(inst)
+        if not held:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return n * BLOCK_SIZE_TOKENS
+
+    def add(self, inst: str, hashes: Sequence[int]) -> None:
+        held = self.held.setdefault(inst, OrderedDict())
+        for h in hashes:
+            held[h] = None
+            held.move_to_end(h)
+        while len(held) > self.capacity:
+            held.popitem(last=False)
+
+
+@ROUTERS.register("tokenpilot_pd")
+class TokenPilotPDRouter(PDRouter):
+    name = "tokenpilot_pd"
+
+    def __init__(
+        self,
+        *,
+        slo: SLOConfig | None = None,
+        link: KVLink | None = None,
+        prefill_share: float = 0.0,
+        role_period_s: float = 15.0,
+        target_prefill_util: float = 0.8,
+        decode_budget_frac: float = 0.5,
+        shed_ttft_factor: float | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(link=link, prefill_share=prefill_share)
+        self.slo = slo or SLOConfig()
+        self.role_period_s = role_period_s
+        self.target_prefill_util = target_prefill_util
+        self.decode_budget_frac = decode_budget_frac
+        #: reject (NoCandidateError: 503 at once) a request whose best predicted
+        #: TTFT exceeds this many times its tier's limit; None: never
+        self.shed_ttft_factor = shed_ttft_factor
+        self._prefixes = _Prefixes()
+        self._out_tokens: dict[str, float] = {}  # tier -> EWMA of observed outputs
+        self._long_log: deque[tuple[float, float]] = deque()  # (t, long prefill s)
+        self._next_plan_s = role_period_s
+        self._pending_target: int | None = None
+
+    # -- predictions -------------------------------------------------------------
+    def _expected_out(self, request: RequestInfo) -> float:
+        return min(float(request.max_tokens), self._out_tokens.get(request.tier, 64.0))
+
+    @staticmethod
+    def _queue_s(inst: InstanceView) -> float:
+        return inst.profile.prefill_time_s(max(0, inst.accounting.prefill_pending_uncached_tokens))
+
+    def _tpot_s(self, inst: InstanceView, out_tokens: float, extra_prefill_tokens: int) -> float:
+        """Mean step time over ``out_tokens`` decode steps: decode-only steps at
+        the instance's batch, plus the chunk steps its pending prefills take."""
+        acc = inst.accounting
+        prof = inst.profile
+        batch = acc.decoding_requests + acc.prefill_pending_requests + 1
+        ctx = (acc.inflight_input_tokens / max(1, acc.inflight_requests)) + out_tokens / 2
+        t_d = prof.decode_step_time_s(batch, ctx)
+        pending = max(0, acc.prefill_pending_uncached_tokens) + extra_prefill_tokens
+        if pending <= 0 or out_tokens <= 0:
+            return t_d
+        chunk = prof.max_num_batched_tokens
+        k = min(out_tokens, math.ceil(pending / chunk))
+        w = prof.prefill_time_s(pending)
+        n = max(1.0, out_tokens)
+        return (w + max(0.0, n - k) * t_d) / n
+
+    # -- routing -----------------------------------------------------------------
+    def route_pd(self, request: RequestInfo, pool: PoolSnapshot) -> PDDecision:
+        insts = eligible(request, pool)
+        tier_slo = self.slo.slo_for(request.tier)
+        ttft_lim = tier_slo.ttft_limit_s(request.input_tokens) or 10.0
+        tpot_lim = tier_slo.tpot_s or 0.5
+        out = self._expected_out(request)
+        hashes = request.block_hashes
+        prof = insts[0].profile
+        budget_s = self.decode_budget_frac * tpot_lim
+        best: tuple[float, float, PDDecision] | None = None
+
+        hit = {i.instance_id: self._prefixes.hit_tokens(i.instance_id, hashes) for i in insts}
+        pre = {}
+        for i in insts:
+            if i.role == DECODE:
+                continue
+            c = min(hit[i.instance_id], request.input_tokens - 1)
+            pre[i.instance_id] = self._queue_s(i) + prof.prefill_time_s(request.input_tokens - c, c)
+        for i in insts:  # aggregated
+            if i.role == PREFILL:
+                continue
+            c = min(hit[i.instance_id], request.input_tokens - 1)
+            own = request.input_tokens - c
+            step = prof.prefill_time_s(min(own, prof.max_num_batched_tokens), c)
+            if i.role == DECODE and step > budget_s:
+                continue  # a long local prefill would stall the pool's decodes
+            ttft = self._queue_s(i) + prof.prefill_time_s(own, c)
+            tpot = self._tpot_s(i, out, 0)
+            score = max(ttft / ttft_lim, tpot / tpot_lim)
+            d = PDDecision(i.instance_id, None, c, ttft, tpot, "aggregated")
+            if best is None or (score, ttft) < best[:2]:
+                best = (score, ttft, d)
+        dec = [i for i in insts if i.role in (DECODE, MIXED)]
+        tpot_d = {i.instance_id: self._tpot_s(i, out, 0) for i in dec}
+        for p in insts:  # disaggregated
+            if p.role == DECODE:
+                continue
+            for d_inst in dec:
+                if d_inst.instance_id == p.instance_id:
+                    continue
+                same = p.node == d_inst.node
+                xfer = self.link.transfer_s(p.profile, request.input_tokens, same)
+                tpot = tpot_d[d_inst.instance_id]
+                ttft = pre[p.instance_id] + xfer + tpot
+                score = max(ttft / ttft_lim, tpot / tpot_lim)
+                if best is None or (score, ttft) < best[:2]:
+                    c = min(hit[p.instance_id], request.input_tokens - 1)
+                    best = (
+                        score,
+                        ttft,
+                        PDDecision(
+                            p.instance_id, d_inst.instance_id, c, ttft, tpot, "disaggregated"
+                        ),
+                    )
+        if best is None:
+            # roles leave no option among the instances shown (admission may show
+            # a subset): the least-loaded one serves it aggregated
+            i = min(insts, key=lambda v: (self._queue_s(v), v.accounting.inflight_requests))
+            c = min(hit[i.instance_id], request.input_tokens - 1)
+            best = (0.0, 0.0, PDDecision(i.instance_id, None, c, reason="aggregated: fallback"))
+        decision = best[2]
+        limit = tier_slo.ttft_limit_s(request.input_tokens)
+        if (
+            self.shed_ttft_factor is not None
+            and limit is not None
+            and decision.predicted_ttft_s is not None
+            and decision.predicted_ttft_s > self.shed_ttft_factor * limit
+        ):
+            raise NoCandidateError(
+                f"predicted TTFT {decision.predicted_ttft_s:.2f}s > "
+                f"{self.shed_ttft_factor:g} x {limit:.2f}s on every instance; retry later"
+            )
+        self._prefixes.add(decision.prefill_instance_id, hashes)
+        if decision.disaggregated:
+            self._prefixes.add(str(decision.decode_instance_id), hashes)
+        own_step = prof.prefill_time_s(min(request.input_tokens, prof.max_num_batched_tokens))
+        if own_step > budget_s:
+            self._long_log.append((pool.now_s, prof.prefill_time_s(request.input_tokens)))
+        return decision
+
+    # -- pools -------------------------------------------------------------------
+    def initial_roles(self, n_instances: int) -> list[str]:
+        if self.prefill_share > 0:
+            return super().initial_roles(n_instances)
+        return [MIXED] * n_instances
+
+    def plan_roles(self, pool: PoolSnapshot) -> list[str] | None:
+        now = pool.now_s
+        if now < self._next_plan_s:
+            return None
+        self._next_plan_s = now + self.role_period_s
+        window = self.role_period_s
+        while self._long_log and self._long_log[0][0] < now - window:
+            self._long_log.popleft()
+        n = len(pool.instances)
+        if n < 2:
+            return None
+        demand = sum(s for _, s in self._long_log) / window  # instances busy prefilling
+        if demand < 0.5:
+            target = 0
+        else:
+            target = min(n - 1, max(1, math.ceil(demand / self.target_prefill_util)))
+        current = sum(1 for i in pool.instances if i.role == PREFILL)
+        if target == current:
+            self._pending_target = None
+            return None
+        if self._pending_target != target:  # hysteresis: wait for a second cycle
+            self._pending_target = target
+            return None
+        step = 1 if target > current else -1
+        if current == 0 and target > 0:
+            step = target  # first split: all at once, from the measured demand
+        new_p = current + step
+        if new_p == 0:
+            return [MIXED] * n
+        return [PREFILL] * new_p + [DECODE] * (n - new_p)
+
+    def on_complete(self, event: CompletionEvent) -> None:
+        if event.status != "completed":
+            return
+        tier = event.request.tier
+        old = self._out_tokens.get(tier)
+        x = float(event.output_tokens)
+        self._out_tokens[tier] = x if old is None else 0.95 * old + 0.05 * x
+
+
+@ROUTERS.register("tokenpilot_pd_shed")
+class TokenPilotPDShedRouter(TokenPilotPDRouter):
+    """``tokenpilot_pd`` that sheds load: a request predicted to miss its TTFT
+    limit on every option is refused at arrival (the client can retry or go
+    elsewhere) instead of queueing and delaying the requests behind it."""
+
+    name = "tokenpilot_pd_shed"
+
+    def __init__(self, *, shed_ttft_factor: float | None = 1.0, **kwargs: Any) -> None:
+        super().__init__(shed_ttft_factor=shed_ttft_factor, **kwargs)
