@@ -27,6 +27,11 @@ ROUTER_NAMES = (
     "sglang_cache_aware",
     "dynamo_kv",
     "vllm_router_kv_aware",
+    # prefill/decode disaggregation: the pool runs two-phase requests (sim/pd.py)
+    "tokenpilot_pd",
+    "tokenpilot_pd_shed",
+    "dynamo_disagg",
+    "llmd_pd",
 )
 
 
