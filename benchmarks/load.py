@@ -79,8 +79,6 @@ class Open:
 class Probes:
     latencies_s: list[float] = field(default_factory=list)
     failures: int = 0
-    #: seconds since the phase began of each probe over 100 ms
-    slow_at_s: list[float] = field(default_factory=list)
     #: (seconds since the phase began, latency) of each probe over 100 ms
     slow: list[tuple[float, float]] = field(default_factory=list)
     #: (seconds since the phase began, how late) of each wake-up of the prober's
@@ -245,7 +243,7 @@ class HealthProber:
         self._conn.send(None)
         lat, failures, slow, stalls = self._conn.recv()
         self._proc.join(10)
-        return Probes(lat, failures, [round(at, 1) for at, _ in slow], slow, stalls)
+        return Probes(lat, failures, slow, stalls)
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -266,7 +264,8 @@ def summarize(results: list[Result], probes: Probes) -> dict[str, Any]:
         (at, dt) for at, dt in probes.slow if during_host_stall(at, dt, probes.host_stalls)
     ]
     outside = [dt for at, dt in probes.slow if (at, dt) not in host_slow]
-    fast_max = max((x for x in probes.latencies_s if x <= 0.1), default=None)
+    fast = [x for x in probes.latencies_s if x <= 0.1]
+    fast_max = round(max(fast), 3) if fast else None
     return {
         "requests": len(results),
         "outcomes": by,
@@ -281,7 +280,7 @@ def summarize(results: list[Result], probes: Probes) -> dict[str, Any]:
             "p50_s": pct(probes.latencies_s, 0.5),
             "p99_s": pct(probes.latencies_s, 0.99),
             "over_100ms": sum(1 for x in probes.latencies_s if x > 0.1),
-            "over_100ms_at_s": probes.slow_at_s[:40],
+            "over_100ms_at_s": [round(at, 1) for at, _ in probes.slow[:40]],
             # the slow probes during which a bare process on the machine was not run
             # either, and the slowest probe of the others (None: all were)
             "over_100ms_during_host_stall": len(host_slow),

@@ -509,17 +509,22 @@ class EngineInstance:
                 host.move_to_end(hashes[j])
         return got
 
-    def _start_load(self, req: EngineRequest, hit: int, got: int) -> None:
-        """Take GPU blocks for ``got`` host-tier blocks and start copying them in."""
+    def _begin_load(self, req: EngineRequest, hit: int, got: int, load_s: float) -> int:
+        """Take GPU blocks for the ``hit`` cached and ``got`` incoming blocks and
+        park the request until the copy (``load_s``) lands; the tokens copied."""
         blk = self.block
         self._count_query(req, hit)
         self._acquire(req, hit, hit * blk)
         self._grow(req, got)
         req.computed_tokens = (hit + got) * blk
-        tokens = got * blk
-        req.load_left_s = self.profile.host_load_time_s(tokens)
+        req.load_left_s = load_s
         req.loading = True
         self._loading.append(req)
+        return got * blk
+
+    def _start_load(self, req: EngineRequest, hit: int, got: int) -> None:
+        """Take GPU blocks for ``got`` host-tier blocks and start copying them in."""
+        tokens = self._begin_load(req, hit, got, self.profile.host_load_time_s(got * self.block))
         c = self.counters
         c.host_hits_tokens += tokens
         c.host_load_s += req.load_left_s
@@ -530,18 +535,10 @@ class EngineInstance:
     def _start_remote_load(self, req: EngineRequest, hit: int, got: int) -> None:
         """Take GPU blocks for ``got`` blocks of prompt KV and start receiving them
         (vLLM: ``WAITING_FOR_REMOTE_KVS`` until the connector reports them done)."""
-        blk = self.block
-        self._count_query(req, hit)
-        self._acquire(req, hit, hit * blk)
-        self._grow(req, got)
-        req.computed_tokens = (hit + got) * blk
-        tokens = got * blk
-        req.load_left_s = req.remote_load_s
-        req.loading = True
-        self._loading.append(req)
+        tokens = self._begin_load(req, hit, got, req.remote_load_s)
         self.counters.kv_transfer_in_tokens += tokens
         self.counters.kv_transfer_in_s += req.remote_load_s
-        req.cached_tokens = hit * blk  # local prefix-cache hit only, as vLLM reports
+        req.cached_tokens = hit * self.block  # local prefix-cache hit only, as vLLM reports
         req.remote_hit_tokens = tokens
 
     def _advance_loads(self, dt: float) -> None:

@@ -20,7 +20,12 @@ from __future__ import annotations
 
 from tokenfleet.core.routing.base import ROUTERS
 from tokenfleet.core.routing.dynamo_kv import DynamoKVRouter
-from tokenfleet.core.routing.pd_base import DECODE, MIXED, PREFILL, PDDecision, PDRouter, candidates
+from tokenfleet.core.routing.pd_base import (
+    PDDecision,
+    PDRouter,
+    decode_pool,
+    prefill_instances,
+)
 from tokenfleet.core.types import (
     CompletionEvent,
     FirstTokenEvent,
@@ -51,12 +56,9 @@ class DynamoDisaggRouter(PDRouter):
         self._decode_router = DynamoKVRouter(seed=seed)
 
     def route_pd(self, request: RequestInfo, pool: PoolSnapshot) -> PDDecision:
-        decode_pool = PoolSnapshot(
-            pool.now_s, candidates(request, pool, DECODE, MIXED), pool.router_id
-        )
-        d = self._decode_router.route(request, decode_pool)
+        d = self._decode_router.route(request, decode_pool(request, pool))
         uncached = request.input_tokens - d.expected_cached_tokens
-        prefill = [i for i in candidates(request, pool, PREFILL) if i.role == PREFILL]
+        prefill = prefill_instances(request, pool)
         queued = sum(max(0, i.accounting.prefill_pending_requests - 1) for i in prefill)
         if (
             prefill

@@ -18,7 +18,13 @@ from __future__ import annotations
 
 from tokenfleet.core.routing.base import ROUTERS
 from tokenfleet.core.routing.llmd_weighted import LlmdWeightedRouter
-from tokenfleet.core.routing.pd_base import DECODE, MIXED, PREFILL, PDDecision, PDRouter, candidates
+from tokenfleet.core.routing.pd_base import (
+    PDDecision,
+    PDRouter,
+    decode_pool,
+    prefill_instances,
+    sub_pool,
+)
 from tokenfleet.core.types import (
     CompletionEvent,
     FirstTokenEvent,
@@ -48,18 +54,15 @@ class LlmdPDRouter(PDRouter):
         self._remote: set[str] = set()
 
     def route_pd(self, request: RequestInfo, pool: PoolSnapshot) -> PDDecision:
-        decode_pool = PoolSnapshot(
-            pool.now_s, candidates(request, pool, DECODE, MIXED), pool.router_id
-        )
-        d = self._decode.route(request, decode_pool)
+        d = self._decode.route(request, decode_pool(request, pool))
         hit = min(1.0, d.expected_cached_tokens / max(1, request.input_tokens))
-        prefill = [i for i in candidates(request, pool, PREFILL) if i.role == PREFILL]
+        prefill = prefill_instances(request, pool)
         if (
             prefill
             and self.non_cached_tokens > 0
             and (1.0 - hit) * request.input_tokens >= self.non_cached_tokens
         ):
-            p = self._prefill.route(request, PoolSnapshot(pool.now_s, prefill, pool.router_id))
+            p = self._prefill.route(request, sub_pool(pool, prefill))
             self._remote.add(request.request_id)
             return PDDecision(
                 p.instance_id, d.instance_id, p.expected_cached_tokens, reason="llm-d: P/D"

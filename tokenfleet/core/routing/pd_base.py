@@ -95,3 +95,18 @@ def candidates(request: RequestInfo, pool: PoolSnapshot, *roles: str) -> list[In
     ok = eligible(request, pool)
     picked = with_role(ok, *roles)
     return picked or ok
+
+
+def sub_pool(pool: PoolSnapshot, instances: Sequence[InstanceView]) -> PoolSnapshot:
+    """``pool`` narrowed to ``instances``, for a peer's inner (one-phase) router."""
+    return PoolSnapshot(pool.now_s, list(instances), pool.router_id)
+
+
+def decode_pool(request: RequestInfo, pool: PoolSnapshot) -> PoolSnapshot:
+    """Where a fixed-split peer decodes: decode and mixed instances."""
+    return sub_pool(pool, candidates(request, pool, DECODE, MIXED))
+
+
+def prefill_instances(request: RequestInfo, pool: PoolSnapshot) -> list[InstanceView]:
+    """The eligible prefill-only instances (none: the peer prefills locally)."""
+    return with_role(eligible(request, pool), PREFILL)
