@@ -11,31 +11,15 @@ from typing import Any
 
 import pytest
 import requests
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.prom import scrape
 from tokenfleet.emulator.server import EmulatorServer
 from tokenfleet.engine.profiles import get_profile
+from tokenfleet.live.engine_client import PREFILL_PARAMS
 
 PROFILE = "llama3-8b-h200"
 MODEL = get_profile(PROFILE).model.name
 PROMPT = " ".join(f"def f{i}(x): return x + {i}" for i in range(600))  # ~thousands of tokens
-
-PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-
-
-def _metrics(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(requests.get(url + "/metrics", timeout=5).text):
-        for s in fam.samples:
-            out[s.name] = s.value
-    return out
 
 
 def _wait(cond: Any, timeout_s: float = 5.0) -> bool:
@@ -66,7 +50,7 @@ def test_prefill_on_one_emulator_decode_on_another(caplog: pytest.LogCaptureFixt
         prompt_tokens = r.json()["usage"]["prompt_tokens"]
         assert prompt_tokens > 1000
         # the prefill side holds the prompt's KV until the decode side reads it
-        assert _metrics(p.url)["tokenfleet:kv_transfer_held_blocks"] > 0
+        assert scrape(p.url)["tokenfleet:kv_transfer_held_blocks"] > 0
 
         r2 = requests.post(
             d.url + "/v1/completions",
@@ -77,14 +61,14 @@ def test_prefill_on_one_emulator_decode_on_another(caplog: pytest.LogCaptureFixt
         r2.raise_for_status()
         assert r2.json()["usage"]["completion_tokens"] == 20
 
-        dm = _metrics(d.url)
+        dm = scrape(d.url)
         assert dm["tokenfleet:kv_transfer_received_tokens_total"] >= prompt_tokens - 16
         assert dm["tokenfleet:kv_transfer_received_seconds_total"] > 0
         # the decode side computed (almost) none of the prompt itself
         assert dm["vllm:prompt_tokens_total"] == prompt_tokens  # counted, as vLLM does
         assert d.engine.counters.prompt_tokens_computed < 32
-        assert _wait(lambda: _metrics(p.url)["tokenfleet:kv_transfer_held_blocks"] == 0)
-        assert _metrics(p.url)["tokenfleet:kv_transfer_sent_tokens_total"] == prompt_tokens
+        assert _wait(lambda: scrape(p.url)["tokenfleet:kv_transfer_held_blocks"] == 0)
+        assert scrape(p.url)["tokenfleet:kv_transfer_sent_tokens_total"] == prompt_tokens
         logs = caplog.text
         assert "pd-1 received" in logs and "from engine prefill-0" in logs
         assert "pd-1 sent" in logs and "to engine decode-0" in logs

@@ -99,7 +99,9 @@ class WorkerRuntime:
         #: exact queue depths when the broker can tell them cheaply (Redis: LLEN)
         self.queue_depths: Callable[[list[str]], dict[str, int]] | None = None
         self.worker_id = f"{info.instance_id}:{uuid.uuid4().hex[:8]}"
-        self.queues = worker_queues(info.dc, None if pool_mode else info.instance_id)
+        self.queues = worker_queues(
+            info.dc, None if pool_mode else info.instance_id, pool=info.role != "prefill"
+        )
         self.scraper = Scraper(info.url, timeout_s=max(0.5, live.scrape_interval_s))
         self.engine_healthy = True
         self.engine_unhealthy_reason = ""

@@ -22,7 +22,7 @@ from typing import Any
 from celery.signals import task_received
 
 from tokenfleet.core.tiers import meets_slo
-from tokenfleet.core.types import BLOCK_SIZE_TOKENS, KVEvent
+from tokenfleet.core.types import BLOCK_SIZE_TOKENS, KVEvent, RequestInfo
 from tokenfleet.hf_tokenizer import HFChatTokenizer
 from tokenfleet.live.direct import api_alive_key, outcome_key
 from tokenfleet.live.engine_client import EngineCall, EngineError, send_abort
@@ -173,15 +173,24 @@ def run_job(
         connect_timeout_s=rt.live.engine_connect_timeout_s,
         stall_timeout_s=rt.live.engine_stall_timeout_s,
         headers=job.engine_headers or None,
+        prefill_url=job.prefill_url,
     )
     streamed = False
     waiter: _ApiStream | None = None
     coalesce = _RelayCoalescer(relay, rt.live.relay_flush_interval_s)
+    prefill_open = _open_prefill_side(rt, job, info)
+
+    def close_prefill_side(prefilled: bool) -> None:
+        nonlocal prefill_open
+        if prefill_open:
+            prefill_open = False
+            _close_prefill_side(rt, job, info, prefilled)
 
     def first_token_done() -> None:
         # its prefill is done: pool work may flow again. Woken only now, so
         # the gate thread does not take the GIL while the token is in transit.
         rt.gate_kick.set()
+        close_prefill_side(True)
         # after the token is on its way: hashing a long prompt takes a while
         events = _prefix_events(rt, job)
         if events:
@@ -237,6 +246,7 @@ def run_job(
         return _on_engine_error(rt, job, relay, exc, first_ts, tokens, dispatched)
     finally:
         rt.remove_flight(rid)
+        close_prefill_side(first_ts is not None)
         if not streamed:
             state.account_finish(rt.info.instance_id, info, first_ts is not None, cached_est)
 
@@ -314,6 +324,31 @@ def run_job(
         ),
     )
     return status
+
+
+def _open_prefill_side(rt: WorkerRuntime, job: ChatJob, info: RequestInfo) -> bool:
+    """A disaggregated job: book its prefill on the prefill instance's dispatch
+    accounting (the router weighs that instance's queue by it) until the
+    decode's first token says the prefill and the KV transfer are done."""
+    if not job.prefill_instance:
+        return False
+    with rt.state.batch() as b:
+        b.account(job.prefill_instance, "on_dispatch", info, job.prefill_cached)
+    return True
+
+
+def _close_prefill_side(rt: WorkerRuntime, job: ChatJob, info: RequestInfo, done: bool) -> None:
+    try:
+        with rt.state.batch() as b:
+            if done:
+                b.account(job.prefill_instance, "on_first_token", info, job.prefill_cached)
+            b.account(
+                job.prefill_instance, "on_finish", info, job.prefill_cached, got_first_token=done
+            )
+    except Exception:  # noqa: BLE001 - a Redis blip: the request itself is unharmed
+        log.warning(
+            "prefill accounting of %s on %s not closed", job.request_id, job.prefill_instance
+        )
 
 
 def run_job_guarded(
@@ -411,6 +446,7 @@ class _ApiStream:
                         self.call.request_id,
                         job.attempt,
                         exact_kv_events=rt.exact_kv_events,
+                        prefill_url=self.job.prefill_url,
                     ),
                     ttl_s=rt.live.stream_ttl_s,
                 )

@@ -76,6 +76,9 @@ class WorkerOptions:
     #: the engine's URL as the API reaches it, for the direct path ("": engine_url);
     #: differs when the worker reaches its engine locally (a pod's 127.0.0.1)
     public_engine_url: str = ""
+    #: P/D role: "prefill" instances take no pool work (a P/D router sends them
+    #: prefills directly); "decode" and "mixed" consume as usual
+    role: str = "mixed"
 
 
 def model_tokenizer_dir(root: str) -> str:
@@ -187,6 +190,7 @@ def run_worker(
         slots=opts.slots,
         tokenizer=tokenizer,
         block_size_tokens=block_size,
+        role=opts.role,
     )
     ledger = None
     if database_url:

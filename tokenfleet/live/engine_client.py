@@ -51,6 +51,17 @@ class StreamPiece:
     usage: dict[str, Any] | None = None
 
 
+#: what a P/D router sends the prefill instance (vLLM's NixlConnector protocol):
+#: keep the KV for a decode instance to pull
+PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
 #: idle keep-alive connections per engine (host, port), shared by the process's
 #: threads: the API serves a request on any of its many server threads, and a
 #: pool per thread opened a new connection (and an engine-side thread) for most
@@ -72,6 +83,7 @@ class EngineCall:
         connect_timeout_s: float = 2.0,
         stall_timeout_s: float = 10.0,
         headers: dict[str, str] | None = None,
+        prefill_url: str = "",
     ) -> None:
         u = urlsplit(base_url)
         self.host = u.hostname or "127.0.0.1"
@@ -90,6 +102,9 @@ class EngineCall:
         #: the body's decoding state once the stream has begun
         self.decoder: StreamDecoder | None = None
         self._detached = False  # another reader has the socket (detach)
+        #: disaggregated: the instance that prefills first (:meth:`_remote_prefill`)
+        self.prefill_url = prefill_url
+        self._prefill: EngineCall | None = None
 
     # -- the process's keep-alive connections ---------------------------------------
     def _take_conn(self, reuse: bool = True) -> http.client.HTTPConnection:
@@ -140,7 +155,7 @@ class EngineCall:
             with self._lock:
                 self._conn = conn
                 if self._aborted:
-                    raise EngineError(f"aborted: {self._aborted}", 499, False, kind="aborted")
+                    raise self._abort_error()
             try:
                 conn.request("POST", path, body=payload, headers=hdrs)
                 if conn.sock is not None:
@@ -155,9 +170,7 @@ class EngineCall:
                 conn.close()
                 self._conn = None
                 if self._aborted:
-                    raise EngineError(
-                        f"aborted: {self._aborted}", 499, False, kind="aborted"
-                    ) from None
+                    raise self._abort_error() from None
                 if fresh or attempt:
                     raise EngineError(
                         f"engine {self.base_url} unreachable: {exc!r}", 503, kind="connect"
@@ -174,9 +187,7 @@ class EngineCall:
                 conn.close()
                 self._conn = None
                 if self._aborted:
-                    raise EngineError(
-                        f"aborted: {self._aborted}", 499, False, kind="aborted"
-                    ) from None
+                    raise self._abort_error() from None
                 raise EngineError(
                     f"engine {self.base_url} unreachable: {exc!r}", 503, kind="connect"
                 ) from None
@@ -190,6 +201,8 @@ class EngineCall:
         that long after it, so what the engine flushed meanwhile comes as one
         piece (one parse pass and one write downstream instead of one per
         token); the first token never waits."""
+        if self.prefill_url:
+            self.body = self._remote_prefill()
         resp = self._send()
         self._resp = resp
         try:
@@ -209,6 +222,73 @@ class EngineCall:
         finally:
             self._give_back()
 
+    def _remote_prefill(self) -> dict[str, Any]:
+        """vLLM's disaggregated serving (:mod:`tokenfleet.emulator.pd`): the
+        prompt is prefilled on :attr:`prefill_url` (one token, not streamed),
+        which keeps its KV and answers with ``kv_transfer_params``; the body
+        returned carries them, so this call's engine pulls the KV instead of
+        prefilling. A failure is an :class:`EngineError` like the engine's own
+        (retryable: a re-send runs aggregated, see ``ChatJob.next_attempt``)."""
+        body = {k: v for k, v in self.body.items() if k not in ("stream", "stream_options")}
+        body.update(max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_PARAMS))
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = 1
+        sub = EngineCall(
+            self.prefill_url,
+            body,
+            self.request_id,
+            connect_timeout_s=self.connect_timeout_s,
+            stall_timeout_s=self.stall_timeout_s,
+            headers=self.headers,
+        )
+        with self._lock:
+            if self._aborted:
+                raise self._abort_error()
+            self._prefill = sub
+        try:
+            resp = sub._send()
+            try:
+                raw = resp.read()
+            except TimeoutError:
+                raise EngineError(
+                    f"prefill engine {self.prefill_url} did not finish within "
+                    f"{self.stall_timeout_s:.1f}s",
+                    504,
+                    kind="stall",
+                ) from None
+            except (OSError, http.client.HTTPException) as exc:
+                if self._aborted:
+                    raise self._abort_error() from None
+                raise EngineError(
+                    f"prefill engine {self.prefill_url} broke off: {exc!r}", 502, kind="error"
+                ) from None
+            sub._reusable = not resp.will_close
+        finally:
+            sub._give_back()
+            with self._lock:
+                self._prefill = None
+        if resp.status != 200:
+            retryable = resp.status >= 500 or resp.status == 429
+            raise EngineError(
+                f"prefill engine answered {resp.status}: "
+                f"{_error_message(raw) or f'HTTP {resp.status}'}",
+                resp.status,
+                retryable,
+                kind="error" if retryable else "client",
+            )
+        try:
+            params = json.loads(raw).get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            params = None
+        if not isinstance(params, dict):
+            raise EngineError(
+                f"prefill engine {self.prefill_url} returned no kv_transfer_params: start it "
+                "with a KV connector (vLLM --kv-transfer-config) or give its worker --role mixed",
+                502,
+                kind="error",
+            )
+        return {**self.body, "kv_transfer_params": params}
+
     def _read1(self, read1: Callable[[int], bytes], started: bool) -> bytes:
         """One read of the stream; a failure as the :class:`EngineError` it means."""
         try:
@@ -223,9 +303,7 @@ class EngineCall:
             ) from None
         except (OSError, http.client.HTTPException, ValueError) as exc:
             if self._aborted:
-                raise EngineError(
-                    f"aborted: {self._aborted}", 499, False, started, kind="aborted"
-                ) from None
+                raise self._abort_error(started) from None
             raise EngineError(
                 f"engine stream broke: {exc!r}", 502, True, started, kind="error"
             ) from None
@@ -246,9 +324,7 @@ class EngineCall:
             data = self._read1(read1, dec.started)
             if not data:
                 if self._aborted:
-                    raise EngineError(
-                        f"aborted: {self._aborted}", 499, False, dec.started, kind="aborted"
-                    )
+                    raise self._abort_error(dec.started)
                 if dec.chunked:
                     raise dec.broken("connection closed inside the stream")
                 break
@@ -311,6 +387,9 @@ class EngineCall:
         with self._lock:
             self._aborted = reason
             conn = self._conn
+            prefill = self._prefill
+        if prefill is not None:
+            prefill.abort(reason)
         if conn is not None and conn.sock is not None:
             try:
                 conn.sock.shutdown(socket.SHUT_RDWR)
@@ -320,6 +399,9 @@ class EngineCall:
     @property
     def aborted(self) -> str | None:
         return self._aborted
+
+    def _abort_error(self, started: bool = False) -> EngineError:
+        return EngineError(f"aborted: {self._aborted}", 499, False, started, kind="aborted")
 
 
 def send_abort(base_url: str, request_id: str, timeout_s: float = 1.0) -> None:

@@ -67,6 +67,12 @@ class ChatJob:
     #: the API process that reads the engine's stream itself ("" = the worker
     #: reads it and relays the tokens): :mod:`tokenfleet.live.direct`
     direct: str = ""
+    #: disaggregated (P/D): the instance that prefills the prompt, its URL and the
+    #: tokens the router expects cached there; the worker's engine decodes
+    #: (:meth:`~tokenfleet.live.engine_client.EngineCall._remote_prefill`)
+    prefill_instance: str = ""
+    prefill_url: str = ""
+    prefill_cached: int = 0
 
     # -- wire format --------------------------------------------------------------
     def to_message(self) -> dict[str, Any]:
@@ -96,6 +102,8 @@ class ChatJob:
             msg["engine_headers"] = dict(self.engine_headers)
         if self.direct:
             msg["direct"] = self.direct
+        if self.prefill_url:
+            msg["prefill"] = [self.prefill_instance, self.prefill_url, self.prefill_cached]
         return msg
 
     @classmethod
@@ -105,6 +113,7 @@ class ChatJob:
             raise TypeError(f"a chat job message is a JSON object, got {type(msg).__name__}")
         deadline = msg.get("deadline_ts")
         admitted = msg.get("admitted_ts")
+        p_inst, p_url, p_cached = msg.get("prefill") or ("", "", 0)
         return cls(
             request_id=str(msg["rid"]),
             attempt=int(msg["attempt"]),
@@ -125,6 +134,9 @@ class ChatJob:
             deadline_ts=float(deadline) if deadline else None,
             engine_headers=dict(msg.get("engine_headers") or {}),
             direct=str(msg.get("direct") or ""),
+            prefill_instance=str(p_inst),
+            prefill_url=str(p_url),
+            prefill_cached=int(p_cached),
         )
 
     @property
@@ -163,7 +175,8 @@ class ChatJob:
         expected_cached: int = 0,
     ) -> ChatJob:
         """The job of a re-send: a new attempt on ``queue``, not yet accounted
-        (``dc`` stays the datacenter first chosen: re-sends prefer it)."""
+        (``dc`` stays the datacenter first chosen: re-sends prefer it), served
+        aggregated (the prefill instance's KV was for the first attempt)."""
         return dataclasses.replace(
             self,
             attempt=attempt,
@@ -171,6 +184,9 @@ class ChatJob:
             tried=tuple(sorted(tried)),
             accounted="",
             expected_cached=expected_cached,
+            prefill_instance="",
+            prefill_url="",
+            prefill_cached=0,
         )
 
     def ledger_row(self, status: str, **columns: Any) -> RequestRecord:

@@ -34,19 +34,21 @@ def affinity_queue(dc: str, instance_id: str, tier: str) -> str:
 
 
 def worker_queues(
-    dc: str, instance_id: str | None, tiers: tuple[str, ...] = TIER_PRIORITY
+    dc: str, instance_id: str | None, tiers: tuple[str, ...] = TIER_PRIORITY, *, pool: bool = True
 ) -> list[str]:
     """Queues a worker consumes, highest priority first.
 
     For each tier the affinity queue comes before the pool queue, so work
     that was sent here for its cache is not overtaken by pool work of the
-    same tier. A pool worker (no instance) consumes only pool queues.
+    same tier. A pool worker (no instance) consumes only pool queues; ``pool``
+    False (a prefill-only instance) only its own.
     """
     out: list[str] = []
     for tier in tiers:
         if instance_id is not None:
             out.append(affinity_queue(dc, instance_id, tier))
-        out.append(pool_queue(dc, tier))
+        if pool or instance_id is None:
+            out.append(pool_queue(dc, tier))
     return out
 
 

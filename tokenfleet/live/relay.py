@@ -170,11 +170,17 @@ class RelayWriter:
         self._add({"k": "retry", "a": attempt})
 
     def go_fields(
-        self, url: str, engine_request_id: str, attempt: int, exact_kv_events: bool = False
+        self,
+        url: str,
+        engine_request_id: str,
+        attempt: int,
+        exact_kv_events: bool = False,
+        prefill_url: str = "",
     ) -> dict[str, Any]:
         """The direct path's hand-over: the API calls ``url`` itself (:mod:`.direct`);
-        ``x`` 0: no engine KV events here, the API publishes the prompt's blocks."""
-        return {
+        ``x`` 0: no engine KV events here, the API publishes the prompt's blocks;
+        ``p``: disaggregated, the API prefills there first."""
+        fields = {
             "k": "go",
             "u": url,
             "e": engine_request_id,
@@ -182,6 +188,9 @@ class RelayWriter:
             "i": self.instance_id,
             "x": int(exact_kv_events),
         }
+        if prefill_url:
+            fields["p"] = prefill_url
+        return fields
 
 
 class RelayReader:

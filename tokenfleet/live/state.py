@@ -130,6 +130,8 @@ class InstanceInfo:
     tokenizer: str = ""
     #: the engine's KV block size (0: the router's 16 tokens)
     block_size_tokens: int = 0
+    #: P/D role ("mixed", "prefill", "decode"; :mod:`tokenfleet.core.routing.pd_base`)
+    role: str = "mixed"
     metrics: ScrapedMetrics = field(default_factory=ScrapedMetrics)
     heartbeat_at_s: float = float("-inf")
     unhealthy_until_s: float = 0.0
@@ -164,6 +166,7 @@ def _static_facts(info: InstanceInfo) -> dict[str, Any]:
         "slots": info.slots,
         "tokenizer": info.tokenizer,
         "block_size": info.block_size_tokens,
+        "role": info.role,
     }
 
 
@@ -300,6 +303,7 @@ class LiveState:
                     slots=_i(raw, "slots", 1),
                     tokenizer=_s(raw, "tokenizer"),
                     block_size_tokens=_i(raw, "block_size"),
+                    role=_s(raw, "role", "mixed"),
                     metrics=m,
                     heartbeat_at_s=_f(raw, "heartbeat_at", float("-inf")),
                     unhealthy_until_s=_f(raw, "unhealthy_until"),
@@ -348,6 +352,7 @@ class LiveState:
                     metrics=m,
                     accounting=accts.get(info.instance_id, DispatchAccounting()),
                     index=idx,
+                    role=info.role,
                 )
             )
         return views

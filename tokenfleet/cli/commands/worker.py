@@ -61,6 +61,14 @@ def register(subparsers: Any) -> None:
         "them to the shared prefix index",
     )
     p.add_argument(
+        "--role",
+        choices=("mixed", "prefill", "decode"),
+        default="mixed",
+        help="P/D disaggregation role the router sees (router tokenpilot_pd and the P/D "
+        "peers): prefill instances take no pool work and must run a KV connector "
+        "(vLLM --kv-transfer-config); default mixed",
+    )
+    p.add_argument(
         "--control",
         action="store_true",
         help="also run beat's control tasks (for single-worker set-ups)",
@@ -100,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         kv_events_endpoint=args.kv_events,
         tokenizer=args.tokenizer or "",
         public_engine_url=args.public_engine_url,
+        role=args.role,
         loglevel=args.loglevel.upper(),
         control=args.control,
     )

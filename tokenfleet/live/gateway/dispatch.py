@@ -146,9 +146,12 @@ class Dispatcher:
                 views = [v for v in views if v.instance_id in allowed] or views
             for i, v in enumerate(views):
                 v.index = i
-            decision = self._route(req, views, now)
+            decision, prefill = self._route(req, views, now)
             target = next(v for v in views if v.instance_id == decision.instance_id)
-            target, sticky = self._sticky(req, views, target)
+            if prefill is None:
+                target, sticky = self._sticky(req, views, target)
+            else:  # the decode instance pulls the prompt's KV: nothing to prefill there
+                sticky = True
             cached = (
                 decision.expected_cached_tokens if target.instance_id == decision.instance_id else 0
             )
@@ -190,6 +193,11 @@ class Dispatcher:
                 deadline_ts=req.deadline_s,
                 direct=self.direct_calls.api_id if self.live.direct_stream else "",
             )
+            if prefill is not None:
+                job.prefill_instance, job.prefill_cached = prefill
+                job.prefill_url = next(
+                    i.url for i in self.instances() if i.instance_id == prefill[0]
+                )
             # request state, queue depth, accounting, counters and (when the broker
             # is this Redis) the task itself: one round trip, the state first, so a
             # worker never takes a task whose state is missing (the id is a fresh
@@ -418,17 +426,38 @@ class Dispatcher:
         return chosen, (decision, home), allowed_dcs
 
     # -- instance choice ----------------------------------------------------------------
-    def _route(self, req: ChatRequest, views: list[Any], now: float) -> RouteDecision:
+    def _route(
+        self, req: ChatRequest, views: list[Any], now: float
+    ) -> tuple[RouteDecision, tuple[str, int] | None]:
+        """The router's choice, and for a disaggregated one (a P/D router's
+        ``route_pd``) the prefill instance and its expected cached tokens."""
         try:
             with self.router_lock:
-                decision: RouteDecision = self.router.route(
-                    req.info, PoolSnapshot(now_s=now, instances=views)
-                )
-                return decision
+                snap = PoolSnapshot(now_s=now, instances=views)
+                route_pd = getattr(self.router, "route_pd", None)
+                if route_pd is None:
+                    decision: RouteDecision = self.router.route(req.info, snap)
+                    return decision, None
+                pd = route_pd(req.info, snap)
         except NoCandidateError as exc:
             raise NoCapacity(
                 f"no healthy engine instance can take this request now ({exc})"
             ) from None
+        if not pd.disaggregated:
+            decision = RouteDecision(
+                pd.prefill_instance_id, pd.expected_cached_tokens, pd.predicted_ttft_s, pd.reason
+            )
+            return decision, None
+        p_id = pd.prefill_instance_id
+        # the decode side receives the whole prompt's KV but its last token
+        whole = max(0, req.info.input_tokens - 1)
+        decision = RouteDecision(
+            str(pd.decode_instance_id),
+            whole,
+            pd.predicted_ttft_s,
+            f"{pd.reason} (prefill on {p_id})",
+        )
+        return decision, (p_id, pd.expected_cached_tokens)
 
     def _valuable(self, info: RequestInfo, cached_tokens: int) -> bool:
         """A cache hit worth waiting for that instance (else: late binding)."""

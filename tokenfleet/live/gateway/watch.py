@@ -225,6 +225,7 @@ class Watcher:
             connect_timeout_s=self.live.engine_connect_timeout_s,
             stall_timeout_s=self.live.engine_stall_timeout_s,
             headers=d.job.engine_headers or None,
+            prefill_url=facts.get("p", ""),
         )
         watched = DirectCall(
             rid,
