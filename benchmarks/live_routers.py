@@ -19,7 +19,13 @@ Front doors (``--fronts``):
   (``--kv-event-source``);
 * ``tokenfleet:tokenpilot``, ``tokenfleet:round_robin``: the whole live
   service (API process, one Celery worker per engine relaying its KV events,
-  Redis, PostgreSQL), SLOMax admission as shipped.
+  Redis, PostgreSQL), SLOMax admission as shipped;
+  ``tokenfleet:tokenpilot-pinned``: the same with late binding off (every
+  request to the routed instance's own queue: ``affinity_min_cached_tokens``
+  and ``..._fraction`` 0), as the simulator places requests;
+  ``tokenfleet:tokenpilot-hits``: pinned whenever the router expects at
+  least ``affinity_min_cached_tokens`` cached (fraction 0), late-bound
+  otherwise.
 
 The Rust routers come from PyPI into their own cached virtualenv
 (``--routers-venv``, default ``.venv-routers``; created on first use).
@@ -81,7 +87,15 @@ SIM_POLICY: dict[str, tuple[str, bool]] = {
     "vllm:kv_aware": ("vllm_router_kv_aware", True),
     "vllm:round_robin": ("round_robin", False),
     "tokenfleet:tokenpilot": ("tokenpilot", True),
+    "tokenfleet:tokenpilot-pinned": ("tokenpilot", True),
+    "tokenfleet:tokenpilot-hits": ("tokenpilot", True),
     "tokenfleet:round_robin": ("round_robin", False),
+}
+#: live settings of a ``tokenfleet:`` front's variant (``POLICY-VARIANT``)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "pinned": {"affinity_min_cached_tokens": 0, "affinity_min_cached_fraction": 0.0},
+    # pinned when the router expects any real cache hit there, late-bound otherwise
+    "hits": {"affinity_min_cached_fraction": 0.0},
 }
 SIM_DRAWS = 4
 
@@ -222,6 +236,7 @@ def one_run(
         try:
             hook = None
             if kind == "tokenfleet":
+                policy, _, variant = policy.partition("-")
                 stack = LiveStack(
                     data_dir=d,
                     instances=[
@@ -234,7 +249,11 @@ def one_run(
                     kv_endpoints={f"e{k}": kv for k, kv in enumerate(engines.kv)},
                     engines_in_process=False,
                     api_in_process=False,
-                    live_overrides={"fleet_policy": "off", "request_timeout_s": 300.0},
+                    live_overrides={
+                        "fleet_policy": "off",
+                        "request_timeout_s": 300.0,
+                        **VARIANTS.get(variant, {}),
+                    },
                 )
                 stack.start()
                 url = stack.url

@@ -14,14 +14,21 @@ import requests
 from tests.support.stores import embedded_redis, temp_data_dir
 from tokenfleet.core.types import DispatchAccounting, KVEvent, RequestInfo, ScrapedMetrics
 from tokenfleet.emulator import EmulatorServer
+from tokenfleet.engine.profiles import get_profile
 from tokenfleet.errors import ConfigError
 from tokenfleet.live import engine_client
 from tokenfleet.live.config import LiveConfig
-from tokenfleet.live.engine_client import EngineCall, EngineError, _Dechunker
+from tokenfleet.live.engine_client import (
+    EngineCall,
+    EngineError,
+    _Dechunker,
+    first_token_timeout_s,
+)
 from tokenfleet.live.queues import affinity_queue, pool_queue, tier_of_queue, worker_queues
 from tokenfleet.live.relay import RelayReader, RelayWriter
 from tokenfleet.live.scrape import Scraper, parse_metrics
 from tokenfleet.live.state import InstanceInfo, LiveState
+from tokenfleet.tokenizer import approx_num_tokens
 from web.errors import ApiError, retry_after_header
 from workers.runtime import WorkerRuntime
 
@@ -770,3 +777,28 @@ def test_refresh_thread_polls_queue_depths_only_while_requests_read_them() -> No
         assert view._depths == {"dc-a.interactive": 2}
     finally:
         view.close()
+
+
+def test_a_long_prefill_is_not_a_stall() -> None:
+    """vLLM streams nothing while it prefills. A prompt whose prefill outlasts
+    the stall timeout must wait for its first token (the first-token timeout
+    scales with the prompt), and the stall timeout holds again after it."""
+    prof = get_profile("llama3-8b-h200")
+    text = " ".join(f"line {i} of a long log file" for i in range(2700))
+    n = approx_num_tokens(text)
+    with EmulatorServer("llama3-8b-h200", port=0, time_scale=1.0, seed=3) as emu:
+        body = {
+            "model": prof.model.name,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": 4,
+            "stream": True,
+        }
+        assert prof.prefill_time_s(n) > 0.35  # longer than the stall timeout below
+        with pytest.raises(EngineError) as flat:
+            list(EngineCall(emu.url, body, "s1", stall_timeout_s=0.2).stream())
+        assert flat.value.kind == "stall" and not flat.value.started
+        assert first_token_timeout_s(0.2, prof, n) > 0.2 + 2.9 * prof.prefill_time_s(n)
+        wait_s = first_token_timeout_s(5.0, prof, n)  # room for a busy machine
+        call = EngineCall(emu.url, body, "s2", stall_timeout_s=0.2, first_token_timeout_s=wait_s)
+        assert sum(p.tokens for p in call.stream()) == 4
+        assert call._timeout_s == 0.2  # back to the stall timeout after the first token

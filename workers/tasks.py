@@ -25,7 +25,12 @@ from tokenfleet.core.tiers import meets_slo
 from tokenfleet.core.types import BLOCK_SIZE_TOKENS, KVEvent, RequestInfo
 from tokenfleet.hf_tokenizer import HFChatTokenizer
 from tokenfleet.live.direct import api_alive_key, outcome_key
-from tokenfleet.live.engine_client import EngineCall, EngineError, send_abort
+from tokenfleet.live.engine_client import (
+    EngineCall,
+    EngineError,
+    first_token_timeout_s,
+    send_abort,
+)
 from tokenfleet.live.jobs import (
     PREFILL_HEADER,
     TASK_CHAT,
@@ -166,6 +171,7 @@ def run_job(
     usage: dict[str, Any] | None = None
     finish_reason = "stop"
     engine_rid = f"{rid}-{attempt}"
+    uncached = job.input_tokens - job.prefill_cached if job.prefill_url else job.prefill_tokens
     call = EngineCall(
         rt.info.url,
         job.body,
@@ -174,6 +180,9 @@ def run_job(
         stall_timeout_s=rt.live.engine_stall_timeout_s,
         headers=job.engine_headers or None,
         prefill_url=job.prefill_url,
+        first_token_timeout_s=first_token_timeout_s(
+            rt.live.engine_stall_timeout_s, rt.state.profile(rt.info.profile), uncached
+        ),
     )
     streamed = False
     waiter: _ApiStream | None = None
@@ -447,6 +456,7 @@ class _ApiStream:
                         job.attempt,
                         exact_kv_events=rt.exact_kv_events,
                         prefill_url=self.job.prefill_url,
+                        first_token_timeout_s=self.call.first_token_timeout_s,
                     ),
                     ttl_s=rt.live.stream_ttl_s,
                 )

@@ -112,7 +112,8 @@ class LiveConfig:
     engine_stall_timeout_s: float = field(
         default=10.0,
         metadata=_doc(
-            "No token from the engine for this long: the request is aborted and retried."
+            "No token from the engine for this long: the request is aborted and retried. Before "
+            "the first token: this plus 3 x the prompt's own prefill time on the profile."
         ),
     )
     engine_connect_timeout_s: float = field(

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from tokenfleet.engine.profiles import EngineProfile
+
 
 class EngineError(Exception):
     """The engine failed the request; ``retryable`` if another instance may succeed."""
@@ -84,6 +86,7 @@ class EngineCall:
         stall_timeout_s: float = 10.0,
         headers: dict[str, str] | None = None,
         prefill_url: str = "",
+        first_token_timeout_s: float = 0.0,
     ) -> None:
         u = urlsplit(base_url)
         self.host = u.hostname or "127.0.0.1"
@@ -93,6 +96,10 @@ class EngineCall:
         self.request_id = request_id
         self.connect_timeout_s = connect_timeout_s
         self.stall_timeout_s = stall_timeout_s
+        #: the socket's timeout until the first token: a long prompt's prefill
+        #: sends nothing for longer than a stall (:func:`first_token_timeout_s`)
+        self.first_token_timeout_s = max(stall_timeout_s, first_token_timeout_s)
+        self._timeout_s = self.first_token_timeout_s
         self.headers = headers or {}
         self._conn: http.client.HTTPConnection | None = None
         self._resp: http.client.HTTPResponse | None = None
@@ -159,7 +166,7 @@ class EngineCall:
             try:
                 conn.request("POST", path, body=payload, headers=hdrs)
                 if conn.sock is not None:
-                    conn.sock.settimeout(self.stall_timeout_s)
+                    conn.sock.settimeout(self._timeout_s)
                     conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 return conn.getresponse()
             except (
@@ -179,7 +186,7 @@ class EngineCall:
                 conn.close()
                 self._conn = None
                 raise EngineError(
-                    f"engine {self.base_url} did not answer within {self.stall_timeout_s:.1f}s",
+                    f"engine {self.base_url} did not answer within {self._timeout_s:.1f}s",
                     504,
                     kind="stall",
                 ) from None
@@ -233,12 +240,12 @@ class EngineCall:
         body.update(max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_PARAMS))
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = 1
-        sub = EngineCall(
+        sub = EngineCall(  # all of it comes before the first token
             self.prefill_url,
             body,
             self.request_id,
             connect_timeout_s=self.connect_timeout_s,
-            stall_timeout_s=self.stall_timeout_s,
+            stall_timeout_s=self.first_token_timeout_s,
             headers=self.headers,
         )
         with self._lock:
@@ -252,7 +259,7 @@ class EngineCall:
             except TimeoutError:
                 raise EngineError(
                     f"prefill engine {self.prefill_url} did not finish within "
-                    f"{self.stall_timeout_s:.1f}s",
+                    f"{self.first_token_timeout_s:.1f}s",
                     504,
                     kind="stall",
                 ) from None
@@ -295,7 +302,7 @@ class EngineCall:
             return read1(65536)
         except TimeoutError:
             raise EngineError(
-                f"engine {self.base_url} produced nothing for {self.stall_timeout_s:.1f}s",
+                f"engine {self.base_url} produced nothing for {self._timeout_s:.1f}s",
                 504,
                 True,
                 started,
@@ -333,6 +340,11 @@ class EngineCall:
                 continue
             if piece.tokens:
                 last_s = time.monotonic()
+                if self._timeout_s != self.stall_timeout_s:  # past the prefill
+                    self._timeout_s = self.stall_timeout_s
+                    conn = self._conn
+                    if conn is not None and conn.sock is not None:
+                        conn.sock.settimeout(self._timeout_s)
             yield piece
         piece = dec.finish()
         if piece is not None:
@@ -402,6 +414,22 @@ class EngineCall:
 
     def _abort_error(self, started: bool = False) -> EngineError:
         return EngineError(f"aborted: {self._aborted}", 499, False, started, kind="aborted")
+
+
+#: the first-token timeout allows this many times the prompt's own prefill
+#: time on the profile (queueing behind other prefills, a slower engine)
+FIRST_TOKEN_PREFILL_FACTOR = 3.0
+
+
+def first_token_timeout_s(stall_s: float, profile: EngineProfile, uncached_tokens: int) -> float:
+    """How long an engine may send nothing before a request's first token.
+
+    vLLM streams nothing while it prefills: a 100k-token prompt takes seconds
+    on an H200, longer behind other prefills. A flat stall timeout aborted such
+    requests and re-sent them (each attempt re-doing the prefill) until they
+    failed; the Rust routers served them. The stall timeout applies again
+    after the first token."""
+    return stall_s + FIRST_TOKEN_PREFILL_FACTOR * profile.prefill_time_s(max(0, uncached_tokens))
 
 
 def send_abort(base_url: str, request_id: str, timeout_s: float = 1.0) -> None:

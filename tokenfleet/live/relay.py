@@ -176,10 +176,12 @@ class RelayWriter:
         attempt: int,
         exact_kv_events: bool = False,
         prefill_url: str = "",
+        first_token_timeout_s: float = 0.0,
     ) -> dict[str, Any]:
         """The direct path's hand-over: the API calls ``url`` itself (:mod:`.direct`);
         ``x`` 0: no engine KV events here, the API publishes the prompt's blocks;
-        ``p``: disaggregated, the API prefills there first."""
+        ``p``: disaggregated, the API prefills there first; ``w``: how long the
+        engine may send nothing before the first token (the prompt's prefill)."""
         fields = {
             "k": "go",
             "u": url,
@@ -187,6 +189,7 @@ class RelayWriter:
             "a": attempt,
             "i": self.instance_id,
             "x": int(exact_kv_events),
+            "w": round(first_token_timeout_s, 3),
         }
         if prefill_url:
             fields["p"] = prefill_url

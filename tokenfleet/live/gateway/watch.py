@@ -226,6 +226,7 @@ class Watcher:
             stall_timeout_s=self.live.engine_stall_timeout_s,
             headers=d.job.engine_headers or None,
             prefill_url=facts.get("p", ""),
+            first_token_timeout_s=float(facts.get("w") or 0.0),
         )
         watched = DirectCall(
             rid,
