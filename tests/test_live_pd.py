@@ -28,9 +28,13 @@ PROMPT = " ".join(f"def handler_{i}(event): return event.get('k{i}')" for i in r
 
 
 @pytest.mark.slow  # a whole live stack per path: ~20 s each on the 2-core box
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "relay"])
+@pytest.mark.parametrize(
+    ("direct", "admission"),
+    [(True, "none"), (False, "slomax")],  # SLOMax's instance split must not hide the P pool
+    ids=["direct", "relay-slomax"],
+)
 def test_one_request_prefilled_on_one_instance_and_decoded_on_another(
-    live_stack: Any, caplog: pytest.LogCaptureFixture, direct: bool
+    live_stack: Any, caplog: pytest.LogCaptureFixture, direct: bool, admission: str
 ) -> None:
     caplog.set_level(logging.INFO, logger="tokenfleet.emulator.pd")
     n_prompt = approx_num_tokens(PROMPT)
@@ -42,6 +46,7 @@ def test_one_request_prefilled_on_one_instance_and_decoded_on_another(
             InstanceSpec("dc-a", "p0", worker_args=["--role", "prefill"]),
             InstanceSpec("dc-a", "d0", worker_args=["--role", "decode"]),
         ],
+        admission=admission,
         live_overrides={"direct_stream": direct},
     ) as stack:
         c = stack.client(timeout=60.0)

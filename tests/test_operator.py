@@ -72,22 +72,28 @@ def test_demo_key_belongs_to_a_real_tenant_and_survives_restarts(
     client.close()
 
 
+def _up_refused(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``tokenfleet up ARGS`` run to its refusal (exit status 2: a usage error)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENFLEET_")}
+    r = subprocess.run(
+        [sys.executable, "-m", "tokenfleet.cli.main", "up", *args]
+        + ["--data-dir", str(tmp_path / "tf")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert r.returncode == 2, r.stderr
+    return r
+
+
 def test_up_fails_at_once_with_the_reason_when_the_port_is_taken(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENFLEET_")}
-        r = subprocess.run(
-            [sys.executable, "-m", "tokenfleet.cli.main", "up", "--port", str(port)]
-            + ["--data-dir", str(tmp_path / "tf")],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=ROOT,
-        )
-    assert r.returncode == 2, r.stderr
+        r = _up_refused(tmp_path, "--port", str(port))
     assert f"127.0.0.1:{port}" in r.stderr and "in use" in r.stderr
     assert "--port" in r.stderr and "make up PORT=" in r.stderr
     assert not (tmp_path / "tf" / "run").exists(), "nothing was started"
@@ -679,3 +685,17 @@ def test_cli_creates_expiring_keys_with_their_own_limits(
     assert cli_main(["tenants", "keys", "list", "clikeys", *common]) == 0
     out = capsys.readouterr().out
     assert key[:10] in out and "rpm=5" in out and "never" not in out and "active" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--instances-per-dc", "2", "--prefill-per-dc", "1"], "tokenpilot_pd"),
+        (["--prefill-per-dc", "1", "--router", "tokenpilot_pd"], "--instances-per-dc"),
+    ],
+    ids=["not-a-pd-router", "no-decode-engine-left"],
+)
+def test_up_refuses_a_pd_split_it_cannot_serve(tmp_path: Path, args: list[str], says: str) -> None:
+    r = _up_refused(tmp_path, "--port", "0", *args)
+    assert "--prefill-per-dc" in r.stderr and says in r.stderr, r.stderr
+    assert not (tmp_path / "tf" / "run").exists(), "nothing was started"

@@ -69,6 +69,15 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--router", default=None, help="router policy (default: tokenpilot)")
     p.add_argument(
+        "--prefill-per-dc",
+        type=int,
+        default=0,
+        metavar="N",
+        help="P/D disaggregation: the first N emulated engines of each datacenter only "
+        "prefill (worker --role prefill), the others decode; needs a P/D router "
+        "(--router tokenpilot_pd, dynamo_disagg or llmd_pd) and more engines per DC than N",
+    )
+    p.add_argument(
         "--admission",
         default=None,
         help="admission policy (default: the 'admission' setting, slomax)",
@@ -173,6 +182,30 @@ def _get(
         conn.close()
 
 
+def _check_pd_roles(args: argparse.Namespace, live_router: str) -> None:
+    """``--prefill-per-dc`` needs a P/D router and a decode engine left per DC."""
+    from tokenfleet.core.routing import ROUTERS
+    from tokenfleet.errors import ConfigError
+
+    n = args.prefill_per_dc
+    if n == 0:
+        return
+    if n < 0 or n >= args.instances_per_dc:
+        raise ConfigError(
+            f"--prefill-per-dc {n}: give 1 to {args.instances_per_dc - 1} (each datacenter "
+            f"needs a decode engine; raise --instances-per-dc for more)"
+        )
+    if args.engine:
+        raise ConfigError("--prefill-per-dc splits the emulated engines; not with --engine")
+    cls = ROUTERS.get(live_router) if live_router in ROUTERS else None
+    if not getattr(cls, "disaggregating", False):
+        pd = [k for k in ROUTERS.names() if getattr(ROUTERS.get(k), "disaggregating", False)]
+        raise ConfigError(
+            f"--prefill-per-dc needs a P/D router; {live_router!r} serves every request on "
+            f"one instance. Use --router {' | '.join(pd)}"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from tokenfleet.errors import ConfigError, TokenFleetError
     from tokenfleet.live.config import LiveConfig
@@ -193,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
     if args.flower:
         _check_flower_installed()
         _check_port_free(host, args.flower_port, flag="--flower-port")
+    _check_pd_roles(args, live_router=args.router or LiveConfig.load(path=args.config).router)
     topology = (
         args.topology
         or os.environ.get("TOKENFLEET_TOPOLOGY")
@@ -274,9 +308,12 @@ def run(args: argparse.Namespace) -> int:
             )
             return f"engine-{inst}", f"http://127.0.0.1:{eport}"
 
-        def start_worker(dc: str, inst: str, engine_url: str, tokenizer: str = "") -> str:
+        def start_worker(
+            dc: str, inst: str, engine_url: str, tokenizer: str = "", role: str = "mixed"
+        ) -> str:
             kv = ["--kv-events", kv_of[inst]] if kv_of.get(inst) else []
             tok = ["--tokenizer", tokenizer] if tokenizer else []
+            role_args = ["--role", role] if role != "mixed" else []
             sup.start(
                 f"worker-{inst}",
                 py
@@ -294,6 +331,7 @@ def run(args: argparse.Namespace) -> int:
                     str(args.slots),
                     *kv,
                     *tok,
+                    *role_args,
                     "--loglevel",
                     args.loglevel,
                 ],
@@ -313,7 +351,10 @@ def run(args: argparse.Namespace) -> int:
                 for k in range(args.instances_per_dc):
                     inst = f"{dc.split('-')[-1]}-{k}"
                     _child, engine_url = start_engine(dc, inst)
-                    start_worker(dc, inst, engine_url)
+                    role = "mixed"
+                    if args.prefill_per_dc:
+                        role = "prefill" if k < args.prefill_per_dc else "decode"
+                    start_worker(dc, inst, engine_url, role=role)
                     engines.append(inst)
         sup.start("beat", py + ["beat", "--loglevel", args.loglevel], env)
         sup.start(

@@ -142,7 +142,9 @@ class Dispatcher:
                 views = [v for v in views if v.dc not in down]
             views, dc_choice, allowed_dcs = self._pick_dc(req, views, now)
             allowed = self._admit(req, views, now)
-            if allowed is not None:
+            # a P/D router places both phases by role; SLOMax's per-tier instance
+            # split would hide the prefill pool (as in the simulator's P/D pool)
+            if allowed is not None and not getattr(self.router, "disaggregating", False):
                 views = [v for v in views if v.instance_id in allowed] or views
             for i, v in enumerate(views):
                 v.index = i
