@@ -96,6 +96,17 @@ def test_llmd_threshold_and_dynamo_local_prefill_length() -> None:
         assert d.disaggregated and d.prefill_instance_id == "i0" and d.decode_instance_id == "i1"
 
 
+def test_llmd_threshold_zero_always_disaggregates() -> None:
+    """llm-d's prefix-based decider: nonCachedTokens <= 0 means always P/D (the
+    shipped guide's always-disagg decider), even for a 500-token prompt."""
+    snap = PoolSnapshot(0.0, [_view(0, PREFILL), _view(1, DECODE)])
+    short = RequestInfo("s", 0.0, 500, 64, tier="interactive")
+    r = ROUTERS.create("llmd_pd", non_cached_tokens=0)
+    assert r.route_pd(short, snap).disaggregated  # type: ignore[attr-defined]
+    r = ROUTERS.create("llmd_pd", non_cached_tokens=400)
+    assert r.route_pd(short, snap).disaggregated  # type: ignore[attr-defined]
+
+
 def test_tokenpilot_pd_splits_long_prompts_off_a_busy_decoder() -> None:
     r = ROUTERS.create("tokenpilot_pd")
     views = [_view(0, MIXED), _view(1, MIXED)]
