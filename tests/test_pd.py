@@ -96,6 +96,17 @@ def test_llmd_threshold_and_dynamo_local_prefill_length() -> None:
         assert d.disaggregated and d.prefill_instance_id == "i0" and d.decode_instance_id == "i1"
 
 
+def test_llmd_threshold_zero_always_disaggregates() -> None:
+    """llm-d's prefix-based decider: nonCachedTokens <= 0 means always P/D (the
+    shipped guide's always-disagg decider), even for a 500-token prompt."""
+    snap = PoolSnapshot(0.0, [_view(0, PREFILL), _view(1, DECODE)])
+    short = RequestInfo("s", 0.0, 500, 64, tier="interactive")
+    r = ROUTERS.create("llmd_pd", non_cached_tokens=0)
+    assert r.route_pd(short, snap).disaggregated  # type: ignore[attr-defined]
+    r = ROUTERS.create("llmd_pd", non_cached_tokens=400)
+    assert r.route_pd(short, snap).disaggregated  # type: ignore[attr-defined]
+
+
 def test_tokenpilot_pd_splits_long_prompts_off_a_busy_decoder() -> None:
     r = ROUTERS.create("tokenpilot_pd")
     views = [_view(0, MIXED), _view(1, MIXED)]
@@ -107,6 +118,23 @@ def test_tokenpilot_pd_splits_long_prompts_off_a_busy_decoder() -> None:
     d = r.route_pd(RequestInfo("x", 0.0, 3000, 64, tier="interactive"), snap)  # type: ignore[attr-defined]
     assert d.prefill_instance_id == "i0"
     assert d.predicted_ttft_s is not None and d.predicted_tpot_s is not None
+
+
+def test_tokenpilot_pd_split_leaves_the_decode_side_room_for_short_prompts() -> None:
+    """Long prefill demand alone would ask for 3 prefill instances of 4; the
+    short prompts it prefills locally need 2 decode instances, so it splits 2/2."""
+    r = ROUTERS.create("tokenpilot_pd")
+    views = [_view(i, MIXED) for i in range(4)]
+    plans = []
+    for now in (14.0, 29.0):  # two planning cycles must agree (hysteresis)
+        snap = PoolSnapshot(now, views)
+        for k in range(150):  # 150 x 8,000 tokens in 15 s: ~2.5 instances of prefill
+            r.route_pd(RequestInfo(f"L{now}-{k}", now, 8000, 16, tier="interactive"), snap)  # type: ignore[attr-defined]
+        for k in range(500):  # 500 x 1,000 tokens: ~0.95 instance, kept local
+            r.route_pd(RequestInfo(f"S{now}-{k}", now, 1000, 16, tier="interactive"), snap)  # type: ignore[attr-defined]
+        plans.append(r.plan_roles(PoolSnapshot(now + 1.0, views)))  # type: ignore[attr-defined]
+    assert plans[0] is None
+    assert plans[1] is not None and plans[1].count(PREFILL) == 2 and plans[1].count(DECODE) == 2
 
 
 def _code_and_chat(n_code: int, n_chat: int) -> list:  # type: ignore[type-arg]

@@ -141,6 +141,21 @@ def test_interactive_stays_off_the_long_context_lane() -> None:
     assert d.action == ADMIT and d.instance_ids == ("i2",)
 
 
+def test_no_lane_is_kept_off_limits_without_long_work() -> None:
+    """All-interactive traffic: nothing long is queued or in flight, so the
+    lane instances are as good as any (an idle lane held back would leave the
+    rest of the pool to saturate)."""
+    pol = SLOMaxAdmission(slo=SLO, adaptive=False)
+    insts = instances(4)
+    snap = AdmissionSnapshot(0.0, insts, queues())
+    d = pol.on_arrival(req("x", 800, tier="interactive"), snap)
+    assert d.action == ADMIT and set(d.instance_ids or ()) == {"i0", "i1", "i2", "i3"}
+    # a long-context request in flight anywhere brings the lane back
+    book(insts[0], req("L", 40000, tier="long_context"))
+    d = pol.on_arrival(req("y", 800, tier="interactive"), snap)
+    assert d.action == ADMIT and not {"i2", "i3"} & set(d.instance_ids or ())
+
+
 def test_long_context_capped_per_instance_then_queued_then_rejected_early() -> None:
     pol = SLOMaxAdmission(slo=SLO, adaptive=False)  # long_share 0.5 of 2 -> 1 instance
     insts = instances(2)

@@ -1,17 +1,21 @@
 """Code-completion traffic: prompts of a few thousand tokens, answers of a few dozen.
 
-Shapes follow the public Azure LLM inference trace 2023, *code* service
-(Azure/AzurePublicDataset ``AzureLLMInferenceTrace_code.csv``, described in
-Patel et al., "Splitwise", ISCA 2024): prompts with a median around 1,500
-tokens and a long tail to several thousand, outputs with a median of about
-13 tokens (a completion is a line or a block), i.e. one to two orders of
-magnitude more prompt than output. The trace itself is not in
-../shared/traces, so this is a lognormal stand-in with those medians;
-``prompt_median_tokens`` lets a scenario move the prompts (issue #22's
-held-out mix has prompts of a few thousand tokens). Every prompt starts with
-one of a few IDE-plugin instruction headers (shared blocks, as a real
-plugin's fixed preamble is); the file context after it is unique.
-Arrivals are Poisson (completions fire on keystroke pauses of many users).
+Medians from the public Azure LLM inference trace 2023, *code* service
+(Azure/AzurePublicDataset, ``data/AzureLLMInferenceTrace_code.csv``,
+described in ``AzureLLMInferenceDataset2023.md``), as characterised in
+Patel et al., "Splitwise: Efficient generative LLM inference using phase
+splitting", ISCA 2024 (arXiv:2311.18677): coding prompts have a median of
+1,500 tokens and outputs a median of 13 tokens (the service completes the
+next few words or lines), conversation 1,020 and 129. Not from the
+source: the sigmas, 0.6 (prompt) and 1.0 (output), are our choice for a
+long right tail, and the cut at 8,000 tokens keeps every prompt in the
+interactive tier. The trace itself is not in ../shared/traces, so this is a
+lognormal stand-in with those medians; ``prompt_median_tokens`` lets a
+scenario move the prompts (issue #22's held-out mix has prompts of a few
+thousand tokens). Every prompt starts with one of a few IDE-plugin
+instruction headers (shared blocks, as a real plugin's fixed preamble is);
+the file context after it is unique. Arrivals are Poisson (completions fire
+on keystroke pauses of many users).
 """
 
 from __future__ import annotations

@@ -270,7 +270,7 @@ class SLOMaxAdmission(BaseAdmission):
             return None, math.inf
         pred = self._predicted(req, room)
         limit = self._limit(req) - waited_s
-        lane = self._long_lane(snap)
+        lane = self._long_lane(snap) if self._lane_in_use(snap) else set()
         best = min(pred.values())
         off = [i for i in room if i.instance_id not in lane]
         tiers = (
@@ -299,6 +299,18 @@ class SLOMaxAdmission(BaseAdmission):
         )
         n = max(1, round(self.long_share * len(ready)))
         return {i.instance_id for i in ready[len(ready) - n :]}
+
+    def _lane_in_use(self, snap: AdmissionSnapshot) -> bool:
+        """Long work is queued or in flight. Only then does the lane keep
+        interactive work off: an idle lane reserved on all-interactive traffic
+        takes 1/8 of the pool out of play and saturates the rest (prefill-heavy
+        scenario: TPOT p50 230 ms, docs/benchmarks.md section 13)."""
+        if snap.queued(LONG) or snap.queued(BATCH):
+            return True
+        return any(
+            i.tier(LONG).inflight or i.tier(BATCH).inflight or self._long_batch_pending(i)
+            for i in snap.instances
+        )
 
     def _long_batch_pending(self, inst: InstanceLoad) -> bool:
         tb = inst.tier(BATCH)

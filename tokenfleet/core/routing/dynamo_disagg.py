@@ -1,19 +1,24 @@
 """NVIDIA Dynamo's conditional disaggregation, re-implemented on our engines.
 
-Sources (ai-dynamo/dynamo): ``examples/python_rs/llm/vllm_nixl/router/
-disagg_router.py`` and ``docs/design_docs/disagg_serving.md``. A request is
-first routed to a decode worker by the KV router (``dynamo_kv`` here, over
-the decode pool); that worker prefills remotely only when
+Sources (ai-dynamo/dynamo): ``examples/llm/components/disagg_router.py``
+(``PyDisaggregatedRouter.prefill_remote``) and the decode worker that calls
+it, ``examples/llm/components/worker.py`` (queue size read from the NATS
+prefill queue just before the decision). A request is first routed to a
+decode worker by the KV router (``dynamo_kv`` here, over the decode pool);
+that worker prefills remotely only when
 
-    prompt_length - prefix_hit_length > max_local_prefill_length   (1000)
-    and prefill_queue_size < max_prefill_queue_size                  (2)
+    int(prompt_length * (1 - prefix_hit_rate)) > max_local_prefill_length  (1000)
+    and prefill_queue_size < max_prefill_queue_size                         (2)
 
 otherwise it prefills locally. Remote prefills go to a shared queue that
-the prefill workers pull from, so the one free first takes it: here the
-prefill instance with the fewest pending prefills (our accounting stands
-in for the queue: pending prefills beyond one per worker are "queued").
-The split of workers into prefill and decode is the deployment's
-(``prefill_share``), fixed.
+the prefill workers pull from one at a time, so the one free first takes
+it: here the prefill instance with the fewest pending prefills (our
+accounting stands in for the queue: pending prefills beyond one per worker
+are "queued"). Newer Dynamo (``docs/design_docs/disagg_serving.md``, the
+frontend's ``PrefillRouter``) sends every request through a prefill worker
+when there is one, without this condition; the conditional version is the
+one issue #22 names. The split of workers into prefill and decode is the
+deployment's (``prefill_share``), fixed.
 """
 
 from __future__ import annotations

@@ -1,17 +1,24 @@
 """llm-d's P/D profile handler, re-implemented on our engines.
 
-Sources (llm-d/llm-d-inference-scheduler): the ``pd-profile-handler`` and
-its ``PrefixDisaggregationDecider``. The decode profile runs first and
-picks a decode pod with the usual scorers (``llmd_weighted`` here, over the
-decode pool); then, if the part of the prompt not cached on that pod is at
-least the threshold,
+Sources (llm-d/llm-d-inference-scheduler): ``pkg/plugins/profile/
+pd_profile_handler.go`` (``Pick``: the decode profile runs first; the
+decider then says whether the prefill profile runs too) and
+``pkg/plugins/profile/prefix_based_pd_decider.go`` (``decide``). The decode
+profile picks a decode pod with the usual scorers (``llmd_weighted`` here,
+over the decode pool); the prefix-based decider then disaggregates when
 
-    (1 - hit_percentage) * prompt_tokens >= non_cached_tokens
+    nonCachedTokens <= 0                                  (always)
+    or (prompt_tokens >= nonCachedTokens
+        and prompt_tokens - hit_tokens_on_that_decode_pod >= nonCachedTokens)
 
-the prefill profile picks a prefill pod with its own scorers (a second
-``llmd_weighted`` over the prefill pool) and the decode pod's sidecar runs
-the prefill there first; otherwise the decode pod prefills locally. The
-P/D split is the deployment's (``prefill_share``), fixed.
+and the prefill profile picks a prefill pod with its own scorers (a second
+``llmd_weighted`` over the prefill pool); the decode pod's sidecar runs the
+prefill there first. Otherwise the decode pod prefills locally. llm-d's
+shipped P/D guide (llm-d/llm-d ``guides/pd-disaggregation/scheduler/
+pd-disaggregation.values.yaml``) deploys ``always-disagg-pd-decider``, i.e.
+threshold 0; we default to 1000 so short chat prompts stay local (measured
+against 0 in docs/benchmarks.md section 13). The P/D split is the
+deployment's (``prefill_share``), fixed.
 """
 
 from __future__ import annotations
@@ -55,13 +62,8 @@ class LlmdPDRouter(PDRouter):
 
     def route_pd(self, request: RequestInfo, pool: PoolSnapshot) -> PDDecision:
         d = self._decode.route(request, decode_pool(request, pool))
-        hit = min(1.0, d.expected_cached_tokens / max(1, request.input_tokens))
         prefill = prefill_instances(request, pool)
-        if (
-            prefill
-            and self.non_cached_tokens > 0
-            and (1.0 - hit) * request.input_tokens >= self.non_cached_tokens
-        ):
+        if prefill and self._decide(request.input_tokens, d.expected_cached_tokens):
             p = self._prefill.route(request, sub_pool(pool, prefill))
             self._remote.add(request.request_id)
             return PDDecision(
@@ -70,6 +72,13 @@ class LlmdPDRouter(PDRouter):
         return PDDecision(
             d.instance_id, None, d.expected_cached_tokens, reason="llm-d: decode only"
         )
+
+    def _decide(self, prompt_tokens: int, hit_tokens: int) -> bool:
+        """``PrefixBasedPDDecider.decide``: run the prefill profile or not."""
+        t = self.non_cached_tokens
+        if t <= 0:
+            return True
+        return prompt_tokens >= t and prompt_tokens - hit_tokens >= t
 
     def on_prefill_done(self, request: RequestInfo, instance_id: str, now_s: float) -> None:
         self._prefill.on_first_token(FirstTokenEvent(request, instance_id, now_s, 0.0))

@@ -12,9 +12,11 @@ while TTFT pays the transfer; only a prediction in seconds can weigh them.
 
 Pools: ``plan_roles`` sizes the prefill pool from the prefill seconds per
 second the router itself sent as "long" (a chunk step over the decode
-budget), at a target utilisation, and keeps every instance mixed while that
-demand is under half an instance. It moves one instance per cycle and only
-after two cycles agree (hysteresis), so roles do not flap.
+budget), at a target utilisation, leaves the decode pool enough instances
+for the short prompts it prefills locally (same utilisation), and keeps
+every instance mixed while the long demand is under half an instance. It
+moves one instance per cycle and only after two cycles agree (hysteresis),
+so roles do not flap.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class TokenPilotPDRouter(PDRouter):
         self._prefixes = _Prefixes()
         self._out_tokens: dict[str, float] = {}  # tier -> EWMA of observed outputs
         self._long_log: deque[tuple[float, float]] = deque()  # (t, long prefill s)
+        self._short_log: deque[tuple[float, float]] = deque()  # (t, short prefill s)
         self._next_plan_s = role_period_s
         self._pending_target: int | None = None
 
@@ -197,8 +200,8 @@ class TokenPilotPDRouter(PDRouter):
         if decision.disaggregated:
             self._prefixes.add(str(decision.decode_instance_id), hashes)
         own_step = prof.prefill_time_s(min(request.input_tokens, prof.max_num_batched_tokens))
-        if own_step > budget_s:
-            self._long_log.append((pool.now_s, prof.prefill_time_s(request.input_tokens)))
+        log = self._long_log if own_step > budget_s else self._short_log
+        log.append((pool.now_s, prof.prefill_time_s(request.input_tokens)))
         return decision
 
     # -- pools -------------------------------------------------------------------
@@ -213,16 +216,21 @@ class TokenPilotPDRouter(PDRouter):
             return None
         self._next_plan_s = now + self.role_period_s
         window = self.role_period_s
-        while self._long_log and self._long_log[0][0] < now - window:
-            self._long_log.popleft()
+        for log in (self._long_log, self._short_log):
+            while log and log[0][0] < now - window:
+                log.popleft()
         n = len(pool.instances)
         if n < 2:
             return None
         demand = sum(s for _, s in self._long_log) / window  # instances busy prefilling
+        # the short prompts stay on the decode side (local prefills): it keeps
+        # room for them, or a split starves them of instances
+        short = sum(s for _, s in self._short_log) / window
+        n_decode = max(1, math.ceil(short / self.target_prefill_util))
         if demand < 0.5:
             target = 0
         else:
-            target = min(n - 1, max(1, math.ceil(demand / self.target_prefill_util)))
+            target = max(1, min(n - n_decode, math.ceil(demand / self.target_prefill_util)))
         current = sum(1 for i in pool.instances if i.role == PREFILL)
         if target == current:
             self._pending_target = None
