@@ -64,6 +64,24 @@ def test_token_hashes_are_chained_and_cover_only_full_blocks() -> None:
     assert tail_changed == h  # the partial block never gets a hash
 
 
+def test_prompt_block_hashes_are_chained_blake2b_of_each_block_as_emulators_cache_them() -> None:
+    """The byte tokenizer's block hash is part of the emulator's wire format
+    (KV events, cache hits): BLAKE2b-64 over the parent digest and the
+    block's 64 bytes, read little-endian. Pinned here so a faster
+    implementation cannot change it."""
+    import hashlib
+
+    from tokenfleet.tokenizer import block_hashes, encode_text
+
+    stream = encode_text("def f(x):\n    return x * 2  # " * 40)
+    prev, want = (0).to_bytes(8, "little"), []
+    for j in range(len(stream) // 64):
+        prev = hashlib.blake2b(prev + stream[j * 64 : (j + 1) * 64], digest_size=8).digest()
+        want.append(int.from_bytes(prev, "little"))
+    assert block_hashes(stream) == want and len(want) == 18
+    assert want[0] == 0xA8DE5EBCC7DC3AA6  # the first block's digest, as emulators cache it
+
+
 def test_segment_hasher_shares_exactly_the_common_full_blocks() -> None:
     hs = SegmentHasher()
     a = hs.hashes([(1, 100), (2, 50)])

@@ -25,6 +25,7 @@ same rendered prompt and get exactly the hashes the emulator caches under.
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -82,14 +83,18 @@ def block_hashes(
     """Chained 64-bit hashes of every *full* block of the token stream."""
     step = block_size_tokens * BYTES_PER_TOKEN
     full = len(stream) // step
-    out: list[int] = []
     prev = (parent or 0).to_bytes(8, "little")
     blake = hashlib.blake2b
+    digests: list[bytes] = []
     for j in range(full):
-        digest = blake(prev + stream[j * step : (j + 1) * step], digest_size=8).digest()
-        out.append(int.from_bytes(digest, "little"))
-        prev = digest
-    return out
+        prev = blake(prev + stream[j * step : (j + 1) * step], digest_size=8).digest()
+        digests.append(prev)
+    # the digests as little-endian uint64s in one C call (a 13k-token prompt's
+    # 800 int.from_bytes calls were a quarter of its hashing time)
+    out = array("Q", b"".join(digests))
+    if sys.byteorder == "big":
+        out.byteswap()
+    return out.tolist()
 
 
 def split_engine_blocks(engine_hashes: Sequence[int], engine_block_tokens: int) -> tuple[int, ...]:
