@@ -30,7 +30,7 @@ from tokenfleet.live.scrape import Scraper, parse_metrics
 from tokenfleet.live.state import InstanceInfo, LiveState
 from tokenfleet.tokenizer import approx_num_tokens
 from web.errors import ApiError, retry_after_header
-from workers.runtime import WorkerRuntime
+from workers.runtime import ACCT_REPAIR_SCRAPES, WorkerRuntime
 
 
 @pytest.fixture(scope="module")
@@ -802,3 +802,41 @@ def test_a_long_prefill_is_not_a_stall() -> None:
         call = EngineCall(emu.url, body, "s2", stall_timeout_s=0.2, first_token_timeout_s=wait_s)
         assert sum(p.tokens for p in call.stream()) == 4
         assert call._timeout_s == 0.2  # back to the stall timeout after the first token
+
+
+def test_a_lost_workers_accounting_is_cleared_once_the_instance_is_idle(state: LiveState) -> None:
+    """Bookings of a request whose worker was killed are never released; the
+    instance's next worker clears them once its engine, its slots and its
+    queues have been idle over several scrapes. A booking whose message still
+    waits in the instance's queue is kept, and a booking landing between the
+    read and the clear wins."""
+    info = InstanceInfo("r1", "dcr", "m", "http://127.0.0.1:9", "llama3-8b-h200", 8192, 1, 4)
+    rt = WorkerRuntime(LiveConfig.load(env={}), state, info)
+    idle = ScrapedMetrics(num_running=0, num_waiting=0)
+    lost = _req("lost", 5000)
+    with state.batch() as b:  # what a killed worker left behind
+        b.account("r1", "on_dispatch", lost, 0)
+    mine = affinity_queue("dcr", "r1", "interactive")
+    with state.batch() as b:  # ... and a request still queued for this instance
+        b.account("r1", "on_dispatch", _req("queued", 300), 0)
+        b.queued(mine, 1)
+    for _ in range(2 * ACCT_REPAIR_SCRAPES):
+        rt._repair_accounting(idle)
+    assert state.accounting(["r1"])["r1"].inflight_requests == 2  # a message waits: kept
+    state.queued_incr(mine, -1)  # the queued one was claimed, ran and was released
+    state.account_finish("r1", _req("queued", 300), False, 0)
+    busy = ScrapedMetrics(num_running=1, num_waiting=0)
+    for _ in range(2 * ACCT_REPAIR_SCRAPES):
+        rt._repair_accounting(busy)  # the engine runs something: nothing is phantom yet
+    assert state.accounting(["r1"])["r1"].inflight_requests == 1
+    for _ in range(ACCT_REPAIR_SCRAPES - 1):
+        rt._repair_accounting(idle)
+    seen = state.acct_raw("r1")
+    with state.batch() as b:  # a dispatch lands between the read and the clear
+        b.account("r1", "on_dispatch", _req("new", 100), 0)
+    assert not state.clear_acct_if("r1", seen)
+    state.account_finish("r1", _req("new", 100), False, 0)
+    for _ in range(ACCT_REPAIR_SCRAPES):
+        rt._repair_accounting(idle)
+    acct = state.accounting(["r1"])["r1"]
+    assert acct.inflight_requests == 0 and acct.prefill_pending_uncached_tokens == 0

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tokenfleet.core.tiers import SLOConfig
+from tokenfleet.core.types import ScrapedMetrics
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.queues import TIER_PRIORITY, is_pool_queue, tier_of_queue, worker_queues
 from tokenfleet.live.relay import RelayHub
@@ -127,6 +128,10 @@ class WorkerRuntime:
         self._outcome_hub: RelayHub | None = None
         #: API liveness key -> (monotonic time read, it existed)
         self._api_alive: dict[str, tuple[float, bool]] = {}
+        #: the accounting read while this instance looked idle, and for how many
+        #: scrapes in a row it stayed so (:meth:`_repair_accounting`)
+        self._idle_acct: dict[bytes, bytes] | None = None
+        self._idle_scrapes = 0
 
     def api_alive(self, key: str, max_age_s: float) -> bool:
         """Whether an API's liveness key exists, read at most once per
@@ -325,8 +330,49 @@ class WorkerRuntime:
             self.state.publish_snapshot(
                 self.info.instance_id, res.metrics, self.running_by_tier(), info=self.info
             )
+            self._repair_accounting(res.metrics)
         except Exception as exc:  # noqa: BLE001 - Redis blip: next round retries
             log.debug("snapshot not written: %r", exc)
+
+    def _repair_accounting(self, m: ScrapedMetrics) -> None:
+        """Clear dispatch accounting that nothing can release any more.
+
+        Bookings are released by the worker that ran the request (and, for a
+        disaggregated one, by its decode worker on the prefill instance); a
+        worker killed mid-request never releases them, and routers then see
+        that instance loaded for good. When the engine runs and queues
+        nothing, this worker holds and awaits nothing, no message waits in
+        this instance's queues, and the accounting stayed the same over
+        ``ACCT_REPAIR_SCRAPES`` scrapes, what it books is gone: it is cleared,
+        unless a booking lands meanwhile (:meth:`LiveState.clear_acct_if`)."""
+        idle = (
+            m.healthy
+            and m.num_running == 0
+            and m.num_waiting == 0
+            and not self.flights()
+            and not self.reserved
+        )
+        if idle:
+            mine = [q for q in self.queues if not is_pool_queue(q)]
+            queued = self.state.queued()
+            idle = not any(queued.get(q, 0) for q in mine)
+        seen = self.state.acct_raw(self.info.instance_id) if idle else {}
+        if not any(v not in (b"0", b"") for v in seen.values()):
+            self._idle_acct, self._idle_scrapes = None, 0
+            return
+        if seen != self._idle_acct:
+            self._idle_acct, self._idle_scrapes = seen, 1
+            return
+        self._idle_scrapes += 1
+        if self._idle_scrapes >= ACCT_REPAIR_SCRAPES:
+            if self.state.clear_acct_if(self.info.instance_id, seen):
+                log.warning(
+                    "instance %s: cleared dispatch accounting nothing releases (%s): a worker "
+                    "lost mid-request",
+                    self.info.instance_id,
+                    ", ".join(f"{k.decode()}={v.decode()}" for k, v in sorted(seen.items())),
+                )
+            self._idle_acct, self._idle_scrapes = None, 0
 
     def _abort_unstarted(self, reason: str) -> None:
         for f in self.flights():
@@ -476,6 +522,11 @@ class WorkerRuntime:
 
 #: the runtime of this worker process (set by ``tokenfleet worker`` before Celery starts)
 RUNTIME: WorkerRuntime | None = None
+
+
+#: scrapes in a row an idle instance's accounting must stay unchanged before
+#: it is cleared (4 x 0.5 s: longer than a KV transfer and a decode's first step)
+ACCT_REPAIR_SCRAPES = 4
 
 
 def runtime() -> WorkerRuntime:

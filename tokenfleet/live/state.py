@@ -372,6 +372,26 @@ class LiveState:
             out[iid] = acct
         return out
 
+    def acct_raw(self, instance_id: str) -> dict[bytes, bytes]:
+        """The instance's accounting hash as stored (for :meth:`clear_acct_if`)."""
+        return dict(self.r.hgetall(self.k("acct", instance_id)))
+
+    def clear_acct_if(self, instance_id: str, seen: Mapping[bytes, bytes]) -> bool:
+        """Delete the instance's accounting if it still holds exactly ``seen``
+        (WATCH/MULTI: a booking written meanwhile wins, nothing is cleared)."""
+        key = self.k("acct", instance_id)
+        with self.r.pipeline() as pipe:
+            try:
+                pipe.watch(key)  # type: ignore[no-untyped-call]
+                if dict(pipe.hgetall(key)) != dict(seen):
+                    return False
+                pipe.multi()
+                pipe.delete(key)
+                pipe.execute()
+                return True
+            except redis.WatchError:
+                return False
+
     def _acct_delta(self, instance_id: str, delta: Mapping[str, int]) -> None:
         key = self.k("acct", instance_id)
         with self.r.pipeline(transaction=False) as pipe:
