@@ -24,9 +24,9 @@ from tests.support.stack import API_KEY, InstanceSpec, LiveStack
 _LONG = " ".join(f"Paragraph {i} of the contract, with clauses." for i in range(3700))
 
 
-def long_prompt() -> str:
+def long_prompt(copies: int = 1) -> str:
     """A fresh one each time: a cached prefix would make the prefill instant."""
-    return f"[{uuid.uuid4().hex}] {_LONG}"
+    return f"[{uuid.uuid4().hex}] " + " ".join([_LONG] * copies)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,10 @@ def test_worker_killed_before_first_token_is_retried_elsewhere(healthy: LiveStac
             out["resp"] = c.chat.completions.create(
                 model=stack.model,
                 max_tokens=4,
-                messages=[{"role": "user", "content": long_prompt()}],
+                # ~83k tokens, ~6 s of prefill: the API must see the lost lease
+                # (within lease_ttl_s + half of it, 2.25 s here) before the first
+                # token; with ~2.7 s of prefill a slow check lost that race
+                messages=[{"role": "user", "content": long_prompt(copies=2)}],
             )
         except Exception as exc:  # noqa: BLE001
             out["error"] = exc
