@@ -190,8 +190,8 @@ def test_results_do_not_depend_on_python_hash_seed(tmp_path: Path) -> None:
     import sys
 
     policies = [n for n in ROUTERS.names() if not n.startswith("_")]
-    outs = []
-    for seed in ("1", "2"):
+    procs = []
+    for seed in ("1", "2"):  # both at once: one per core
         out = tmp_path / f"run{seed}.json"
         cmd = [
             sys.executable,
@@ -213,9 +213,15 @@ def test_results_do_not_depend_on_python_hash_seed(tmp_path: Path) -> None:
         for p in policies:
             cmd += ["--policy", p]
         env = {**__import__("os").environ, "PYTHONHASHSEED": seed}
-        subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        procs.append((proc, out))
+    outs = []
+    for proc, out in procs:
+        log, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, log.decode(errors="replace")[-2000:]
         outs.append(json.loads(out.read_text())["runs"])
-    for a, b in zip(*outs, strict=False):
+    assert len(outs[0]) == len(policies)
+    for a, b in zip(*outs, strict=True):
         assert a["policy"] == b["policy"]
         for key in ("ttft_p50_s", "ttft_p95_s", "throughput_tok_s", "prefix_hit_ratio"):
             assert a[key] == b[key], (a["policy"], key)
