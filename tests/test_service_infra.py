@@ -484,6 +484,20 @@ def test_close_during_outage_spills_and_next_writer_replays(
         engine.dispose()
 
 
+def _spooled_rows(spill: Path) -> int:
+    """Rows in the spool now. The writer renames its files as it closes,
+    claims and releases them (its retry loop runs during the outage), so a
+    file listed can be gone when it is read: count again."""
+    import time
+
+    for _ in range(100):
+        try:
+            return sum(1 for f in spill.glob("ledger-*") for _ in f.open())
+        except FileNotFoundError:
+            time.sleep(0.01)
+    raise AssertionError(f"the spool in {spill} kept changing for a second")
+
+
 def test_outage_spools_rows_to_disk_within_a_bound(
     pg: EmbeddedPostgres, db_url: str, tmp_path: Path
 ) -> None:
@@ -509,7 +523,7 @@ def test_outage_spools_rows_to_disk_within_a_bound(
             time.sleep(0.02)
         assert not writer.stats.healthy
         writer.record_many(_row(i) for i in range(10, 200))
-        on_disk = sum(1 for f in spill.glob("ledger-*") for _ in f.open())
+        on_disk = _spooled_rows(spill)
         assert 0 < on_disk < 200 and on_disk + writer.stats.dropped == 200
     finally:
         pg.start()
