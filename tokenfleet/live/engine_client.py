@@ -216,15 +216,7 @@ class EngineCall:
             if resp.status != 200:
                 raw = resp.read()
                 self._reusable = not resp.will_close
-                msg = _error_message(raw) or f"HTTP {resp.status}"
-                # 4xx: the request itself is bad (another engine says the same).
-                retryable = resp.status >= 500 or resp.status == 429
-                raise EngineError(
-                    f"engine answered {resp.status}: {msg}",
-                    resp.status,
-                    retryable,
-                    kind="error" if retryable else "client",
-                )
+                raise _answered_error("engine", resp.status, raw)
             yield from self._pieces(resp, coalesce_s)
         finally:
             self._give_back()
@@ -275,14 +267,7 @@ class EngineCall:
             with self._lock:
                 self._prefill = None
         if resp.status != 200:
-            retryable = resp.status >= 500 or resp.status == 429
-            raise EngineError(
-                f"prefill engine answered {resp.status}: "
-                f"{_error_message(raw) or f'HTTP {resp.status}'}",
-                resp.status,
-                retryable,
-                kind="error" if retryable else "client",
-            )
+            raise _answered_error("prefill engine", resp.status, raw)
         try:
             params = json.loads(raw).get("kv_transfer_params")
         except (ValueError, AttributeError):
@@ -548,6 +533,18 @@ class _Dechunker:
             self.left = size
         self.rest = buf[i:]
         return b"".join(out)
+
+
+def _answered_error(who: str, status: int, raw: bytes) -> EngineError:
+    """An engine's non-200 answer as the error it means: 4xx is the request's
+    own fault (another engine says the same), 5xx and 429 are worth a re-send."""
+    retryable = status >= 500 or status == 429
+    return EngineError(
+        f"{who} answered {status}: {_error_message(raw) or f'HTTP {status}'}",
+        status,
+        retryable,
+        kind="error" if retryable else "client",
+    )
 
 
 def _error_message(raw: bytes) -> str:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 from kombu.exceptions import KombuError
 
+from tokenfleet.core.routing.pd_base import PDRouter
 from tokenfleet.core.tiers import SLOConfig
 from tokenfleet.core.types import PoolSnapshot, RequestInfo, RouteDecision
 from tokenfleet.errors import NoCandidateError
@@ -144,7 +145,7 @@ class Dispatcher:
             allowed = self._admit(req, views, now)
             # a P/D router places both phases by role; SLOMax's per-tier instance
             # split would hide the prefill pool (as in the simulator's P/D pool)
-            if allowed is not None and not getattr(self.router, "disaggregating", False):
+            if allowed is not None and not isinstance(self.router, PDRouter):
                 views = [v for v in views if v.instance_id in allowed] or views
             for i, v in enumerate(views):
                 v.index = i
@@ -436,11 +437,10 @@ class Dispatcher:
         try:
             with self.router_lock:
                 snap = PoolSnapshot(now_s=now, instances=views)
-                route_pd = getattr(self.router, "route_pd", None)
-                if route_pd is None:
+                if not isinstance(self.router, PDRouter):
                     decision: RouteDecision = self.router.route(req.info, snap)
                     return decision, None
-                pd = route_pd(req.info, snap)
+                pd = self.router.route_pd(req.info, snap)
         except NoCandidateError as exc:
             raise NoCapacity(
                 f"no healthy engine instance can take this request now ({exc})"
