@@ -185,7 +185,10 @@ def overhead(
     duration_s: float = 20.0,
     output_tokens: int = 8,
     traces: list[dict[str, Any]] | None = None,
+    prompt_tokens: int = 0,
 ) -> dict[str, Any]:
+    from benchmarks.cpu_per_request import make_prompt  # it imports this module
+
     api = _Caller(stack.url, API_KEY)
     direct = _Caller(next(iter(stack.engine_urls.values())), None)
     body = {
@@ -205,10 +208,13 @@ def overhead(
     lock = threading.Lock()
 
     def one(i: int, which: str) -> None:
-        msg = {"role": "user", "content": f"overhead probe {i} {which}"}
+        if prompt_tokens:  # a long prompt, 70 % of it shared by every request
+            msgs = make_prompt(prompt_tokens, 0.7, i * 2 + (which == "api"))
+        else:
+            msgs = [{"role": "user", "content": f"overhead probe {i} {which}"}]
         trace: dict[str, Any] | None = {} if traces is not None and which == "api" else None
         try:
-            ttft, e2e = (api if which == "api" else direct).call(dict(body, messages=[msg]), trace)
+            ttft, e2e = (api if which == "api" else direct).call(dict(body, messages=msgs), trace)
         except Exception as exc:  # noqa: BLE001
             what = f"{which}: {exc.__class__.__name__}: {str(exc)[:80]}"
             with lock:
@@ -380,6 +386,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-throughput", action="store_true")
     p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        help="prompt length of the overhead run (byte-tokenizer tokens, 70%% shared); "
+        "0: a few-token probe",
+    )
+    p.add_argument("--router", default="round_robin", help="the API's router")
+    p.add_argument(
         "--admission",
         default="slomax",
         help="the API's admission policy (default slomax, as `tokenfleet api`; "
@@ -414,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             instances=specs,
             with_postgres=True,
             time_scale=1e-4,
-            router="round_robin",
+            router=args.router,
             engines_in_process=False,
             api_in_process=False,
             admission=args.admission,
@@ -427,7 +441,9 @@ def main(argv: list[str] | None = None) -> int:
         stack.start()
         try:
             traces: list[dict[str, Any]] | None = [] if args.breakdown else None
-            report["overhead"] = overhead(stack, args.rate, args.duration, traces=traces)
+            report["overhead"] = overhead(
+                stack, args.rate, args.duration, traces=traces, prompt_tokens=args.prompt_tokens
+            )
             if traces is not None:
                 report["breakdown"] = breakdown(stack, traces, log_dir)
             if not args.no_throughput:

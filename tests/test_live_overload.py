@@ -251,24 +251,10 @@ def test_wait_predictor_sheds_when_the_queue_outlasts_the_tier_limit() -> None:
 
 
 def test_server_pool_grows_so_health_never_waits_behind_busy_requests() -> None:
-    from flask import Flask
-
+    from tests.support.blocking import blocking_app
     from web.server import ApiServer
 
-    app = Flask("pool-test")
-    release = threading.Event()
-    inside = threading.Semaphore(0)
-
-    @app.get("/block")
-    def block() -> str:
-        inside.release()
-        release.wait(30)
-        return "done"
-
-    @app.get("/health")
-    def health() -> str:
-        return "ok"
-
+    app, release, inside = blocking_app("pool-test")
     server = ApiServer(app, threads=2, max_threads=64, linger_s=0)
     server.start_background()
     busy = 12
@@ -286,7 +272,7 @@ def test_server_pool_grows_so_health_never_waits_behind_busy_requests() -> None:
             t.start()
         for _ in range(busy):  # every one of them is being served at once
             assert inside.acquire(timeout=15), "a request waited for a thread"
-        assert requests.get(server.url + "/health", timeout=10).text == "ok"
+        assert requests.get(server.url + "/health", timeout=10).text == "from the route"
     finally:
         release.set()
         for t in workers:

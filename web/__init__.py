@@ -104,12 +104,14 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
 
     from web.access import init_app as init_access_log
     from web.chat import chat_bp
-    from web.routes import models_bp, ops_bp
+    from web.routes import inline_health, models_bp, ops_bp
 
     init_access_log(app)  # one line per /v1 request, when its answer has ended
     app.register_blueprint(chat_bp)
     app.register_blueprint(models_bp)
     app.register_blueprint(ops_bp)
+    # /health answered by the server's connection thread (web/server.py)
+    app.extensions["tokenfleet.inline_health"] = inline_health(gw)
 
     # with a database: tenants (keys, quotas, regions), /v1/files, /v1/batches, /v1/usage
     from web.batch_api import init_app as init_batch_api

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
 
@@ -96,6 +97,14 @@ def health() -> Response:
             503,
             {"Retry-After": "2"},
         )
+    return _json(*health_answer(gw, h))
+
+
+def health_answer(
+    gw: Gateway, h: dict[str, Any], pending: int | None = None
+) -> tuple[dict[str, Any], int, dict[str, str]]:
+    """``/health``'s body, status and headers from :meth:`Gateway.health`'s view
+    (``pending``: the ledger's unwritten rows, when the caller has them)."""
     healthy = h["healthy"]
     body: dict[str, Any] = {
         "status": "ok" if healthy else "degraded",
@@ -104,8 +113,31 @@ def health() -> Response:
     }
     ledger = gw.ledger
     if ledger is not None:
-        body["ledger"] = {"healthy": ledger.stats.healthy, "pending": ledger.pending()}
-    return _json(body, 200 if healthy else 503, None if healthy else {"Retry-After": "2"})
+        if pending is None:
+            pending = ledger.pending()
+        body["ledger"] = {"healthy": ledger.stats.healthy, "pending": pending}
+    return body, 200 if healthy else 503, {} if healthy else {"Retry-After": "2"}
+
+
+def inline_health(gw: Gateway) -> Callable[[], tuple[int, bytes, dict[str, str]] | None]:
+    """``/health`` for the server to answer on its own connection thread
+    (``web.server``): status, JSON body and headers from the gateway's copy,
+    without I/O; None when only the route can say (the copy is old, so it asks
+    Redis), and the request goes to a pool thread as any other."""
+
+    def answer() -> tuple[int, bytes, dict[str, str]] | None:
+        h = gw.cached_health()
+        if h is None:
+            return None
+        pending = None
+        if gw.ledger is not None:
+            pending = gw.ledger.pending_now()
+            if pending is None:  # its writer holds the lock: a pool thread may wait
+                return None
+        body, status, headers = health_answer(gw, h, pending)
+        return status, json.dumps(body).encode(), headers
+
+    return answer
 
 
 @ops_bp.get("/metrics")

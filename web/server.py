@@ -42,6 +42,12 @@ over the process's in-flight bound (``LiveConfig.api_max_inflight``), and the
 pool's ceiling is that bound plus a reserve, so ``/health`` and ``/metrics``
 always find a thread. Threads above the base count that stay idle are retired.
 
+**``/health`` does not need a pool thread.** The selector thread answers a
+bare ``GET /health`` itself from the app's copy of the instances (no I/O:
+:data:`InlineAnswer`), and a new connection waits in the selector until its
+client has sent something, so neither a probe nor a silent client waits for
+a thread (docs/live.md, "Holding 2,000 streams", 9).
+
 :func:`client_gone` tells a waiting request whether its client closed the
 connection (EOF on the socket), so a non-streamed request, which writes
 nothing until its answer, is cancelled as a stream would be.
@@ -56,6 +62,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
+from http import HTTPStatus
 from typing import Any
 
 from cheroot.workers.threadpool import WorkerThread
@@ -186,17 +193,34 @@ class _OneWriteGateway(Gateway_10):
         real.write(held.getvalue())
 
 
+#: ``/health`` answered by the server itself: () -> (status, JSON body,
+#: headers), or None to leave the request to the app; it must not do I/O
+InlineAnswer = Callable[[], tuple[int, bytes, dict[str, str]] | None]
+_HEALTH_LINES = (b"GET /health HTTP/1.1", b"GET /health HTTP/1.0")
+_PEEK_BYTES = 4096
+_POOL, _WAIT, _DONE = 0, 1, 2  # what to do with a ready connection (_inline)
+
+
 class _LingeringServer(_CherootServer):
     """cheroot's WSGI server whose pool threads linger on a busy connection,
-    and whose pool grows when a connection finds no idle thread."""
+    whose pool grows when a connection finds no idle thread, and which answers
+    ``/health`` on its selector thread when it can (:meth:`_inline`)."""
 
     linger_s = LINGER_S
+    inline_health: InlineAnswer | None = None
     _last_retire = 0.0
     _idle_since = 0.0
     _grower: threading.Thread | None = None
     _grow_kick: threading.Event | None = None
 
     def process_conn(self, conn: Any) -> None:
+        if self.inline_health is not None:
+            verdict = self._inline(conn)
+            if verdict == _DONE:
+                return
+            if verdict == _WAIT:  # nothing sent yet: wait in the selector, not a thread
+                _CherootServer.put_conn(self, conn)
+                return
         # runs on the selector thread: never wait here. Starting a thread waits
         # until it runs (``Thread.start``), which on a loaded machine took long
         # enough for 16 of them to hold up every connection behind, /health
@@ -210,6 +234,79 @@ class _LingeringServer(_CherootServer):
         except Exception:  # serve with the threads there are
             log.exception("could not grow the server's thread pool")
         super().process_conn(conn)
+
+    def _inline(self, conn: Any) -> int:
+        """Answer a ``GET /health`` here, on the selector thread, from what the
+        app knows without I/O (:data:`InlineAnswer`).
+
+        Why: holding thousands of streams, a probe handed to a pool thread
+        waited for that thread's turns at the interpreter behind every
+        stream's thread, several times per request (the hand-off, each read,
+        the app, each write), and a probe past 100 ms read as a sick process
+        (docs/live.md, "Holding 2,000 streams"). Here it costs a peek, a read
+        and a write. Anything else, or a request the peek cannot see whole,
+        goes to the pool as before (:data:`_POOL`); a new connection that has
+        sent nothing yet waits in the selector (:data:`_WAIT`) rather than in a
+        pool thread, so an idle client holds no thread either."""
+        sock = conn.socket
+        if type(sock) is not socket.socket or conn.rfile.has_data():
+            return _POOL  # TLS, or cheroot already buffered the next request
+        # a socket with a timeout waits for readiness before every call, flags or
+        # not: the selector thread must never wait, so no timeout while here
+        timeout_s = sock.gettimeout()
+        sock.settimeout(0.0)
+        try:
+            return self._inline_nowait(conn, sock)
+        finally:
+            if sock.fileno() >= 0:
+                sock.settimeout(timeout_s)
+
+    def _inline_nowait(self, conn: Any, sock: socket.socket) -> int:
+        try:
+            head = sock.recv(_PEEK_BYTES, socket.MSG_PEEK)
+        except BlockingIOError:
+            return _WAIT
+        except OSError:
+            return _POOL  # cheroot's own read reports it
+        end = head.find(b"\r\n\r\n")
+        line = head[: head.find(b"\r\n")]
+        if end < 0 or line not in _HEALTH_LINES:
+            return _POOL
+        fields = {}
+        for raw in head[:end].split(b"\r\n")[1:]:
+            name, _, value = raw.partition(b":")
+            fields[name.strip().lower()] = value.strip().lower()
+        if fields.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in fields:
+            return _POOL  # a body on a GET: let the full parser judge it
+        assert self.inline_health is not None
+        try:
+            answer = self.inline_health()
+        except Exception:  # the app's route answers (and logs) instead
+            log.debug("inline /health failed", exc_info=True)
+            return _POOL
+        if answer is None:
+            return _POOL
+        status, body, headers = answer
+        keep = line.endswith(b"1.1") and fields.get(b"connection") != b"close"
+        lines = [
+            f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
+            "Content-Type: application/json",
+            f"Content-Length: {len(body)}",
+            *(f"{k}: {v}" for k, v in headers.items()),
+        ]
+        if not keep:
+            lines.append("Connection: close")
+        data = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+        try:
+            sock.recv(end + 4)  # the request, peeked above
+            sent = sock.send(data)
+        except OSError:
+            sent = -1
+        if sent != len(data) or not keep:  # never wait for a client that does not read
+            conn.close()
+        else:
+            _CherootServer.put_conn(self, conn)
+        return _DONE
 
     def _want_threads(self) -> None:
         if self._grower is None:
@@ -295,9 +392,12 @@ class ApiServer:
         threads: int = 128,
         linger_s: float = LINGER_S,
         max_threads: int | None = None,
+        inline_health: InlineAnswer | None = None,
     ) -> None:
         """``threads`` start and stay; the pool grows to ``max_threads``
-        (default: the app's ``api_max_inflight`` plus :data:`RESERVE_THREADS`)."""
+        (default: the app's ``api_max_inflight`` plus :data:`RESERVE_THREADS`).
+        ``inline_health`` (default: the app's ``tokenfleet.inline_health``
+        extension, if any) answers ``/health`` without a pool thread."""
         if max_threads is None:
             live = getattr(app, "extensions", {}).get("tokenfleet")
             bound = getattr(getattr(live, "live", None), "api_max_inflight", 0) or 4096
@@ -312,6 +412,9 @@ class ApiServer:
             shutdown_timeout=2,
         )
         self._server.linger_s = linger_s
+        if inline_health is None:
+            inline_health = getattr(app, "extensions", {}).get("tokenfleet.inline_health")
+        self._server.inline_health = inline_health
         self._server.max_request_header_size = MAX_HEADER_BYTES  # 413 beyond
         self._server.gateway = _OneWriteGateway
         # bind now, so a taken port fails here and port 0 resolves at once

@@ -319,10 +319,23 @@ class LedgerWriter:
     def pending(self) -> int:
         """Rows not yet confirmed written, counting this process's spill only."""
         with self._cond:
-            spilled = max(0, self.stats.spilled - self.stats.replayed)
-            # a batch replayed from a spill file is counted there until it is written
-            inflight = 0 if self._inflight_from_spill else len(self._inflight)
-            return len(self._buf) + inflight + spilled
+            return self._pending_locked()
+
+    def pending_now(self) -> int | None:
+        """:meth:`pending`, or None if the writer holds its lock right now (for
+        a caller that must not wait: the server's own ``/health`` answer)."""
+        if not self._cond.acquire(blocking=False):
+            return None
+        try:
+            return self._pending_locked()
+        finally:
+            self._cond.release()
+
+    def _pending_locked(self) -> int:
+        spilled = max(0, self.stats.spilled - self.stats.replayed)
+        # a batch replayed from a spill file is counted there until it is written
+        inflight = 0 if self._inflight_from_spill else len(self._inflight)
+        return len(self._buf) + inflight + spilled
 
     def flush(self, timeout: float | None = 10.0) -> bool:
         """Write everything queued and every spill file now; True if fully drained in time."""

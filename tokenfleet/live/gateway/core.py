@@ -40,7 +40,7 @@ from tokenfleet.live.gateway.validate import ChatRequest, validate_chat
 from tokenfleet.live.gateway.watch import Watcher
 from tokenfleet.live.redis_transport import TRANSPORT_PATH, PipelinePublisher, same_database
 from tokenfleet.live.relay import RelayHub
-from tokenfleet.live.state import LiveState
+from tokenfleet.live.state import InstanceInfo, LiveState
 from tokenfleet.service.writer import RequestRecord
 from tokenfleet.tokenizer import BYTE_TOKENIZER, PromptTokenizer
 
@@ -216,15 +216,24 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
         the thread is behind or Redis is down: then Redis is pinged and read
         now, and a failure says it is down; so it is after any Redis call of
         this process failed since the copy was read."""
+        cached = self.cached_health()
+        if cached is not None:
+            return cached
+        self.state.r.ping()
+        return self._health_of(self._refresh_instances())
+
+    def cached_health(self) -> dict[str, Any] | None:
+        """:meth:`health` from the refresh thread's copy, without any I/O; None
+        when the copy is too old to vouch for Redis (then :meth:`health` asks)."""
         with self._infos_lock:
             fresh = (
                 time.monotonic() - self._infos_at <= HEALTH_MAX_AGE_S
                 and self._redis_failed_at < self._infos_at
             )
             infos = self._infos
-        if not fresh:
-            self.state.r.ping()
-            infos = self._refresh_instances()
+        return self._health_of(infos) if fresh else None
+
+    def _health_of(self, infos: list[InstanceInfo]) -> dict[str, Any]:
         now = time.time()
         healthy = {i.instance_id for i in infos if i.is_healthy(now, self.live.stale_after_s)}
         return {
