@@ -11,16 +11,18 @@ chunks runs at the chunk's step time, so TPOT is what disaggregation buys,
 while TTFT pays the transfer; only a prediction in seconds can weigh them.
 
 Pools: ``plan_roles`` splits the pool only when aggregation is predicted to
-lose the decodes' TPOT: the prefill seconds per second the router sent,
-spread over every instance as an aggregated pool would run them, give each
-instance a share ``u`` of its time in chunk steps; a decode's mean step is
-then ``1 / (u / t_chunk + (1 - u) / t_decode)``, and while that is within
-the decode budget (``decode_budget_frac`` x the tightest TPOT limit seen)
-every instance stays mixed (aggregated, or disaggregated per request between
-mixed instances when that predicts better); a split pool goes back to mixed
-only once that step is within half the budget. A split would only take options
-away: a medium prompt barred from the decode side queues on the prefill
-pool behind long prompts with no TTFT limit (batch documents). When it pays,
+lose the decodes' TPOT: the prefill seconds per second the router sent for
+requests with a TPOT limit, spread over every instance as an aggregated pool
+would run them, give each instance a share ``u`` of its time in chunk steps;
+a decode's mean step is then ``1 / (u / t_chunk + (1 - u) / t_decode)``, and
+while that is within the decode budget (``decode_budget_frac`` x the
+tightest TPOT limit seen) every instance stays mixed (aggregated, or
+disaggregated per request between mixed instances when that predicts
+better); a split pool goes back to mixed only once that step is within half
+the budget. Otherwise a split only takes options away: a medium prompt
+barred from the decode side queues (FIFO) on the prefill pool behind long
+documents whose TTFT limits are seconds or none (docs/benchmarks.md 13e:
+mixed.yaml lost 1.1 points that way). When it pays,
 it sizes the prefill pool from the prefill seconds per second the router
 itself sent as "long" (a chunk step over the decode budget), at a target
 utilisation, leaves the decode pool enough instances for the short prompts
