@@ -19,6 +19,7 @@ from tokenfleet.engine.instance import EngineInstance, EngineRequest
 from tokenfleet.engine.kv_link import KVLink
 from tokenfleet.engine.profiles import get_profile
 from tokenfleet.sim.cluster import PoolConfig, run_pool
+from tokenfleet.sim.metrics import summarize
 from tokenfleet.sim.pd import PDPoolSim
 from tokenfleet.workloads.synthetic import generate
 
@@ -121,20 +122,162 @@ def test_tokenpilot_pd_splits_long_prompts_off_a_busy_decoder() -> None:
 
 
 def test_tokenpilot_pd_split_leaves_the_decode_side_room_for_short_prompts() -> None:
-    """Long prefill demand alone would ask for 3 prefill instances of 4; the
+    """Long prefill demand alone would ask for all 4 prefill instances; the
     short prompts it prefills locally need 2 decode instances, so it splits 2/2."""
     r = ROUTERS.create("tokenpilot_pd")
     views = [_view(i, MIXED) for i in range(4)]
     plans = []
     for now in (14.0, 29.0):  # two planning cycles must agree (hysteresis)
         snap = PoolSnapshot(now, views)
-        for k in range(150):  # 150 x 8,000 tokens in 15 s: ~2.5 instances of prefill
+        for k in range(180):  # 180 x 8,000 tokens in 15 s: ~3 instances of prefill
             r.route_pd(RequestInfo(f"L{now}-{k}", now, 8000, 16, tier="interactive"), snap)  # type: ignore[attr-defined]
         for k in range(500):  # 500 x 1,000 tokens: ~0.95 instance, kept local
             r.route_pd(RequestInfo(f"S{now}-{k}", now, 1000, 16, tier="interactive"), snap)  # type: ignore[attr-defined]
         plans.append(r.plan_roles(PoolSnapshot(now + 1.0, views)))  # type: ignore[attr-defined]
     assert plans[0] is None
     assert plans[1] is not None and plans[1].count(PREFILL) == 2 and plans[1].count(DECODE) == 2
+
+
+def _plans(r: object, views: list[InstanceView], long: int, tier: str) -> list[object]:
+    """Two planning cycles (15 s each) after ``long`` 8,000-token prompts of
+    ``tier`` and 300 1,000-token interactive ones per cycle."""
+    plans = []
+    for now in (14.0, 29.0):
+        snap = PoolSnapshot(now, views)
+        for k in range(long):
+            info = RequestInfo(f"L{now}-{k}", now, 8000, 16, tier=tier)
+            r.route_pd(info, snap)  # type: ignore[attr-defined]
+        for k in range(300):
+            info = RequestInfo(f"S{now}-{k}", now, 1000, 16, tier="interactive")
+            r.route_pd(info, snap)  # type: ignore[attr-defined]
+        plans.append(r.plan_roles(PoolSnapshot(now + 1.0, views)))  # type: ignore[attr-defined]
+    return plans
+
+
+def test_tokenpilot_pd_stays_mixed_while_aggregation_keeps_tpot_within_budget() -> None:
+    """~3.5 instances of long prefill on 8 (over the half-instance floor, so the
+    planner before the check split 5/3): spread over all 8, a decode's mean step
+    stays far under half the 100 ms TPOT limit, so no split. At ~8 instances of
+    prefill it is over the budget and the pool splits."""
+    views = [_view(i, MIXED) for i in range(8)]
+    r = ROUTERS.create("tokenpilot_pd")
+    assert _plans(r, views, 210, "interactive") == [None, None]
+    r = ROUTERS.create("tokenpilot_pd")
+    plans = _plans(r, views, 480, "interactive")
+    assert plans[0] is None and plans[1] is not None and PREFILL in plans[1]
+
+
+def test_tokenpilot_pd_does_not_split_for_prefill_without_a_tpot_limit() -> None:
+    """The same ~7 instances of long prefill as batch work (no TPOT limit) leave
+    the pool mixed: aggregated, it can keep to instances of its own."""
+    views = [_view(i, MIXED) for i in range(8)]
+    r = ROUTERS.create("tokenpilot_pd")
+    assert _plans(r, views, 420, "batch") == [None, None]
+
+
+def test_tokenpilot_pd_split_returns_to_mixed_only_well_within_budget() -> None:
+    """A split pool (hysteresis band): a load that would not split a mixed pool
+    (aggregated step over half the budget, within it) keeps it split; back
+    toward mixed only once within half the budget, one instance per cycle."""
+    from tokenfleet.core.routing.tokenpilot_pd import TokenPilotPDRouter
+
+    r = ROUTERS.create("tokenpilot_pd")
+    assert isinstance(r, TokenPilotPDRouter)
+    views = [_view(i, PREFILL if i < 6 else DECODE) for i in range(8)]
+    snap = PoolSnapshot(0.0, views)
+    budget = r.decode_budget_frac * 0.1
+    # a load whose aggregated step is between half the budget and the budget
+    load = next(x / 10 for x in range(1, 80) if r.aggregated_step_s(snap, x / 10) > 0.75 * budget)
+    assert 0.5 * budget < r.aggregated_step_s(snap, load) <= budget
+    short = 300 * PROF.prefill_time_s(1000) / 15
+    n = round((load - short) * 15 / PROF.prefill_time_s(8000))
+    for plan in _plans(r, views, n, "interactive"):  # kept split (resized at most)
+        assert plan is None or plan.count(PREFILL) >= 6  # type: ignore[attr-defined]
+    r = ROUTERS.create("tokenpilot_pd")
+    plans = _plans(r, views, 40, "interactive")  # light: well within budget
+    assert plans[0] is None and plans[1] is not None and plans[1].count(PREFILL) == 5
+
+
+def _chat_and_batch_job(chat_rps: float, docs: int, doc_tokens: int, dur: float) -> list:  # type: ignore[type-arg]
+    from dataclasses import replace
+
+    from tokenfleet.workloads.trace import TraceRequest
+
+    chat = [
+        replace(r, client_timeout_s=20.0)
+        for r in generate("chat", int(chat_rps * dur), 2, chat_rps)
+        if r.info.arrival_s < dur
+    ]
+    job = [
+        TraceRequest(
+            RequestInfo(
+                f"doc{k}",
+                0.0,
+                doc_tokens,
+                64,
+                tuple(range(10**6 * (k + 1), 10**6 * (k + 1) + doc_tokens // 16)),
+                tenant="analytics",
+                task_type="batch",
+                deadline_s=dur - 5,
+            ),
+            48,
+        )
+        for k in range(docs)
+    ]
+    return sorted(chat + job, key=lambda r: r.info.arrival_s)
+
+
+def test_tokenpilot_pd_keeps_a_mixed_pool_mixed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chat at 20 req/s (median prompt ~2.5k tokens: most over the decode budget,
+    so "long") plus a 60-document batch job at t=0 on 4 instances behind SLOMax,
+    the shape of mixed.yaml where a split cost 1.1 points: the roles stay mixed
+    and every request meets its SLO, as with aggregated TokenPilot. The planner
+    without the aggregation check splits this pool (checked: the test can fail)."""
+    from tokenfleet.core.routing.tokenpilot_pd import TokenPilotPDRouter
+    from tokenfleet.sim.admission import run_pool_with_admission
+
+    reqs = _chat_and_batch_job(20.0, 60, 20000, 60.0)
+    slo = SLOConfig()
+
+    def run(router: str) -> tuple[float, object]:
+        cfg = PoolConfig(PROF, n_instances=4, router=router)
+        recs, pool, _ = run_pool_with_admission(reqs, cfg, slo, "slomax")
+        return float(summarize(recs, slo)["slo_attainment"]), pool
+
+    att, pool = run("tokenpilot_pd")
+    assert isinstance(pool, PDPoolSim)
+    assert [roles for _, roles in pool.pd.roles] == [(MIXED,) * 4]
+    att_tp, _ = run("tokenpilot")
+    assert att >= att_tp >= 0.99
+    monkeypatch.setattr(
+        TokenPilotPDRouter, "aggregated_step_s", staticmethod(lambda pool, load: float("inf"))
+    )
+    _, pool = run("tokenpilot_pd")
+    assert isinstance(pool, PDPoolSim)
+    assert any(PREFILL in roles for _, roles in pool.pd.roles)
+
+
+def test_tokenpilot_pd_still_splits_prefill_heavy_traffic() -> None:
+    """The prefill-heavy scenario at half size (4 instances, code completion at
+    22.5 req/s, median prompt 5,100 tokens, plus chat): the pool splits 3/1 and,
+    shedding, meets the SLO for far more requests than aggregated TokenPilot."""
+    from dataclasses import replace
+
+    code = generate("code_completion", 1350, 1, 22.5, prompt_median_tokens=5100)
+    code = [replace(r, info=replace(r.info, request_id="c" + r.info.request_id)) for r in code]
+    reqs = sorted(
+        [replace(r, client_timeout_s=20.0) for r in code + generate("chat", 600, 2, 10.0)],
+        key=lambda r: r.info.arrival_s,
+    )
+    reqs = [r for r in reqs if r.info.arrival_s < 60.0]
+    slo = SLOConfig()
+    atts = {}
+    for router in ("tokenpilot", "tokenpilot_pd_shed"):
+        recs, pool = run_pool(reqs, PoolConfig(PROF, n_instances=4, router=router), slo)
+        atts[router] = float(summarize(recs, slo)["slo_attainment"])
+    assert isinstance(pool, PDPoolSim)
+    assert pool.pd.roles[-1][1] == (PREFILL,) * 3 + (DECODE,)
+    assert atts["tokenpilot_pd_shed"] >= 1.5 * atts["tokenpilot"]
 
 
 def _code_and_chat(n_code: int, n_chat: int) -> list:  # type: ignore[type-arg]

@@ -10,13 +10,25 @@ Why: on prefill-heavy traffic a decode that shares an instance with 8k-token
 chunks runs at the chunk's step time, so TPOT is what disaggregation buys,
 while TTFT pays the transfer; only a prediction in seconds can weigh them.
 
-Pools: ``plan_roles`` sizes the prefill pool from the prefill seconds per
-second the router itself sent as "long" (a chunk step over the decode
-budget), at a target utilisation, leaves the decode pool enough instances
-for the short prompts it prefills locally (same utilisation), and keeps
-every instance mixed while the long demand is under half an instance. It
-moves one instance per cycle and only after two cycles agree (hysteresis),
-so roles do not flap.
+Pools: ``plan_roles`` splits the pool only when aggregation is predicted to
+lose the decodes' TPOT: the prefill seconds per second the router sent for
+requests with a TPOT limit, spread over every instance as an aggregated pool
+would run them, give each instance a share ``u`` of its time in chunk steps;
+a decode's mean step is then ``1 / (u / t_chunk + (1 - u) / t_decode)``, and
+while that is within the decode budget (``decode_budget_frac`` x the
+tightest TPOT limit seen) every instance stays mixed (aggregated, or
+disaggregated per request between mixed instances when that predicts
+better); a split pool goes back to mixed only once that step is within half
+the budget. Otherwise a split only takes options away: a medium prompt
+barred from the decode side queues (FIFO) on the prefill pool behind long
+documents whose TTFT limits are seconds or none (docs/benchmarks.md 13e:
+mixed.yaml lost 1.1 points that way). When it pays,
+it sizes the prefill pool from the prefill seconds per second the router
+itself sent as "long" (a chunk step over the decode budget), at a target
+utilisation, leaves the decode pool enough instances for the short prompts
+it prefills locally (same utilisation), and keeps every instance mixed
+while the long demand is under half an instance. It moves one instance per
+cycle and only after two cycles agree (hysteresis), so roles do not flap.
 """
 
 from __future__ import annotations
@@ -93,8 +105,10 @@ class TokenPilotPDRouter(PDRouter):
         self.shed_ttft_factor = shed_ttft_factor
         self._prefixes = _Prefixes()
         self._out_tokens: dict[str, float] = {}  # tier -> EWMA of observed outputs
-        self._long_log: deque[tuple[float, float]] = deque()  # (t, long prefill s)
-        self._short_log: deque[tuple[float, float]] = deque()  # (t, short prefill s)
+        #: (t, prefill s, the tier's TPOT limit or None), of requests sent as
+        #: long / short (a chunk step over / within the decode budget)
+        self._long_log: deque[tuple[float, float, float | None]] = deque()
+        self._short_log: deque[tuple[float, float, float | None]] = deque()
         self._next_plan_s = role_period_s
         self._pending_target: int | None = None
 
@@ -201,7 +215,7 @@ class TokenPilotPDRouter(PDRouter):
             self._prefixes.add(str(decision.decode_instance_id), hashes)
         own_step = prof.prefill_time_s(min(request.input_tokens, prof.max_num_batched_tokens))
         log = self._long_log if own_step > budget_s else self._short_log
-        log.append((pool.now_s, prof.prefill_time_s(request.input_tokens)))
+        log.append((pool.now_s, prof.prefill_time_s(request.input_tokens), tier_slo.tpot_s))
         return decision
 
     # -- pools -------------------------------------------------------------------
@@ -222,16 +236,29 @@ class TokenPilotPDRouter(PDRouter):
         n = len(pool.instances)
         if n < 2:
             return None
-        demand = sum(s for _, s in self._long_log) / window  # instances busy prefilling
+        demand = sum(s for _, s, _ in self._long_log) / window  # instances busy prefilling
         # the short prompts stay on the decode side (local prefills): it keeps
         # room for them, or a split starves them of instances
-        short = sum(s for _, s in self._short_log) / window
+        short = sum(s for _, s, _ in self._short_log) / window
         n_decode = max(1, math.ceil(short / self.target_prefill_util))
-        if demand < 0.5:
-            target = 0
+        # the prefill that TPOT-limited decodes would share instances with when
+        # aggregated: work with no TPOT limit (batch) can keep to instances of
+        # its own, as the per-request choice places it
+        limited = [
+            (s, lim)
+            for log in (self._long_log, self._short_log)
+            for _, s, lim in log
+            if lim is not None
+        ]
+        load = sum(s for s, _ in limited) / window
+        budget_s = self.decode_budget_frac * min((lim for _, lim in limited), default=0.5)
+        current = sum(1 for i in pool.instances if i.role == PREFILL)
+        if current > 0:
+            budget_s /= 2  # a split pool goes back to mixed only well within budget
+        if demand < 0.5 or self.aggregated_step_s(pool, load) <= budget_s:
+            target = 0  # aggregation keeps the decodes within budget: no split
         else:
             target = max(1, min(n - n_decode, math.ceil(demand / self.target_prefill_util)))
-        current = sum(1 for i in pool.instances if i.role == PREFILL)
         if target == current:
             self._pending_target = None
             return None
@@ -245,6 +272,27 @@ class TokenPilotPDRouter(PDRouter):
         if new_p == 0:
             return [MIXED] * n
         return [PREFILL] * new_p + [DECODE] * (n - new_p)
+
+    @staticmethod
+    def aggregated_step_s(pool: PoolSnapshot, prefill_load: float) -> float:
+        """A decode's mean step time if ``prefill_load`` instances' worth of
+        prefill (seconds per second) were spread evenly over every instance of
+        ``pool``, as an all-mixed pool runs it: each instance spends a share
+        ``u`` of its time in chunk steps (a full chunk, ``t_c``) and the rest
+        in decode-only steps (``t_d`` at the pool's mean decode batch), so a
+        decode advances ``u / t_c + (1 - u) / t_d`` tokens per second."""
+        insts = pool.instances
+        n = len(insts)
+        prof = insts[0].profile
+        t_c = prof.prefill_time_s(prof.max_num_batched_tokens)
+        u = prefill_load / n
+        if u >= 1.0:
+            return t_c
+        decoding = sum(i.accounting.decoding_requests for i in insts)
+        inflight = sum(i.accounting.inflight_requests for i in insts)
+        ctx = sum(i.accounting.inflight_input_tokens for i in insts) / max(1, inflight)
+        t_d = prof.decode_step_time_s(max(1, round(decoding / n)), ctx)
+        return 1.0 / (u / t_c + (1.0 - u) / t_d)
 
     def on_complete(self, event: CompletionEvent) -> None:
         if event.status != "completed":
