@@ -35,6 +35,7 @@ from tokenfleet.live.queues import TIER_PRIORITY, is_pool_queue, tier_of_queue, 
 from tokenfleet.live.relay import RelayHub
 from tokenfleet.live.scrape import Scraper
 from tokenfleet.live.state import InstanceInfo, LiveState
+from workers.api_watch import ApiWatch
 
 log = logging.getLogger("tokenfleet.worker")
 
@@ -126,6 +127,7 @@ class WorkerRuntime:
         self.gate_kick = threading.Event()
         self.exact_kv_events = False
         self._outcome_hub: RelayHub | None = None
+        self._api_watch: ApiWatch | None = None
         #: API liveness key -> (monotonic time read, it existed)
         self._api_alive: dict[str, tuple[float, bool]] = {}
         #: the accounting read while this instance looked idle, and for how many
@@ -162,6 +164,14 @@ class WorkerRuntime:
                 self._outcome_hub = RelayHub(self.state)
             return self._outcome_hub
 
+    def api_watch(self) -> ApiWatch:
+        """Watches the APIs this process's direct requests wait on (one thread
+        for all of them, :mod:`workers.api_watch`); started at the first."""
+        with self._lock:
+            if self._api_watch is None:
+                self._api_watch = ApiWatch(self.state, self.live.lease_ttl_s, self.api_alive)
+            return self._api_watch
+
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
         self.state.register_instance(self.info)
@@ -186,6 +196,8 @@ class WorkerRuntime:
             t.join(timeout=2.0)
         if self._outcome_hub is not None:
             self._outcome_hub.close()
+        if self._api_watch is not None:
+            self._api_watch.stop()
         if deregister:
             try:
                 self.state.deregister_instance(self.info.instance_id)

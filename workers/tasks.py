@@ -45,15 +45,11 @@ from tokenfleet.live.relay import RelayEvent, RelayWriter
 from tokenfleet.live.resend import pick_resend_target
 from tokenfleet.service.writer import RequestRecord
 from tokenfleet.tokenizer import chat_block_hashes
+from workers.api_watch import API_LOST, SETTLED, Waiting
 from workers.app import app
 from workers.runtime import RequestInFlight, WorkerRuntime, runtime
 
 log = logging.getLogger("tokenfleet.worker")
-
-#: how often a worker waiting on a direct stream asks whether the request was
-#: settled without it (the API's own verdict); its API's liveness is asked at
-#: every wait, through one shared read per API (``WorkerRuntime.api_alive``)
-_SETTLED_CHECK_S = 10.0
 
 
 @app.task(name=TASK_CHAT, acks_late=True, reject_on_worker_lost=True, ignore_result=True, bind=True)
@@ -446,6 +442,8 @@ class _ApiStream:
         """Yields ``ft`` once the API sent the first token; returns at ``out``."""
         rt, job = self.rt, self.job
         state = rt.state
+        watch = rt.api_watch()
+        waiting: Waiting | None = None
         try:
             with state.batch() as b:
                 b.xadd(
@@ -462,48 +460,38 @@ class _ApiStream:
                 )
                 rt.outcome_hub().wake(b.pipe)
             self.relay.mark_expiry_set()
-            sent = time.monotonic()
             deadline = job.arrival_ts + rt.live.request_timeout_s + 2 * rt.live.lease_ttl_s
-            wait_s = max(0.05, rt.live.lease_ttl_s / 2)
-            alive_key = api_alive_key(state, job.direct)
-            status_at = sent
+            # the API's death and a settle without it are the watch's to notice
+            # (one thread for all waiters): this thread wakes for news only
+            waiting = Waiting(
+                job.request_id,
+                api_alive_key(state, job.direct),
+                lambda kind: self.sub.inbox.put(RelayEvent(kind)),
+            )
+            watch.add(waiting)
             while True:
                 try:
-                    ev = self.sub.inbox.get(timeout=wait_s)
+                    ev = self.sub.inbox.get(timeout=max(0.05, deadline - time.time()))
                 except queue.Empty:
-                    # the API renews its key while it streams; a fresh hand-over may
-                    # not have reached it yet. A request settled meanwhile (the API's
-                    # verdict after its outcome entry was lost to a Redis outage)
-                    # needs no outcome either: that rare case is looked at less often.
-                    now_m = time.monotonic()
-                    if now_m - sent > rt.live.lease_ttl_s:
-                        alive, status = True, None
-                        try:
-                            alive = rt.api_alive(alive_key, wait_s)
-                            if now_m - status_at > _SETTLED_CHECK_S:
-                                status_at = now_m
-                                status = state.r.hget(state.k("req", job.request_id), "status")
-                        except Exception:  # noqa: BLE001 - Redis blip: look again later
-                            alive, status = True, None
-                        if not alive or status == b"done":
-                            raise EngineError(
-                                "the API process streaming this request was lost"
-                                if not alive
-                                else "the request was settled while its API streamed it",
-                                502,
-                                False,
-                                self._started(),
-                                kind="api_lost",
-                            ) from None
-                    if time.time() > deadline:
-                        raise EngineError(
-                            "no outcome from the API within the request timeout",
-                            504,
-                            False,
-                            self._started(),
-                            kind="api_lost",
-                        ) from None
-                    continue
+                    if time.time() <= deadline:
+                        continue
+                    raise EngineError(
+                        "no outcome from the API within the request timeout",
+                        504,
+                        False,
+                        self._started(),
+                        kind="api_lost",
+                    ) from None
+                if ev.kind in (API_LOST, SETTLED):
+                    raise EngineError(
+                        "the API process streaming this request was lost"
+                        if ev.kind == API_LOST
+                        else "the request was settled while its API streamed it",
+                        502,
+                        False,
+                        self._started(),
+                        kind="api_lost",
+                    )
                 facts = ev.facts or {}
                 if ev.kind == "abort":
                     raise EngineError(
@@ -533,6 +521,8 @@ class _ApiStream:
                 self.finish_reason = facts.get("f") or "stop"
                 return
         finally:
+            if waiting is not None:
+                watch.discard(waiting)
             self.sub.close()
 
 
