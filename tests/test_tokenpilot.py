@@ -603,8 +603,11 @@ def test_replicas_keep_a_conversation_together_without_herding_on_its_system_pro
     assert share4 <= 1.6 and share1 <= 1.6
     assert tpot4 <= 1.15 * tpot1
     old_share4, old_tpot4 = shape(4, conversation_keys=False)  # system-prompt families
-    # (TPOT 1.43x since the herd window shrinks with the scrape's age; 1.6x before)
-    assert old_share4 > 2.5 and old_tpot4 > 1.3 * tpot4
+    # TPOT 1.6x with the old fixed herd window, 1.43x once it shrank with the
+    # scrape's age, 1.19x since independent replicas count half of it
+    # (herd_window 0.5): fewer instances tie, so the queue term moves more
+    # turns off the crowded one (its share 3.99 -> 3.59 of the mean)
+    assert old_share4 > 2.5 and old_tpot4 > 1.1 * tpot4
 
 
 def test_shared_accounting_shows_other_replicas_queued_prefill() -> None:
