@@ -237,7 +237,7 @@ class TokenPilotRouter(BaseRouter):
         speculative_ttl_s: float = 30.0,
         tie_abs_s: float = 0.002,
         tie_rel: float = 0.02,
-        herd_window: float = 1.0,
+        herd_window: float = 0.5,
         max_margin_s: float = 0.5,
         correction_step: float = 0.02,
         output_prior_tokens: int = 256,
@@ -519,13 +519,20 @@ class TokenPilotRouter(BaseRouter):
         # to have sent since the scrape, (R - 1) x our dispatch rate x the
         # scrape's age, is what might sit unseen on the instance that looks
         # best to all of us; candidates within that much of it are as good.
+        # Only part of it lands there (the others spread theirs too), and
+        # every instance taken as a tie throws away a known hit or a shorter
+        # queue, so independent replicas (R >= 1.5) count ``herd_window`` of
+        # it. Below that R is a lone router's estimate (0.93-1.05), or that
+        # of replicas that see each other's dispatches through shared
+        # accounting: their small window keeps full weight, as before
+        # (docs/benchmarks.md section 8, *Fifth round*).
         age = now - self._scrape_at_s
         rr = self.replicas_est if self.replicas_est > 1.0 else 1.0
         unseen = (rr - 1.0) * age / self._gap_s if age > 0.0 else 0.0
         cap = 1.0 - 1.0 / rr  # the old, fixed herd term's share
         if unseen > cap:
             unseen = cap
-        herd = self.herd_window * unseen * self._mean_work_s
+        herd = (self.herd_window if rr >= 1.5 else 1.0) * unseen * self._mean_work_s
         window = self.tie_abs_s + self.tie_rel * best + herd
         if window > self.max_margin_s:
             window = self.max_margin_s
