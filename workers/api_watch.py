@@ -55,12 +55,14 @@ class ApiWatch:
         self,
         state: LiveState,
         lease_ttl_s: float,
-        api_alive: Callable[[str, float], bool],
+        api_alive: Callable[[str, float], bool] | None = None,
         period_s: float | None = None,
     ) -> None:
+        """``api_alive(key, max_age_s)``: whether an API's liveness key exists
+        (default: asks Redis; each key is asked once per round)."""
         self.state = state
         self.lease_ttl_s = lease_ttl_s
-        self.api_alive = api_alive
+        self.api_alive = api_alive or (lambda key, _age: bool(state.r.exists(key)))
         self.period_s = max(0.05, lease_ttl_s / 2) if period_s is None else period_s
         self._waiting: set[Waiting] = set()
         self._lock = threading.Lock()

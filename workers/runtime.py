@@ -128,32 +128,10 @@ class WorkerRuntime:
         self.exact_kv_events = False
         self._outcome_hub: RelayHub | None = None
         self._api_watch: ApiWatch | None = None
-        #: API liveness key -> (monotonic time read, it existed)
-        self._api_alive: dict[str, tuple[float, bool]] = {}
         #: the accounting read while this instance looked idle, and for how many
         #: scrapes in a row it stayed so (:meth:`_repair_accounting`)
         self._idle_acct: dict[bytes, bytes] | None = None
         self._idle_scrapes = 0
-
-    def api_alive(self, key: str, max_age_s: float) -> bool:
-        """Whether an API's liveness key exists, read at most once per
-        ``max_age_s`` for all the requests waiting on that API: a worker holding
-        a thousand direct streams asks once, not a thousand times (raises
-        RedisError)."""
-        now = time.monotonic()
-        with self._lock:
-            seen = self._api_alive.get(key)
-        if seen is not None and now - seen[0] < max_age_s:
-            return seen[1]
-        alive = bool(self.state.r.exists(key))
-        with self._lock:
-            # an API process that restarted has a new key: forget readings no
-            # waiter has asked for in a while, so the cache stays the live APIs
-            old = [k for k, (at, _) in self._api_alive.items() if now - at > 60 * max_age_s]
-            for k in old:
-                del self._api_alive[k]
-            self._api_alive[key] = (now, alive)
-        return alive
 
     def outcome_hub(self) -> RelayHub:
         """Reads the outcome streams of this process's direct requests
@@ -169,7 +147,7 @@ class WorkerRuntime:
         for all of them, :mod:`workers.api_watch`); started at the first."""
         with self._lock:
             if self._api_watch is None:
-                self._api_watch = ApiWatch(self.state, self.live.lease_ttl_s, self.api_alive)
+                self._api_watch = ApiWatch(self.state, self.live.lease_ttl_s)
             return self._api_watch
 
     # -- lifecycle ------------------------------------------------------------------
