@@ -239,3 +239,77 @@ def test_a_pinned_key_overrides_a_router_that_picks_elsewhere(live_stack: Any) -
         instances=[InstanceSpec("dc-a", "a0", slots=4), InstanceSpec("dc-a", "a1", slots=4)],
     ) as s:
         assert len(_conversation_instances(s, "conversation-7", 6)) == 1
+
+
+def test_a_booking_that_shows_another_replicas_dispatches_decides_again(
+    live_stack: Any,
+) -> None:
+    """The booking check against the real router, Redis and engines: a
+    request whose prefix one instance holds is proposed there; another API
+    replica has meanwhile booked a long prefill queue on that instance, which
+    this replica's accounting copy (taken before) lacks. Booking answers with
+    it, the router decides again, sends the request to the other instance, and
+    the first booking is taken back. (A stack of its own: the router tells
+    shared accounting from its own by the instance's dispatch count exceeding
+    its own dispatches there, which the module's earlier requests blur.)"""
+    with live_stack(
+        router="tokenpilot",
+        time_scale=0.2,
+        instances=[InstanceSpec("dc-a", "b0", slots=4), InstanceSpec("dc-a", "b1", slots=4)],
+    ) as stack:
+        _check_booking(stack)
+
+
+def _check_booking(stack: LiveStack) -> None:
+    from tokenfleet.core.types import CompletionEvent, PoolSnapshot, RequestInfo
+
+    gw = stack.gateway
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "which rule comes first?"},
+    ]
+    r = _post(stack, {"model": stack.model, "max_tokens": 2, "messages": messages})
+    assert r.status_code == 200
+    req = gw.validate({"model": stack.model, "max_tokens": 2, "messages": messages}, tenant="acme")
+    now = time.time()
+    deadline = now + 10
+    while True:  # the first request's KV events reach the router
+        views = gw.state.instance_views(
+            now, stack.live.stale_after_s, gw.instances(), gw.accounting.get
+        )
+        with gw.router_lock:
+            proposed = gw.router.propose(req.info, PoolSnapshot(now_s=now, instances=views))
+        if proposed.expected_cached_tokens > 2000 or time.time() > deadline:
+            break
+        time.sleep(0.2)
+        now = time.time()
+    home = proposed.instance_id
+    other = next(v.instance_id for v in views if v.instance_id != home)
+    assert proposed.expected_cached_tokens > 2000, proposed
+    theirs = [RequestInfo(f"peer-{i}", now, 30_000, 64) for i in range(12)]
+    booked = [gw.state.book_dispatch(home, t, 0)[0] for t in theirs]
+    before = gw.state.accounting([home, other])
+    try:
+        with gw.router_lock:
+            decision, _, prebooked = gw._checked_route(
+                req, PoolSnapshot(now_s=now, instances=views)
+            )
+        after = gw.state.accounting([home, other])
+        assert decision.instance_id == other, (
+            decision,
+            before,
+            {v.instance_id: (v.accounting, v.metrics) for v in views},
+            {i: gw.router.queue_s(i, now) for i in (home, other)},
+        )
+        assert after[home] == before[home]  # our booking there was taken back
+        assert prebooked is None or prebooked[0] == other
+    finally:
+        for b in booked:
+            gw.state.unbook(home, b)
+        if prebooked is not None:
+            gw.state.unbook(*prebooked)
+        gw.router.on_complete(
+            CompletionEvent(
+                req.info, decision.instance_id, time.time(), "cancelled", 0, 0, None, 0.0
+            )
+        )

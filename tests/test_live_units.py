@@ -313,6 +313,38 @@ def test_claim_books_queue_depth_and_dispatch_accounting(state: LiveState) -> No
     assert state.accounting(["ix"])["ix"].inflight_requests == 0
 
 
+def test_a_booking_answers_with_every_writers_accounting_and_can_be_taken_back(
+    state: LiveState,
+) -> None:
+    """The booking check's round trip: another replica booked two requests on
+    the instance; our booking's reply shows them (without ours), and taking
+    ours back leaves exactly theirs."""
+    theirs = [_req("bk1", 400), _req("bk2", 900)]
+    for r in theirs:
+        state.book_dispatch("ibk", r, 0)
+    mine = _req("bk3", 500)
+    delta, before = state.book_dispatch("ibk", mine, 128)
+    want = DispatchAccounting()
+    for r in theirs:
+        want.on_dispatch(r, 0)
+    assert before == want
+    assert delta["dispatched_total"] == 1 and delta["prefill_pending_uncached_tokens"] == 372
+    want.on_dispatch(mine, 128)
+    assert state.accounting(["ibk"])["ibk"] == want
+    state.unbook("ibk", delta)
+    assert state.accounting(["ibk"])["ibk"] == before
+
+
+def test_api_replicas_count_each_others_heartbeats(state: LiveState) -> None:
+    assert state.api_heartbeat("api-a", 100.0, 3.0) == 0
+    assert state.api_heartbeat("api-b", 101.0, 3.0) == 1
+    assert state.api_heartbeat("api-a", 103.5, 3.0) == 1
+    # api-b's last beat is 4.5 s old: gone; after 10 x the window it is removed
+    assert state.api_heartbeat("api-a", 105.5, 3.0) == 0
+    assert state.api_heartbeat("api-a", 200.0, 3.0) == 0
+    assert set(state.r.hkeys(state.k("apis"))) == {b"api-a"}
+
+
 def test_finish_appends_the_end_entry_only_for_the_winner(state: LiveState) -> None:
     state.create_request("c7", "q.interactive", 60)
     w = RelayWriter(state, "c7", 60, "i1")
@@ -840,3 +872,5 @@ def test_a_lost_workers_accounting_is_cleared_once_the_instance_is_idle(state: L
         rt._repair_accounting(idle)
     acct = state.accounting(["r1"])["r1"]
     assert acct.inflight_requests == 0 and acct.prefill_pending_uncached_tokens == 0
+    # the count of dispatches stays: routers tell shared accounting by it
+    assert acct.dispatched_total == 3

@@ -658,6 +658,12 @@ def test_two_api_replicas_admit_exactly_ten_of_fifty_concurrent_chats(live: Any)
         expect=lambda rows: sum(r["status"] == "rejected" for r in rows) >= 40,
     )
     assert {r["request_id"] for r in rows if r["status"] == "rejected"} == refused
+    # each replica counts the other by its heartbeat (what turns the booking check on)
+    gw = live.gateway
+    deadline = time.monotonic() + 5.0
+    while gw.peer_apis < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gw.peer_apis >= 1
 
 
 def test_a_request_without_max_tokens_fits_a_small_budget_and_says_why_it_does_not(

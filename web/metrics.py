@@ -85,6 +85,14 @@ class ApiMetrics:
             ["dc", "reason"],
             registry=self.registry,
         )
+        self.booking_rechecks = Counter(
+            "tokenfleet_booking_rechecks",
+            "Decisions made again because booking the dispatch showed another replica's "
+            "(or a worker's) dispatch to that instance that this API's accounting copy "
+            "lacked, by whether the request then went elsewhere (moved).",
+            ["moved"],
+            registry=self.registry,
+        )
         self.disconnects = Counter(
             "tokenfleet_client_disconnects",
             "Requests whose client left before the end, by how the API noticed: "
@@ -109,6 +117,9 @@ class ApiMetrics:
 
     def disconnect(self, how: str) -> None:
         self.disconnects.labels(how).inc()
+
+    def booking_recheck(self, moved: bool) -> None:
+        self.booking_rechecks.labels("true" if moved else "false").inc()
 
     def dc_decision(self, dc: str, reason: str) -> None:
         self.dc_decisions.labels(dc, reason.split(":")[0] or "none").inc()

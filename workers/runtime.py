@@ -347,7 +347,8 @@ class WorkerRuntime:
             queued = self.state.queued()
             idle = not any(queued.get(q, 0) for q in mine)
         seen = self.state.acct_raw(self.info.instance_id) if idle else {}
-        if not any(v not in (b"0", b"") for v in seen.values()):
+        # dispatched_total is a count, not load: a clear keeps it
+        if not any(v not in (b"0", b"") for k, v in seen.items() if k != b"dispatched_total"):
             self._idle_acct, self._idle_scrapes = None, 0
             return
         if seen != self._idle_acct:

@@ -191,6 +191,16 @@ class LiveConfig:
             " fewer streams held at once at 2,000 slow streams (docs/live.md, The stream pump)."
         ),
     )
+    booking_check: bool = field(
+        default=True,
+        metadata=_doc(
+            "While other API replicas are alive: book an affinity dispatch before it is final;"
+            " when the booking's reply shows dispatches to that instance this replica's"
+            " accounting copy (refreshed every 20 ms) lacked, the router decides again with"
+            " them (replicas deciding alike from the same late copy would send their requests"
+            " to the same instance). One more Redis round trip for those requests."
+        ),
+    )
     direct_stream: bool = field(
         default=True,
         metadata=_doc(

@@ -372,21 +372,73 @@ class LiveState:
             out[iid] = acct
         return out
 
+    def book_dispatch(
+        self, instance_id: str, req: RequestInfo, cached: int
+    ) -> tuple[dict[str, int], DispatchAccounting]:
+        """Book one dispatch and read back the instance's accounting in the same
+        atomic round trip. Returns the deltas written and the accounting as it
+        was just before them: every replica's and worker's bookings, including
+        those this process's view has not read yet (the booking check)."""
+        key = self.k("acct", instance_id)
+        delta = {name: d for name, d in self._delta("on_dispatch", req, cached).items() if d}
+        with self.r.pipeline(transaction=True) as pipe:
+            for name, d in delta.items():
+                pipe.hincrby(key, name, d)
+            pipe.hgetall(key)
+            raw = pipe.execute()[-1]
+        before = DispatchAccounting()
+        for name in ACCOUNTING_FIELDS:
+            setattr(before, name, max(0, _i(raw, name) - delta.get(name, 0)))
+        return delta, before
+
+    def unbook(self, instance_id: str, delta: Mapping[str, int]) -> None:
+        """Take back a :meth:`book_dispatch` whose decision changed."""
+        self._acct_delta(instance_id, {name: -d for name, d in delta.items()})
+
+    def api_heartbeat(self, api_id: str, now_s: float, fresh_s: float) -> int:
+        """Record this API process as alive at ``now_s`` and count the others
+        alive within ``fresh_s`` (one round trip; stale entries are removed)."""
+        key = self.k("apis")
+        with self.r.pipeline(transaction=False) as pipe:
+            pipe.hset(key, api_id, now_s)
+            pipe.hgetall(key)
+            raw = pipe.execute()[-1]
+        others, stale = 0, []
+        for k, v in raw.items():
+            name = k.decode()
+            if name == api_id:
+                continue
+            if now_s - float(v) <= fresh_s:
+                others += 1
+            elif now_s - float(v) > 10 * fresh_s:
+                stale.append(name)
+        if stale:
+            self.r.hdel(key, *stale)
+        return others
+
     def acct_raw(self, instance_id: str) -> dict[bytes, bytes]:
         """The instance's accounting hash as stored (for :meth:`clear_acct_if`)."""
         return dict(self.r.hgetall(self.k("acct", instance_id)))
 
     def clear_acct_if(self, instance_id: str, seen: Mapping[bytes, bytes]) -> bool:
-        """Delete the instance's accounting if it still holds exactly ``seen``
-        (WATCH/MULTI: a booking written meanwhile wins, nothing is cleared)."""
+        """Zero the instance's accounting if it still holds exactly ``seen``
+        (WATCH/MULTI: a booking written meanwhile wins, nothing is cleared).
+        ``dispatched_total`` is a count, not load, and stays: a router tells
+        shared accounting from its own by that total exceeding its own
+        dispatches, which a reset to 0 would hide for as long as it took the
+        others to dispatch that many again."""
         key = self.k("acct", instance_id)
         with self.r.pipeline() as pipe:
             try:
                 pipe.watch(key)  # type: ignore[no-untyped-call]
-                if dict(pipe.hgetall(key)) != dict(seen):
+                now = dict(pipe.hgetall(key))
+                if now != dict(seen):
                     return False
                 pipe.multi()
                 pipe.delete(key)
+                total = now.get(b"dispatched_total")
+                if total is not None and int(total) > 0:
+                    pipe.hset(key, "dispatched_total", int(total))
                 pipe.execute()
                 return True
             except redis.WatchError:
@@ -693,14 +745,25 @@ class Batch:
             self.pipe.reset()
 
     def account(
-        self, instance_id: str, fn: str, req: RequestInfo, cached: int, **kw: Any
+        self,
+        instance_id: str,
+        fn: str,
+        req: RequestInfo,
+        cached: int,
+        already: Mapping[str, int] | None = None,
+        **kw: Any,
     ) -> dict[str, int]:
         """A DispatchAccounting transition (``on_dispatch``, ``on_first_token``,
-        ``on_finish``) of one instance; returns the field deltas written."""
+        ``on_finish``) of one instance; returns its field deltas. ``already``:
+        deltas written before (``LiveState.book_dispatch``); only the rest is
+        written now."""
         key = self.state.k("acct", instance_id)
         delta = {name: d for name, d in LiveState._delta(fn, req, cached, **kw).items() if d}
-        for name, d in delta.items():
-            self.pipe.hincrby(key, name, d)
+        before = already or {}
+        for name in delta.keys() | before.keys():
+            d = delta.get(name, 0) - before.get(name, 0)
+            if d:
+                self.pipe.hincrby(key, name, d)
         return delta
 
     def queued(self, queue: str, n: int) -> None:

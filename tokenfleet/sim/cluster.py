@@ -17,9 +17,10 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import cast
 
-from tokenfleet.core.routing import ROUTERS, Router
+from tokenfleet.core.routing import ROUTERS, Router, TwoPhaseRouter
 from tokenfleet.core.tiers import SLOConfig, classify
 from tokenfleet.core.types import (
     CompletionEvent,
@@ -131,6 +132,24 @@ class PoolConfig:
     # replicas' Redis accounting, refreshed about every 20 ms). None: every
     # replica knows only its own (the independent worst case).
     shared_state_s: float | None = None
+    # With shared accounting, a replica books a dispatch before it is final:
+    # the booking answers with the chosen instance's current accounting, and a
+    # dispatch the replica's late view lacked makes it propose again (routers
+    # with ``propose``/``commit``; the live API does the same). False: the
+    # decision on the late view stands.
+    booking_check: bool = True
+
+
+def _apply(
+    acc: DispatchAccounting, op: str, info: RequestInfo, cached: int, got_first: bool
+) -> None:
+    """One logged accounting change (``dispatch``, ``first`` or ``finish``)."""
+    if op == "dispatch":
+        acc.on_dispatch(info, cached)
+    elif op == "first":
+        acc.on_first_token(info, cached)
+    else:
+        acc.on_finish(info, got_first, cached)
 
 
 class SharedAccounting:
@@ -161,6 +180,19 @@ class SharedAccounting:
     ) -> None:
         self.log.append((now, replica, idx, op, info, cached, got_first))
 
+    def booked(self, replica: int, idx: int, acc: DispatchAccounting) -> DispatchAccounting | None:
+        """What booking a dispatch to ``idx`` would answer: ``acc`` (the
+        replica's view of it) plus the others' changes it has not applied
+        yet, or None when none of those is a dispatch (nothing to re-decide)."""
+        log, start = self.log, self.start
+        unseen = [e for e in log[self.cursor[replica] - start :] if e[2] == idx and e[1] != replica]
+        if not any(e[3] == "dispatch" for e in unseen):
+            return None
+        out = replace(acc)
+        for _, _, _, op, info, cached, got_first in unseen:
+            _apply(out, op, info, cached, got_first)
+        return out
+
     def catch_up(self, replica: int, now: float) -> None:
         log, start = self.log, self.start
         i = self.cursor[replica]
@@ -169,13 +201,7 @@ class SharedAccounting:
         while i - start < len(log) and log[i - start][0] <= horizon:
             _, who, idx, op, info, cached, got_first = log[i - start]
             if who != replica:
-                acc = views[idx].accounting
-                if op == "dispatch":
-                    acc.on_dispatch(info, cached)
-                elif op == "first":
-                    acc.on_first_token(info, cached)
-                else:
-                    acc.on_finish(info, got_first, cached)
+                _apply(views[idx].accounting, op, info, cached, got_first)
             i += 1
         self.cursor[replica] = i
         low = min(self.cursor)
@@ -228,6 +254,9 @@ class PoolSim:
                 ]
             )
         self.by_index = {e.instance_id: i for i, e in enumerate(self.engines)}
+        self._two_phase = [
+            config.booking_check and isinstance(r, TwoPhaseRouter) for r in self.routers
+        ]
         self._shared: SharedAccounting | None = None
         if config.shared_state_s is not None and config.n_routers > 1:
             self._shared = SharedAccounting(self.views, config.shared_state_s)
@@ -242,6 +271,8 @@ class PoolSim:
         # a generator of its own, so path latencies leave the replica draws alone
         self._latency_rng = random.Random(config.seed * 7919 + 17)
         self.inflight = 0
+        #: proposals re-made after a booking showed another replica's dispatch
+        self.booking_rechecks = 0
         self._scraping = False
         # Optional hooks for an admission layer in front of the routers
         # (tokenfleet.sim.admission): dispatch with the router's cache estimate,
@@ -286,12 +317,33 @@ class PoolSim:
     ) -> None:
         """Ask the replica's router, then hand the request to that engine
         (a P/D pool overrides this to run two-phase requests)."""
+        router = self.routers[replica]
         try:
-            decision = self.routers[replica].route(info, snap)
+            if self._shared is not None and self._two_phase[replica]:
+                decision = self._checked_route(cast(TwoPhaseRouter, router), info, replica, snap)
+            else:
+                decision = router.route(info, snap)
         except NoCandidateError:
             self._finish_unrouted(record, "rejected")
             return
         self._dispatch(trace, info, record, replica, decision)
+
+    def _checked_route(
+        self, router: TwoPhaseRouter, info: RequestInfo, replica: int, snap: PoolSnapshot
+    ) -> RouteDecision:
+        """Propose, book (learning the chosen instance's current shared
+        accounting, as the live API's booking reply says), and propose again
+        when the booking shows dispatches the replica's view lacked."""
+        assert self._shared is not None
+        proposed = router.propose(info, snap)
+        idx = self.by_index[proposed.instance_id]
+        view = self.views[replica][idx]
+        fresh = self._shared.booked(replica, idx, view.accounting)
+        if fresh is not None:
+            shown = [replace(v, accounting=fresh) if v is view else v for v in snap.instances]
+            router.propose(info, replace(snap, instances=shown))
+            self.booking_rechecks += 1
+        return router.commit(info)
 
     def _dispatch(
         self,
@@ -555,8 +607,6 @@ def new_record(info: RequestInfo, dc: str = "") -> RequestRecord:
 
 
 def _with_tier(info: RequestInfo, tier: str) -> RequestInfo:
-    from dataclasses import replace
-
     return replace(info, tier=tier)
 
 

@@ -44,6 +44,8 @@ class SimSettings:
     path_latency: PathLatency = field(default_factory=PathLatency)
     #: router replicas share dispatch accounting this late (None: independent)
     shared_state_s: float | None = None
+    #: with shared state: re-decide when the booking shows an unseen dispatch
+    booking_check: bool = True
     #: extra keyword arguments for disaggregating (P/D) routers only
     pd_router_kwargs: dict[str, object] = field(default_factory=dict)
 
@@ -67,6 +69,7 @@ class SimSettings:
             kv_events=self.kv_events_for(router),
             path_latency=self.path_latency,
             shared_state_s=self.shared_state_s,
+            booking_check=self.booking_check,
         )
 
 

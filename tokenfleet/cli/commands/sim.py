@@ -164,6 +164,14 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
         "changes MS late, as the live API replicas do through Redis "
         "(about 20 ms); default: independent replicas",
     )
+    cl.add_argument(
+        "--no-booking-check",
+        dest="booking_check",
+        action="store_false",
+        help="with --shared-state-ms: let a decision made on the late view stand, "
+        "instead of proposing again when booking it shows another replica's "
+        "dispatch to that instance (what the live API does)",
+    )
     pol = p.add_argument_group("policies and output")
     pol.add_argument(
         "--policy",
@@ -265,6 +273,7 @@ def _settings(args: argparse.Namespace) -> Any:
         slo=slo,
         kv_events=args.kv_events,
         shared_state_s=(None if args.shared_state_ms is None else args.shared_state_ms / 1000.0),
+        booking_check=getattr(args, "booking_check", True),
         control_period_s=getattr(args, "control_period_s", 5.0),
         pd_router_kwargs=(
             {}
@@ -486,6 +495,7 @@ def _describe(args: argparse.Namespace, load: float | None, rate_label: str = ""
         ""
         if getattr(args, "shared_state_ms", None) is None or args.routers == 1
         else f" sharing state {args.shared_state_ms:g} ms late"
+        + ("" if getattr(args, "booking_check", True) else " (no booking check)")
     )
     gb = getattr(args, "host_kv_gb", 0.0)
     host = f" + {gb:g} GB host KV" if gb else ""

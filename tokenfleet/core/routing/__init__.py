@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tokenfleet.core.routing.base import ROUTERS, BaseRouter, Router, eligible
+from tokenfleet.core.routing.base import ROUTERS, BaseRouter, Router, TwoPhaseRouter, eligible
 
-__all__ = ["ROUTERS", "BaseRouter", "Router", "eligible", "create_router"]
+__all__ = ["ROUTERS", "BaseRouter", "Router", "TwoPhaseRouter", "eligible", "create_router"]
 
 
 def _load_builtins() -> None:

@@ -35,6 +35,22 @@ class Router(Protocol):
     def on_kv_event(self, event: KVEvent) -> None: ...
 
 
+@runtime_checkable
+class TwoPhaseRouter(Router, Protocol):
+    """A router whose choice the driver may check before it is taken.
+
+    Replicas that share dispatch accounting see each other's dispatches one
+    refresh late, and replicas deciding alike from the same late view send
+    their requests to the same instance. Booking a dispatch in the shared
+    store answers with that instance's current accounting; when it shows
+    dispatches the view lacked, the driver proposes again on a snapshot that
+    has them, then commits. ``route`` is ``commit(propose(...))``."""
+
+    def propose(self, request: RequestInfo, pool: PoolSnapshot) -> RouteDecision: ...
+
+    def commit(self, request: RequestInfo) -> RouteDecision: ...
+
+
 class BaseRouter:
     """Convenience base: hooks do nothing until a router needs them."""
 

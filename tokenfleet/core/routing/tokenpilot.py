@@ -130,6 +130,11 @@ class _Flight:
         self.ticket = 0  # speculative cache entry, dropped at the first token
 
 
+#: what ``_choose`` picked, the arguments of ``_dispatch``:
+#: (request, now, state, predicted TTFT, cached tokens, probes, reserved output, blind)
+_Choice = tuple[RequestInfo, float, "_InstState", float, int, tuple[int, ...], int, bool]
+
+
 class _InstState:
     """This replica's model of one instance; scrape-derived parts are absolute times."""
 
@@ -285,6 +290,7 @@ class TokenPilotRouter(BaseRouter):
         self._typical_out = float(output_prior_tokens)
         self._scraped_total = 0  # sum of scraped_load over instances
         self.replicas_est = 1.0  # scraped load / own load: how many of us there are
+        self._proposed: tuple[str, _Choice] | None = None
         self.hit_realization = 1.0  # engine-reported cached / our expected cached
         # Hit fraction seen when routing blind to a family's rendezvous instance:
         # near 0 for a lone router, large when other replicas feed those caches.
@@ -372,6 +378,28 @@ class TokenPilotRouter(BaseRouter):
 
     # -- routing ----------------------------------------------------------------
     def route(self, request: RequestInfo, pool: PoolSnapshot) -> RouteDecision:
+        return self._dispatch(*self._choose(request, pool))
+
+    def propose(self, request: RequestInfo, pool: PoolSnapshot) -> RouteDecision:
+        """The decision ``route`` would make, not yet taken: the driver may
+        book it, learn the chosen instance's current shared accounting from
+        the booking's reply, and propose again on a snapshot that has it
+        (``TwoPhaseRouter``). ``commit`` takes the last proposal."""
+        choice = self._choose(request, pool)
+        self._proposed = (request.request_id, choice)
+        st, pred, cached = choice[2], choice[3], choice[4]
+        return RouteDecision(st.instance_id, cached, pred, "proposed")
+
+    def commit(self, request: RequestInfo) -> RouteDecision:
+        proposed = self._proposed
+        if proposed is None or proposed[0] != request.request_id:
+            raise RuntimeError(f"commit({request.request_id!r}) without its propose()")
+        self._proposed = None
+        return self._dispatch(*proposed[1])
+
+    def _choose(self, request: RequestInfo, pool: PoolSnapshot) -> _Choice:
+        """Score every candidate and pick one; changes only learned estimates
+        (the replica count, absorbed scrapes), never the booked state."""
         now = pool.now_s
         know = self.knowledge
         know.expire(now)
@@ -570,7 +598,7 @@ class TokenPilotRouter(BaseRouter):
         pred = (
             queues[j] + st.kappa.value * st.prefill.seconds(n_in - c, c) + load_s
         ) * st.infl_factor + st.infl_wait_s
-        return self._dispatch(request, now, st, pred, c, probes, reserve_out, blind and j == top)
+        return (request, now, st, pred, c, probes, reserve_out, blind and j == top)
 
     def _growing(
         self, confirmed: dict[str, int], hashes: Sequence[int], spec: dict[str, int]

@@ -125,7 +125,7 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
         #: every stream this process waits on, read by one thread (relay.py)
         self.relay_hub = RelayHub(state)
         #: the engine calls this process reads itself (direct.py)
-        self.direct_calls = DirectCalls(state, live)
+        self.direct_calls = DirectCalls(state, live, self.api_id)
         #: carries the direct streams past their first token, all on one thread (pump.py)
         self.pump: StreamPump | None = StreamPump() if live.api_stream_pump else None
 

@@ -60,10 +60,10 @@ class DirectCall:
 class DirectCalls:
     """This process's direct engine calls and the thread that watches them."""
 
-    def __init__(self, state: LiveState, live: LiveConfig) -> None:
+    def __init__(self, state: LiveState, live: LiveConfig, api_id: str = "") -> None:
         self.state = state
         self.live = live
-        self.api_id = uuid.uuid4().hex[:12]
+        self.api_id = api_id or uuid.uuid4().hex[:12]
         self.alive_key = api_alive_key(state, self.api_id)
         self._calls: set[DirectCall] = set()
         self._lock = threading.Lock()

@@ -11,16 +11,18 @@ Celery message itself (:class:`~tokenfleet.live.jobs.ChatJob`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import redis
 from kombu.exceptions import KombuError
 
+from tokenfleet.core.routing.base import TwoPhaseRouter
 from tokenfleet.core.routing.pd_base import PDRouter
 from tokenfleet.core.tiers import SLOConfig
 from tokenfleet.core.types import PoolSnapshot, RequestInfo, RouteDecision
@@ -112,6 +114,7 @@ class Dispatcher:
     index: Any
     index_lock: threading.Lock
     accounting: Any
+    peer_apis: int
     metrics: Any
     tenant_regions: Callable[[str], Sequence[str]] | None
     _publisher: Any
@@ -149,7 +152,7 @@ class Dispatcher:
                 views = [v for v in views if v.instance_id in allowed] or views
             for i, v in enumerate(views):
                 v.index = i
-            decision, prefill = self._route(req, views, now)
+            decision, prefill, prebooked = self._route(req, views, now)
             target = next(v for v in views if v.instance_id == decision.instance_id)
             if prefill is None:
                 target, sticky = self._sticky(req, views, target)
@@ -206,9 +209,13 @@ class Dispatcher:
             # worker never takes a task whose state is missing (the id is a fresh
             # uuid, so no existence check is needed); the stream is subscribed to
             # first, and the same round trip wakes the relay hub
+            if prebooked is not None and (not affinity or prebooked[0] != target.instance_id):
+                # booked for another dispatch than the one published
+                self.state.unbook(*prebooked)
+                prebooked = None
             sub = self.relay_hub.subscribe(info.request_id)
             try:
-                self._dispatch_writes(req, job, target, affinity, cached, dc_choice)
+                self._dispatch_writes(req, job, target, affinity, cached, dc_choice, prebooked)
             except KombuError as exc:
                 sub.close()
                 raise StoreUnavailable(
@@ -431,15 +438,18 @@ class Dispatcher:
     # -- instance choice ----------------------------------------------------------------
     def _route(
         self, req: ChatRequest, views: list[Any], now: float
-    ) -> tuple[RouteDecision, tuple[str, int] | None]:
-        """The router's choice, and for a disaggregated one (a P/D router's
-        ``route_pd``) the prefill instance and its expected cached tokens."""
+    ) -> tuple[RouteDecision, tuple[str, int] | None, tuple[str, dict[str, int]] | None]:
+        """The router's choice; for a disaggregated one (a P/D router's
+        ``route_pd``) the prefill instance and its expected cached tokens; and
+        (instance, deltas) when the booking check already booked the dispatch."""
         try:
             with self.router_lock:
                 snap = PoolSnapshot(now_s=now, instances=views)
                 if not isinstance(self.router, PDRouter):
+                    if self._checks_booking(req):
+                        return self._checked_route(req, snap)
                     decision: RouteDecision = self.router.route(req.info, snap)
-                    return decision, None
+                    return decision, None, None
                 pd = self.router.route_pd(req.info, snap)
         except NoCandidateError as exc:
             raise NoCapacity(
@@ -449,7 +459,7 @@ class Dispatcher:
             decision = RouteDecision(
                 pd.prefill_instance_id, pd.expected_cached_tokens, pd.predicted_ttft_s, pd.reason
             )
-            return decision, None
+            return decision, None, None
         p_id = pd.prefill_instance_id
         # the decode side receives the whole prompt's KV but its last token
         whole = max(0, req.info.input_tokens - 1)
@@ -459,7 +469,46 @@ class Dispatcher:
             pd.predicted_ttft_s,
             f"{pd.reason} (prefill on {p_id})",
         )
-        return decision, (p_id, pd.expected_cached_tokens)
+        return decision, (p_id, pd.expected_cached_tokens), None
+
+    def _checks_booking(self, req: ChatRequest) -> bool:
+        """Other API replicas are alive, so this one's accounting copy may lack
+        their last dispatches; a ``prompt_cache_key`` pin decides by itself."""
+        return (
+            self.live.booking_check
+            and self.peer_apis > 0
+            and not req.info.prompt_cache_key
+            and isinstance(self.router, TwoPhaseRouter)
+        )
+
+    def _checked_route(
+        self, req: ChatRequest, snap: PoolSnapshot
+    ) -> tuple[RouteDecision, None, tuple[str, dict[str, int]] | None]:
+        """Propose; book an affinity dispatch, whose reply is the instance's
+        accounting with every replica's bookings; propose again on that when it
+        shows dispatches our copy lacked; commit. (The simulator's
+        ``PoolSim._checked_route`` does the same with ``--shared-state-ms``.)
+        Called with the router lock held: propose and commit are one decision."""
+        info = req.info
+        proposed = self.router.propose(info, snap)
+        if not self._valuable(info, proposed.expected_cached_tokens):
+            return self.router.commit(info), None, None  # the pool's worker books it
+        view = next(v for v in snap.instances if v.instance_id == proposed.instance_id)
+        delta, fresh = self.state.book_dispatch(
+            view.instance_id, info, proposed.expected_cached_tokens
+        )
+        booked: tuple[str, dict[str, int]] | None = (view.instance_id, delta)
+        if fresh.dispatched_total > view.accounting.dispatched_total:
+            shown = [replace(v, accounting=fresh) if v is view else v for v in snap.instances]
+            again = self.router.propose(info, replace(snap, instances=shown))
+            if self.metrics is not None:
+                self.metrics.booking_recheck(again.instance_id != view.instance_id)
+            if again.instance_id != view.instance_id or not self._valuable(
+                info, again.expected_cached_tokens
+            ):
+                self.state.unbook(view.instance_id, delta)
+                booked = None
+        return self.router.commit(info), None, booked
 
     def _valuable(self, info: RequestInfo, cached_tokens: int) -> bool:
         """A cache hit worth waiting for that instance (else: late binding)."""
@@ -498,34 +547,44 @@ class Dispatcher:
         affinity: bool,
         cached: int,
         dc_choice: tuple[Any, str | None] | None,
+        prebooked: tuple[str, dict[str, int]] | None = None,
     ) -> None:
+        """``prebooked``: the booking check already wrote this dispatch's
+        accounting; undone here if the publish fails."""
         info = req.info
         # the task joins the state's round trip only when it goes to that same Redis
         joined = None if self.brokers.own(target.dc) else self._publisher
         booked: dict[str, int] = {}
-        with self.state.batch() as b:
-            b.create_request(
-                info.request_id,
-                job.queue,
-                self.live.request_state_ttl_s,
-                tier=info.tier,
-                instance=target.instance_id,
-            )
-            b.queued(job.queue, 1)
-            if affinity:
-                booked = b.account(target.instance_id, "on_dispatch", info, cached)
-            b.count(
-                **{f"arrived_{info.tier}": 1, f"dispatched_{'affinity' if affinity else 'pool'}": 1}
-            )
-            if dc_choice is not None and dc_choice[1] not in (None, target.dc):
-                # beat's planner needs each DC's spilled-in share (rollback rule)
-                b.count(**{f"spilled_in:{target.dc}": 1})
-            self.relay_hub.wake(b.pipe)
-            if joined is not None:
-                # a KombuError here leaves the batch unsent: nothing to undo
-                joined.publish(
-                    b.pipe, TASK_CHAT, [job.to_message()], job.task_id, job.queue, job.headers()
+        try:
+            with self.state.batch() as b:
+                b.create_request(
+                    info.request_id,
+                    job.queue,
+                    self.live.request_state_ttl_s,
+                    tier=info.tier,
+                    instance=target.instance_id,
                 )
+                b.queued(job.queue, 1)
+                if affinity:  # the cache estimate may have grown since a prebooking
+                    already = prebooked[1] if prebooked is not None else None
+                    booked = b.account(target.instance_id, "on_dispatch", info, cached, already)
+                how = "affinity" if affinity else "pool"
+                b.count(**{f"arrived_{info.tier}": 1, f"dispatched_{how}": 1})
+                if dc_choice is not None and dc_choice[1] not in (None, target.dc):
+                    # beat's planner needs each DC's spilled-in share (rollback rule)
+                    b.count(**{f"spilled_in:{target.dc}": 1})
+                self.relay_hub.wake(b.pipe)
+                if joined is not None:
+                    # a KombuError here leaves the batch unsent: nothing to undo
+                    # (but a prebooking, below)
+                    joined.publish(
+                        b.pipe, TASK_CHAT, [job.to_message()], job.task_id, job.queue, job.headers()
+                    )
+        except BaseException:
+            if prebooked is not None:  # the batch did not run: take the booking back
+                with contextlib.suppress(redis.RedisError):
+                    self.state.unbook(*prebooked)
+            raise
         if booked:  # the pool's dispatches are booked by the worker that claims them
             self.accounting.wrote(target.instance_id, booked)
         if joined is not None:
@@ -536,6 +595,8 @@ class Dispatcher:
             self.brokers.mark_down(target.dc, f"publish: {exc.__class__.__name__}")
             self.state.finish(info.request_id, "failed")
             self.state.queued_incr(job.queue, -1)
+            if booked:
+                self.state.unbook(target.instance_id, booked)
             raise
 
     def _publish(self, job: ChatJob) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from typing import Any
 
 import redis
@@ -34,6 +35,8 @@ INSTANCES_REFRESH_S = 0.25
 QUEUE_DEPTHS_MAX_AGE_S = 0.05
 #: beat's admission knobs and FleetMind spill shares are re-read this often
 KNOBS_REFRESH_S = 1.0
+#: an API replica that has not written its heartbeat for this long is gone
+PEER_APIS_FRESH_S = 3.0
 #: every instance's dispatch accounting is re-read this often (AccountingView)
 ACCOUNTING_REFRESH_S = 0.02
 #: the accounting and the queue depths are polled only while a request read them
@@ -68,6 +71,10 @@ class LiveView:
         self._depths_at = -1.0
         self._depths_used_at = float("-inf")
         self.accounting = AccountingView(self.state.accounting, ACCOUNTING_REFRESH_S)
+        #: this API process, among the replicas sharing the Redis (direct calls too)
+        self.api_id = uuid.uuid4().hex[:12]
+        #: how many other API replicas wrote their heartbeat lately (booking check)
+        self.peer_apis = 0
         self._stop = threading.Event()
         self._kv_thread = threading.Thread(target=self._kv_loop, name="kv-index", daemon=True)
         self._kv_thread.start()
@@ -173,6 +180,9 @@ class LiveView:
                     due["knobs"] = now + KNOBS_REFRESH_S / 2
                     self._refresh_admission_knobs(max_age_s=0.0)
                     self._refresh_fleet_plan(max_age_s=0.0)
+                    self.peer_apis = self.state.api_heartbeat(
+                        self.api_id, time.time(), PEER_APIS_FRESH_S
+                    )
             except redis.RedisError:
                 self.redis_failed()
                 continue  # requests see the outage themselves
