@@ -498,17 +498,23 @@ class Dispatcher:
             view.instance_id, info, proposed.expected_cached_tokens
         )
         booked: tuple[str, dict[str, int]] | None = (view.instance_id, delta)
-        if fresh.dispatched_total > view.accounting.dispatched_total:
-            shown = [replace(v, accounting=fresh) if v is view else v for v in snap.instances]
-            again = self.router.propose(info, replace(snap, instances=shown))
-            if self.metrics is not None:
-                self.metrics.booking_recheck(again.instance_id != view.instance_id)
-            if again.instance_id != view.instance_id or not self._valuable(
-                info, again.expected_cached_tokens
-            ):
-                self.state.unbook(view.instance_id, delta)
-                booked = None
-        return self.router.commit(info), None, booked
+        try:
+            if fresh.dispatched_total > view.accounting.dispatched_total:
+                shown = [replace(v, accounting=fresh) if v is view else v for v in snap.instances]
+                again = self.router.propose(info, replace(snap, instances=shown))
+                if self.metrics is not None:
+                    self.metrics.booking_recheck(again.instance_id != view.instance_id)
+                if again.instance_id != view.instance_id or not self._valuable(
+                    info, again.expected_cached_tokens
+                ):
+                    self.state.unbook(view.instance_id, delta)
+                    booked = None
+            return self.router.commit(info), None, booked
+        except BaseException:
+            if booked is not None:  # the request goes nowhere: neither does its booking
+                with contextlib.suppress(redis.RedisError):
+                    self.state.unbook(*booked)
+            raise
 
     def _valuable(self, info: RequestInfo, cached_tokens: int) -> bool:
         """A cache hit worth waiting for that instance (else: late binding)."""
