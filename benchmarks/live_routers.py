@@ -25,7 +25,10 @@ Front doors (``--fronts``):
   and ``..._fraction`` 0), as the simulator places requests;
   ``tokenfleet:tokenpilot-hits``: pinned whenever the router expects at
   least ``affinity_min_cached_tokens`` cached (fraction 0), late-bound
-  otherwise.
+  otherwise; ``tokenfleet:tokenpilot-2api``: two API replicas on the same
+  stores, the client sending the requests to them in turn (the booking check
+  on, as shipped), and ``tokenfleet:tokenpilot-2api_nocheck``: the same with
+  ``booking_check`` off. Their rows add the replicas' booking rechecks.
 
 The Rust routers come from PyPI into their own cached virtualenv
 (``--routers-venv``, default ``.venv-routers``; created on first use).
@@ -89,6 +92,8 @@ SIM_POLICY: dict[str, tuple[str, bool]] = {
     "tokenfleet:tokenpilot": ("tokenpilot", True),
     "tokenfleet:tokenpilot-pinned": ("tokenpilot", True),
     "tokenfleet:tokenpilot-hits": ("tokenpilot", True),
+    "tokenfleet:tokenpilot-2api": ("tokenpilot", True),
+    "tokenfleet:tokenpilot-2api_nocheck": ("tokenpilot", True),
     "tokenfleet:round_robin": ("round_robin", False),
 }
 #: live settings of a ``tokenfleet:`` front's variant (``POLICY-VARIANT``)
@@ -96,6 +101,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "pinned": {"affinity_min_cached_tokens": 0, "affinity_min_cached_fraction": 0.0},
     # pinned when the router expects any real cache hit there, late-bound otherwise
     "hits": {"affinity_min_cached_fraction": 0.0},
+    "2api": {},
+    "2api_nocheck": {"booking_check": False},
 }
 SIM_DRAWS = 4
 
@@ -256,9 +263,12 @@ def one_run(
                     },
                 )
                 stack.start()
-                url = stack.url
+                urls = [stack.url]
+                if variant.startswith("2api"):
+                    urls.append(stack.start_api_process("api-2"))
             else:
                 url, proc = start_rust_router(kind, policy, engines, bin_dir, d)
+                urls = [url]
                 if kind == "sglang":
 
                     def hook(body: dict[str, Any], req: TraceRequest) -> None:
@@ -266,7 +276,7 @@ def one_run(
                         body["max_tokens"] = max(1, req.output_tokens)
 
             outs, wall_s = replay(
-                url,
+                urls,
                 API_KEY,
                 reqs,
                 model=_model(engines.urls[0]),  # what a front door reports varies
@@ -274,6 +284,7 @@ def one_run(
                 send_request_ids=True,
                 body_hook=hook,
             )
+            rechecks = booking_rechecks(urls) if kind == "tokenfleet" else None
         finally:
             if stack is not None:
                 stack.stop()
@@ -299,8 +310,26 @@ def one_run(
         "requests": len(outs),
         "failed": sum(o.status != "completed" for o in outs),
         "sample_errors": s.get("sample_errors", []),
+        "booking_rechecks": rechecks,
         "sim": sim,
     }
+
+
+def booking_rechecks(urls: list[str]) -> dict[str, float]:
+    """``tokenfleet_booking_rechecks_total`` summed over the API replicas, by
+    whether the request moved."""
+    out: dict[str, float] = {"moved": 0.0, "stayed": 0.0}
+    for url in urls:
+        req = urllib.request.Request(
+            url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            text = resp.read().decode()
+        for line in text.splitlines():
+            if line.startswith("tokenfleet_booking_rechecks_total{"):
+                moved = 'moved="true"' in line
+                out["moved" if moved else "stayed"] += float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def simulate(
@@ -381,6 +410,14 @@ def table(runs: list[dict[str, Any]], fronts: list[str]) -> str:
                 + (f" ({fmt.format(min(xs))}-{fmt.format(max(xs))})" if len(xs) > 1 else "")
             )
         lines.append(f"| {f} | " + " | ".join(cells) + " |")
+    for r in runs:
+        b = r.get("booking_rechecks")
+        if b and "2api" in r["front"]:
+            n = b["moved"] + b["stayed"]
+            lines.append(
+                f"{r['front']} repeat {r['repeat']}: booking rechecks {n:.0f}"
+                f" (moved {b['moved']:.0f})"
+            )
     return "\n".join(lines)
 
 

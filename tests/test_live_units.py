@@ -874,3 +874,30 @@ def test_a_lost_workers_accounting_is_cleared_once_the_instance_is_idle(state: L
     assert acct.inflight_requests == 0 and acct.prefill_pending_uncached_tokens == 0
     # the count of dispatches stays: routers tell shared accounting by it
     assert acct.dispatched_total == 3
+
+
+def test_replay_over_several_front_doors_sends_the_requests_in_turn() -> None:
+    """``tokenfleet.live.bench.replay`` with two URLs, as a load balancer over
+    two API replicas: each gets every other request (here two engines stand
+    in for the replicas; their success counters say who served what)."""
+    from tokenfleet.live.bench import replay
+    from tokenfleet.workloads.trace import TraceRequest
+
+    emus = [EmulatorServer("llama3-8b-h200", port=0, time_scale=0.01, seed=k) for k in (1, 2)]
+    for e in emus:
+        e.start()
+    try:
+        reqs = [TraceRequest(RequestInfo(f"rp{i}", 0.01 * i, 64, 4), 2) for i in range(6)]
+        outs, _ = replay([e.url for e in emus], "none", reqs, model=emus[0].model_name)
+        assert [o.status for o in outs] == ["completed"] * 6, [o.error for o in outs]
+        for e in emus:
+            text = requests.get(e.url + "/metrics", timeout=10).text
+            served = sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("vllm:request_success_total{")
+            )
+            assert served == 3, text
+    finally:
+        for e in emus:
+            e.stop()

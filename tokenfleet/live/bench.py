@@ -175,7 +175,7 @@ def _one(client: _Client, out: Outcome, model: str, clock: Callable[[], float]) 
 
 
 def replay(
-    url: str,
+    url: str | Sequence[str],
     api_key: str,
     requests: Sequence[TraceRequest],
     *,
@@ -190,11 +190,15 @@ def replay(
 ) -> tuple[list[Outcome], float]:
     """Send every request at its arrival time (relative to now); returns the
     outcomes and the wall-clock span of the run. ``tenant_keys``: the API key
-    of each tenant the requests name (others use ``api_key``)."""
+    of each tenant the requests name (others use ``api_key``). Several URLs:
+    the requests go to them in turn, as a load balancer over API replicas."""
     slo = slo or SLOConfig()
-    client = _Client(url, api_key, timeout_s, tenant_keys)
-    client.send_request_ids = send_request_ids
-    client.body_hook = body_hook
+    clients = []
+    for u in [url] if isinstance(url, str) else url:
+        client = _Client(u, api_key, timeout_s, tenant_keys)
+        client.send_request_ids = send_request_ids
+        client.body_hook = body_hook
+        clients.append(client)
     start = time.monotonic()
     base = requests[0].arrival_s if requests else 0.0
 
@@ -205,19 +209,19 @@ def replay(
     done = [0]
     lock = threading.Lock()
 
-    def run(o: Outcome) -> None:
-        _one(client, o, model, clock)
+    def run(k: int, o: Outcome) -> None:
+        _one(clients[k % len(clients)], o, model, clock)
         if progress is not None:
             with lock:
                 done[0] += 1
                 progress(done[0], len(outs))
 
     with ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="bench") as pool:
-        for o in outs:
+        for k, o in enumerate(outs):
             delay = o.sent_s - clock()
             if delay > 0:
                 time.sleep(delay)
-            pool.submit(run, o)
+            pool.submit(run, k, o)
     return outs, clock()
 
 
