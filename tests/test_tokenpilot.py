@@ -1020,3 +1020,19 @@ def test_the_booking_check_stops_replicas_herding_on_a_late_shared_view() -> Non
     assert off[2] == 0 and on[2] > 0, (off, on)
     assert on[0] < 0.5 * off[0], (off, on)  # 129 -> 33 (seeds 5-7: 128-129 -> 29-34)
     assert on[1] <= off[1], (off, on)
+
+
+def test_sim_cli_reports_the_booking_rechecks_and_can_turn_them_off(tmp_path: Path) -> None:
+    import json
+
+    from tokenfleet.cli.main import main
+
+    counts = []
+    for extra in ([], ["--no-booking-check"]):
+        out = tmp_path / f"run{len(counts)}.json"
+        argv = ["sim", "--synthetic", "chat", "--synthetic-requests", "400", "--instances", "4"]
+        argv += ["--load", "0.9", "--routers", "4", "--shared-state-ms", "20", "--quiet"]
+        argv += ["--policy", "tokenpilot", "--json", str(out), *extra]
+        assert main(argv) == 0
+        counts.append(json.loads(out.read_text())["runs"][0]["booking_rechecks"])
+    assert counts[0] > 0 and counts[1] == 0, counts

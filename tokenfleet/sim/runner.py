@@ -10,7 +10,7 @@ from typing import Any
 from tokenfleet.core.routing import ROUTERS
 from tokenfleet.core.tiers import SLOConfig
 from tokenfleet.engine.profiles import EngineProfile
-from tokenfleet.sim.cluster import PathLatency, PoolConfig, run_pool
+from tokenfleet.sim.cluster import PathLatency, PoolConfig, PoolSim, run_pool
 from tokenfleet.sim.metrics import summarize
 from tokenfleet.sim.records import RequestRecord
 from tokenfleet.workloads.trace import TraceRequest
@@ -125,11 +125,19 @@ def run_policies(
         t0 = time.perf_counter()
         records, pool = run_pool(requests, cfg, settings.slo, progress=cb)
         wall = time.perf_counter() - t0
-        summary = summarize(records, settings.slo, busy_s=pool.busy_s())
+        summary = _summary(records, settings, pool)
         runs.append(
             PolicyRun(name, summary, records, wall, pool.preemptions(), kv_events=cfg.kv_events)
         )
     return runs
+
+
+def _summary(records: list[RequestRecord], settings: SimSettings, pool: PoolSim) -> dict[str, Any]:
+    out = summarize(records, settings.slo, busy_s=pool.busy_s())
+    if settings.shared_state_s is not None and settings.routers > 1:
+        # decisions made again because the booking showed another replica's dispatch
+        out["booking_rechecks"] = pool.booking_rechecks
+    return out
 
 
 def _run_with_admission(
@@ -161,7 +169,7 @@ def _run_with_admission(
                 progress=cb,
             )
             wall = time.perf_counter() - t0
-            summary = summarize(records, settings.slo, busy_s=pool.busy_s())
+            summary = _summary(records, settings, pool)
             report = admission_report(records, driver, settings.slo)
             runs.append(
                 PolicyRun(
