@@ -412,11 +412,9 @@ def _label(argv: list[str]) -> str:
     return "other"
 
 
-def stack_cpu_s(root_pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) so far of ``root_pid``'s descendants, by role.
-
-    Read from ``/proc``: a phase's figure is the difference of two readings
-    (a process that ended between them is not counted)."""
+def _stack(root_pid: int) -> dict[int, list[str]]:
+    """``/proc/PID/stat`` fields (after the command name) of ``root_pid`` and
+    every process below it."""
     parent: dict[int, int] = {}
     stat: dict[int, list[str]] = {}
     for d in Path("/proc").iterdir():
@@ -429,13 +427,23 @@ def stack_cpu_s(root_pid: int) -> dict[str, float]:
         fields = raw[raw.rindex(")") + 2 :].split()
         parent[int(d.name)] = int(fields[1])
         stat[int(d.name)] = fields
-    out: dict[str, float] = {}
+    out: dict[int, list[str]] = {}
     for pid, fields in stat.items():
         p = pid
         while p not in (0, 1, root_pid) and p in parent:
             p = parent[p]
-        if p != root_pid:
-            continue
+        if p == root_pid:
+            out[pid] = fields
+    return out
+
+
+def stack_cpu_s(root_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of ``root_pid``'s descendants, by role.
+
+    Read from ``/proc``: a phase's figure is the difference of two readings
+    (a process that ended between them is not counted)."""
+    out: dict[str, float] = {}
+    for pid, fields in _stack(root_pid).items():
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
@@ -455,18 +463,9 @@ def renice_stack(root_pid: int, api: int | None, nice: int) -> int:
     Pinning them to one core and the API to the other was tried first: the
     rest then did not fit on one core during the ramp (59 of 2,000 streams
     served)."""
-    parent: dict[int, int] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                raw = (d / "stat").read_text()
-                parent[int(d.name)] = int(raw[raw.rindex(")") + 2 :].split()[1])
     n = 0
-    for pid in dict.fromkeys([root_pid, *parent]):
-        p = parent.get(pid, 0) if pid != root_pid else root_pid
-        while p not in (0, 1, root_pid) and p in parent:
-            p = parent[p]
-        if p != root_pid or pid == api:
+    for pid in _stack(root_pid):
+        if pid == api:
             continue
         with contextlib.suppress(OSError):
             for t in Path(f"/proc/{pid}/task").iterdir():

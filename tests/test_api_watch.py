@@ -43,7 +43,7 @@ def test_lost_apis_and_settled_requests_wake_only_their_waiters(
     state = _state(redis_server)
     reads: list[str] = []
 
-    def alive(key: str, _max_age_s: float) -> bool:
+    def alive(key: str) -> bool:
         reads.append(key)
         return bool(state.r.exists(key))
 
@@ -79,7 +79,7 @@ def test_lost_apis_and_settled_requests_wake_only_their_waiters(
 
 def test_the_watch_thread_tells_a_waiter_its_api_died(redis_server: EmbeddedRedis) -> None:
     state = _state(redis_server)
-    watch = ApiWatch(state, 0.05, lambda key, _age: bool(state.r.exists(key)), period_s=0.02)
+    watch = ApiWatch(state, 0.05, lambda key: bool(state.r.exists(key)), period_s=0.02)
     told = _Told()
     state.r.set(api_alive_key(state, "api-1"), 1, px=300)  # lapses in 0.3 s
     w = _waiting(state, "api-1", told, time.monotonic())

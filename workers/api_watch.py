@@ -55,14 +55,14 @@ class ApiWatch:
         self,
         state: LiveState,
         lease_ttl_s: float,
-        api_alive: Callable[[str, float], bool] | None = None,
+        api_alive: Callable[[str], bool] | None = None,
         period_s: float | None = None,
     ) -> None:
-        """``api_alive(key, max_age_s)``: whether an API's liveness key exists
-        (default: asks Redis; each key is asked once per round)."""
+        """``api_alive(key)``: whether an API's liveness key exists (default:
+        asks Redis; each key is asked once per round)."""
         self.state = state
         self.lease_ttl_s = lease_ttl_s
-        self.api_alive = api_alive or (lambda key, _age: bool(state.r.exists(key)))
+        self.api_alive = api_alive or (lambda key: bool(state.r.exists(key)))
         self.period_s = max(0.05, lease_ttl_s / 2) if period_s is None else period_s
         self._waiting: set[Waiting] = set()
         self._lock = threading.Lock()
@@ -101,7 +101,7 @@ class ApiWatch:
             due = [w for w in self._waiting if now_m - w.sent_m > self.lease_ttl_s]
         if not due:
             return 0
-        alive = {key: self.api_alive(key, self.period_s) for key in {w.alive_key for w in due}}
+        alive = {key: self.api_alive(key) for key in {w.alive_key for w in due}}
         ask = [w for w in due if alive[w.alive_key] and now_m - w.status_at_m > SETTLED_CHECK_S]
         done: set[Waiting] = set()
         if ask:

@@ -185,6 +185,16 @@ def _s(raw: Mapping[bytes, bytes], key: str, default: str = "") -> str:
     return v.decode() if v is not None else default
 
 
+def _accounting(
+    raw: Mapping[bytes, bytes], less: Mapping[str, int] | None = None
+) -> DispatchAccounting:
+    """An instance's accounting hash as stored, minus ``less`` (no field below 0)."""
+    acct = DispatchAccounting()
+    for name in ACCOUNTING_FIELDS:
+        setattr(acct, name, max(0, _i(raw, name) - (less.get(name, 0) if less else 0)))
+    return acct
+
+
 class LiveState:
     """Typed access to the live keys; one object per process, thread-safe
     (redis-py clients use a connection pool)."""
@@ -364,13 +374,7 @@ class LiveState:
             for i in ids:
                 pipe.hgetall(self.k("acct", i))
             raws = pipe.execute()
-        out = {}
-        for iid, raw in zip(ids, raws, strict=True):
-            acct = DispatchAccounting()
-            for name in ACCOUNTING_FIELDS:
-                setattr(acct, name, max(0, _i(raw, name)))
-            out[iid] = acct
-        return out
+        return {iid: _accounting(raw) for iid, raw in zip(ids, raws, strict=True)}
 
     def book_dispatch(
         self, instance_id: str, req: RequestInfo, cached: int
@@ -386,10 +390,7 @@ class LiveState:
                 pipe.hincrby(key, name, d)
             pipe.hgetall(key)
             raw = pipe.execute()[-1]
-        before = DispatchAccounting()
-        for name in ACCOUNTING_FIELDS:
-            setattr(before, name, max(0, _i(raw, name) - delta.get(name, 0)))
-        return delta, before
+        return delta, _accounting(raw, less=delta)
 
     def unbook(self, instance_id: str, delta: Mapping[str, int]) -> None:
         """Take back a :meth:`book_dispatch` whose decision changed."""
