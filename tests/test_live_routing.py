@@ -313,3 +313,42 @@ def _check_booking(stack: LiveStack) -> None:
                 req.info, decision.instance_id, time.time(), "cancelled", 0, 0, None, 0.0
             )
         )
+
+
+def test_a_long_prompt_closes_and_reopens_the_pool_without_declaring_queues(
+    stack: LiveStack,
+) -> None:
+    """A prompt over the worker's prefill budget closes its pool queues until
+    its first token, and the gate then opens them again. Reopening must not
+    declare the queues again: kombu's declare is an ``LLEN`` per priority
+    level and an ``SADD`` of the binding, 0.5-1 ms of the consumer thread per
+    queue, which every such request paid several times."""
+    r = stack.gateway.state.r
+
+    def llen_calls() -> int:
+        return int(r.info("commandstats").get("cmdstat_llen", {}).get("calls", 0))
+
+    before = llen_calls()
+    for i in range(3):  # each its own prompt from the first byte: nothing cached
+        resp = _post(
+            stack,
+            {
+                "model": stack.model,
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": f"{i} pause {SYSTEM}"}],
+            },
+        )
+        assert resp.status_code == 200
+    for i in range(2):  # the pool queues were opened again: pool work is served
+        resp = _post(
+            stack,
+            {
+                "model": stack.model,
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": f"tiny after a long one {i}"}],
+            },
+            timeout=30,
+        )
+        assert resp.status_code == 200
+    # declaring: 4 LLENs per queue re-added (priority levels), 5 queues per reopening
+    assert llen_calls() - before < 3

@@ -901,3 +901,63 @@ def test_replay_over_several_front_doors_sends_the_requests_in_turn() -> None:
     finally:
         for e in emus:
             e.stop()
+
+
+def test_a_requests_prefetch_reads_accounting_and_depths_before_its_dispatch(
+    state: LiveState, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At low load the refresh thread stops polling, so a request's dispatch
+    would read the dispatch accounting and the queue depths inline, two round
+    trips on its time to first token. ``prefetch`` at arrival has the refresh
+    thread read both at once; the dispatch then reads neither."""
+    from tokenfleet.live.gateway import refresh
+
+    # copies stay fresh for seconds: a slow machine cannot age them mid-test
+    monkeypatch.setattr(refresh, "QUEUE_DEPTHS_MAX_AGE_S", 5.0)
+
+    class View(refresh.LiveView):
+        def __init__(self) -> None:
+            self.state = state
+            self.live = LiveConfig.load(env={})
+            self.admission = None
+            self.dc_selector = None
+            self.router = None
+            self.router_lock = threading.Lock()
+            self._start_view()
+
+    info = InstanceInfo("pf1", "dcp", "m", "http://127.0.0.1:1", "llama3-8b-h200", 4096, 1, 8)
+    state.register_instance(info)
+    state.book_dispatch("pf1", _req("pf-r", n=900), 0)
+    state.queued_incr("dcp.interactive", 3)
+    view = View()
+    view.accounting.period_s = 5.0
+    try:
+        inline: list[list[str]] = []  # reads on this (the request's) thread
+        read = view.accounting._read
+
+        def spy(ids: list[str]) -> dict[str, DispatchAccounting]:
+            if threading.current_thread() is threading.main_thread():
+                inline.append(ids)
+            return read(ids)
+
+        view.accounting._read = spy  # type: ignore[method-assign]
+
+        def landed(after: float) -> bool:  # a read that began after ``after``
+            deadline = time.monotonic() + 5.0
+            while view.accounting._read_at <= after and time.monotonic() < deadline:
+                time.sleep(0.005)
+            return view.accounting._read_at > after
+
+        view.prefetch()  # nothing read yet: the refresh thread reads now
+        assert landed(float("-inf"))
+        view.await_prefetch()
+        got = view.accounting.get(["pf1"])["pf1"]
+        assert inline == [], "the dispatch read the accounting itself"
+        assert got.dispatched_total >= 1 and got.prefill_pending_tokens >= 900
+        assert view._depths.get("dcp.interactive") == 3
+        view.prefetch()  # both copies fresh: nothing to read
+        assert view._prefetch_done is None
+    finally:
+        view.close()
+        state.deregister_instance("pf1")
+        state.queued_incr("dcp.interactive", -3)

@@ -156,6 +156,7 @@ def _serve(shape: _Shape) -> Response:
     except Exception as exc:  # refused unread: the row has no model, tier from the header
         _record_refusal(gw, principal.tenant, None, None, tier_hint, exc)
         raise
+    gw.prefetch()  # what dispatch reads from Redis, while the body is parsed
     try:
         return _serve_held(gw, principal, shape, tier_hint)
     except BaseException:

@@ -32,6 +32,18 @@ from workers.pool import WakingThreadPool
 log = logging.getLogger("tokenfleet.worker")
 
 
+class _GateLines(logging.Filter):
+    """Drops Celery's INFO line per queue the tier gate pauses or resumes: it
+    pauses the pool queues around every prompt that fills the prefill budget,
+    so they came to several lines per request."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.msg
+        return not (
+            isinstance(msg, str) and msg.startswith(("Canceling queue", "Started consuming from"))
+        )
+
+
 class AttachConsumer(bootsteps.StartStopStep):
     """Hands Celery's consumer to the runtime so the tier gate can steer it."""
 
@@ -236,6 +248,7 @@ def run_worker(
     if opts.loglevel != "DEBUG":
         for name in ("celery.worker.strategy", "celery.app.trace"):
             logging.getLogger(name).setLevel(logging.WARNING)
+        logging.getLogger("celery.worker.consumer.consumer").addFilter(_GateLines())
     rt.start()
     log.info(
         "worker %s (dc %s) serving %s at %s, %d slots, queues: %s",

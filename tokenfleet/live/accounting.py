@@ -44,10 +44,16 @@ class AccountingView:
         #: (when its round trip ended, instance, field deltas) of our own writes
         self._pending: list[tuple[float, str, Mapping[str, int]]] = []
 
-    def refresh(self, instance_ids: Iterable[str]) -> None:
+    def refresh(
+        self,
+        instance_ids: Iterable[str],
+        read: Callable[[list[str]], dict[str, DispatchAccounting]] | None = None,
+    ) -> None:
+        """Read Redis now (with ``read``: a read that fetches more in the same
+        round trip, :meth:`LiveView.prefetch`)."""
         ids = list(instance_ids)
         began = self._clock()
-        got = self._read(ids)
+        got = (read or self._read)(ids)
         with self._lock:
             if began < self._read_at:
                 return  # a newer read already landed
@@ -60,6 +66,10 @@ class AccountingView:
         next request reads inline)."""
         if self._clock() - self._used_at <= within_s:
             self.refresh(instance_ids)
+
+    def fresh_for_s(self) -> float:
+        """How much longer :meth:`get` answers without reading inline (<= 0: it would read)."""
+        return self._read_at + 2 * self.period_s - self._clock()
 
     def wrote(self, instance_id: str, delta: Mapping[str, int]) -> None:
         """This replica's accounting write to ``instance_id`` just returned."""

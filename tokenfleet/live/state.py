@@ -376,6 +376,20 @@ class LiveState:
             raws = pipe.execute()
         return {iid: _accounting(raw) for iid, raw in zip(ids, raws, strict=True)}
 
+    def accounting_and_queued(
+        self, instance_ids: Iterable[str]
+    ) -> tuple[dict[str, DispatchAccounting], dict[str, int]]:
+        """:meth:`accounting` and :meth:`queued` in one round trip."""
+        ids = list(instance_ids)
+        with self.r.pipeline(transaction=False) as pipe:
+            for i in ids:
+                pipe.hgetall(self.k("acct", i))
+            pipe.hgetall(self.k("queued"))
+            raws = pipe.execute()
+        accts = {iid: _accounting(raw) for iid, raw in zip(ids, raws, strict=False)}
+        queued = {k.decode(): max(0, int(v)) for k, v in raws[-1].items()}
+        return accts, queued
+
     def book_dispatch(
         self, instance_id: str, req: RequestInfo, cached: int
     ) -> tuple[dict[str, int], DispatchAccounting]:

@@ -20,7 +20,7 @@ from typing import Any
 import redis
 
 from tokenfleet.core.prefix_index import PrefixIndex
-from tokenfleet.core.types import KVEvent
+from tokenfleet.core.types import DispatchAccounting, KVEvent
 from tokenfleet.live.accounting import AccountingView
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.state import InstanceInfo, LiveState
@@ -44,6 +44,11 @@ ACCOUNTING_REFRESH_S = 0.02
 #: round trips a second (9 API CPU-ms per request at 5 req/s); a request after a
 #: quieter spell reads them inline, as it did before the thread kept them.
 POLL_WHILE_USED_PERIODS = 2
+#: a request's prefetch (:meth:`LiveView.prefetch`) reads when a copy would be
+#: this close to its age limit: dispatch comes a few ms after arrival
+PREFETCH_MARGIN_S = 0.01
+#: dispatch waits at most this long for a prefetch under way, then reads inline
+PREFETCH_WAIT_S = 0.01
 
 
 class LiveView:
@@ -76,6 +81,11 @@ class LiveView:
         #: how many other API replicas wrote their heartbeat lately (booking check)
         self.peer_apis = 0
         self._stop = threading.Event()
+        #: wakes the refresh thread early (a prefetch, or close)
+        self._kick = threading.Event()
+        self._prefetch_lock = threading.Lock()
+        #: set when the prefetch under way has landed (None: none under way)
+        self._prefetch_done: threading.Event | None = None
         self._kv_thread = threading.Thread(target=self._kv_loop, name="kv-index", daemon=True)
         self._kv_thread.start()
         self._refresh_thread = threading.Thread(
@@ -85,6 +95,7 @@ class LiveView:
 
     def close(self) -> None:
         self._stop.set()
+        self._kick.set()
         self._kv_thread.join(timeout=2.0)
         self._refresh_thread.join(timeout=2.0)
 
@@ -156,8 +167,15 @@ class LiveView:
         falls behind or Redis was down."""
         due = {"instances": 0.0, "accounting": 0.0, "depths": 0.0, "knobs": 0.0}
         depths_period_s = QUEUE_DEPTHS_MAX_AGE_S / 2
-        # sleep until the next read is due (not 10 ms ticks: 100 wake-ups a second)
-        while not self._stop.wait(max(0.001, min(due.values()) - time.monotonic())):
+        while True:
+            # sleep until the next read is due (not 10 ms ticks: 100 wake-ups a
+            # second) or a request asks for a prefetch
+            self._kick.wait(max(0.001, min(due.values()) - time.monotonic()))
+            if self._stop.is_set():
+                return
+            self._kick.clear()
+            if self._prefetch_done is not None:
+                self._prefetch_now()
             now = time.monotonic()
             try:
                 if now >= due["instances"]:
@@ -188,6 +206,51 @@ class LiveView:
                 continue  # requests see the outage themselves
             except Exception:
                 log.exception("live-state refresh failed")
+
+    # -- a request's reads, ahead of its dispatch ----------------------------------
+    def prefetch(self) -> None:
+        """A request arrived: if its dispatch would read the accounting or the
+        queue depths inline (the refresh thread stops polling them while
+        requests are rare, :data:`POLL_WHILE_USED_PERIODS`), the refresh thread
+        reads both now, in one round trip, while this request is parsed and
+        tokenized. At low load those two inline reads were about 1 ms of the
+        request's time to first token (docs/benchmarks.md, section 12)."""
+        depths_left_s = QUEUE_DEPTHS_MAX_AGE_S - (time.monotonic() - self._depths_at)
+        if min(self.accounting.fresh_for_s(), depths_left_s) > PREFETCH_MARGIN_S:
+            return
+        with self._prefetch_lock:
+            if self._prefetch_done is not None:
+                return  # one is under way
+            self._prefetch_done = threading.Event()
+        self._kick.set()
+
+    def await_prefetch(self) -> None:
+        """Dispatch: let a prefetch under way land instead of reading again."""
+        done = self._prefetch_done
+        if done is not None:
+            done.wait(PREFETCH_WAIT_S)
+
+    def _prefetch_now(self) -> None:
+        began = time.monotonic()
+        queued: dict[str, int] = {}
+
+        def read(ids: list[str]) -> dict[str, DispatchAccounting]:
+            accts, depths = self.state.accounting_and_queued(ids)
+            queued.update(depths)
+            return accts
+
+        try:
+            self.accounting.refresh([i.instance_id for i in self.instances()], read=read)
+            self._depths_copy, self._depths_at = queued, began
+        except redis.RedisError:
+            pass  # the dispatch reads inline, and sees the outage itself
+        except Exception:
+            log.exception("prefetch failed")
+        finally:
+            with self._prefetch_lock:
+                done, self._prefetch_done = self._prefetch_done, None
+            if done is not None:
+                done.set()
 
     def redis_failed(self) -> None:
         """A Redis call of this process failed: ``/health`` stops trusting the
