@@ -194,6 +194,39 @@ def test_claim_runs_an_attempt_once(state: LiveState) -> None:
     assert state.claim("nope", 1, "w", 5, "i") == "missing"
 
 
+def test_a_winning_claim_hands_the_call_over_in_the_same_step(state: LiveState) -> None:
+    """The direct path's ``go`` entry is written by the claim that wins, and
+    only by it: a redelivered message's claim must not start a second engine
+    call. The claim's bookings (accounting, queue depth) still apply."""
+    from tokenfleet.live.relay import RelayReader
+
+    state.create_request("g1", "q.interactive", 60)
+    state.queued_incr("q.interactive", 1)
+    relay = RelayWriter(state, "g1", 60, "gi1")
+    wake = state.k("wake-test")
+    fields = relay.go_fields("http://e:1", "g1-1", 1, first_token_timeout_s=2.5)
+    go = (relay.key, fields, 60.0, wake)
+    before = state.queued().get("q.interactive", 0)
+    req = _req("g1", n=300)
+    assert state.claim("g1", 1, "w1", 5, "gi1", queue="q.interactive", dispatch=(req, 0), go=go) == (
+        "run"
+    )
+    assert state.claim("g1", 1, "w2", 5, "gi2", go=go) == "busy"  # redelivered: no second go
+    entries = state.r.xrange(relay.key)
+    assert len(entries) == 1 and state.r.ttl(relay.key) > 0
+    assert state.r.xlen(wake) == 1  # the worker's outcome reader is woken for its new stream
+    ev = next(RelayReader(state, "g1", block_ms=10).events(lambda: None))
+    assert ev.kind == "go" and ev.facts is not None
+    assert (ev.facts["u"], ev.facts["e"], ev.facts["a"], ev.facts["w"]) == (
+        "http://e:1",
+        "g1-1",
+        "1",
+        "2.5",
+    )
+    assert state.queued().get("q.interactive", 0) == before - 1
+    assert state.accounting(["gi1"])["gi1"].prefill_pending_tokens >= 300
+
+
 def test_a_lapsed_lease_is_taken_back_by_its_owner_only_while_it_runs(state: LiveState) -> None:
     state.create_request("c9", "q.interactive", 60)
     assert state.claim("c9", 1, "w1", 5, "i1") == "run"

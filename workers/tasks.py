@@ -111,17 +111,48 @@ def run_job(
     info = job.info()
     accounted = job.accounted == rt.info.instance_id
     cached_est = job.expected_cached
-    verdict = state.claim(
-        rid,
-        attempt,
-        rt.worker_id,
-        rt.live.lease_ttl_s,
-        rt.info.instance_id,
-        received_ts or time.time(),
-        queue=job.queue,
-        dispatch=None if accounted else (info, cached_est),
-    )
     relay = RelayWriter(state, rid, rt.live.stream_ttl_s, rt.info.instance_id)
+    uncached = job.input_tokens - job.prefill_cached if job.prefill_url else job.prefill_tokens
+    call = EngineCall(
+        rt.info.url,
+        job.body,
+        f"{rid}-{attempt}",
+        connect_timeout_s=rt.live.engine_connect_timeout_s,
+        stall_timeout_s=rt.live.engine_stall_timeout_s,
+        headers=job.engine_headers or None,
+        prefill_url=job.prefill_url,
+        first_token_timeout_s=first_token_timeout_s(
+            rt.live.engine_stall_timeout_s, rt.state.profile(rt.info.profile), uncached
+        ),
+    )
+    healthy = rt.is_engine_healthy()
+    # the direct path hands the call to the API in the claim's own step (not for
+    # a disaggregated request: its prefill side opens between the two)
+    waiter = (
+        _ApiStream(rt, job, relay, call) if job.direct and healthy and not job.prefill_url else None
+    )
+    dispatched = time.time()
+    try:
+        verdict = state.claim(
+            rid,
+            attempt,
+            rt.worker_id,
+            rt.live.lease_ttl_s,
+            rt.info.instance_id,
+            received_ts or time.time(),
+            queue=job.queue,
+            dispatch=None if accounted else (info, cached_est),
+            go=waiter.go() if waiter is not None else None,
+        )
+    except BaseException:
+        if waiter is not None:
+            waiter.sub.close()
+        raise
+    if verdict == "run" and waiter is not None:
+        waiter.handed_over()
+    elif waiter is not None:
+        waiter.sub.close()
+        waiter = None
     if verdict != "run":
         state.queued_incr(job.queue, -1)
     if verdict in ("done", "busy", "stale", "missing"):
@@ -153,7 +184,7 @@ def run_job(
             )
         return "failed"
 
-    if not rt.is_engine_healthy() and attempt < rt.live.max_attempts:
+    if not healthy and attempt < rt.live.max_attempts:
         # Taken from a queue just before the gate closed it: send it on, untouched.
         if _retry_elsewhere(rt, job, relay, "engine unhealthy before start"):
             state.account_finish(rt.info.instance_id, info, False, cached_est)
@@ -161,27 +192,13 @@ def run_job(
 
     flight = RequestInFlight(rid, job.tier, attempt, prefill_tokens=job.prefill_tokens)
     rt.add_flight(flight, task_id)
-    dispatched = time.time()
+    if waiter is None:
+        dispatched = time.time()
     first_ts: float | None = None
     tokens = 0
     usage: dict[str, Any] | None = None
     finish_reason = "stop"
-    engine_rid = f"{rid}-{attempt}"
-    uncached = job.input_tokens - job.prefill_cached if job.prefill_url else job.prefill_tokens
-    call = EngineCall(
-        rt.info.url,
-        job.body,
-        engine_rid,
-        connect_timeout_s=rt.live.engine_connect_timeout_s,
-        stall_timeout_s=rt.live.engine_stall_timeout_s,
-        headers=job.engine_headers or None,
-        prefill_url=job.prefill_url,
-        first_token_timeout_s=first_token_timeout_s(
-            rt.live.engine_stall_timeout_s, rt.state.profile(rt.info.profile), uncached
-        ),
-    )
     streamed = False
-    waiter: _ApiStream | None = None
     coalesce = _RelayCoalescer(relay, rt.live.relay_flush_interval_s)
     prefill_open = _open_prefill_side(rt, job, info)
 
@@ -203,7 +220,8 @@ def run_job(
 
     try:
         if job.direct:
-            waiter = _ApiStream(rt, job, relay, call)
+            if waiter is None:  # handed over below, not in the claim
+                waiter = _ApiStream(rt, job, relay, call)
             flight.call = waiter  # the watchdog's cancel and the scraper's abort wake it
             for ev in waiter.outcomes():
                 if ev.kind == "ft":
@@ -421,9 +439,32 @@ class _ApiStream:
         self.usage: dict[str, Any] | None = None
         self.finish_reason = "stop"
         self._aborted: str | None = None
+        #: the ``go`` entry is written (by the claim's step, :meth:`go`)
+        self._handed_over = False
         self.sub = rt.outcome_hub().subscribe(
             job.request_id, key=outcome_key(rt.state, job.request_id, job.attempt)
         )
+
+    def _go_fields(self) -> dict[str, Any]:
+        rt = self.rt
+        return self.relay.go_fields(
+            rt.public_engine_url,
+            self.call.request_id,
+            self.job.attempt,
+            exact_kv_events=rt.exact_kv_events,
+            prefill_url=self.job.prefill_url,
+            first_token_timeout_s=self.call.first_token_timeout_s,
+        )
+
+    def go(self) -> tuple[str, dict[str, Any], float, str]:
+        """The hand-over for :meth:`LiveState.claim` to write if the claim wins."""
+        hub = self.rt.outcome_hub()
+        return (self.relay.key, self._go_fields(), self.rt.live.stream_ttl_s, hub.wake_key)
+
+    def handed_over(self) -> None:
+        """The claim won and wrote :meth:`go`'s entry (and the stream's expiry)."""
+        self._handed_over = True
+        self.relay.mark_expiry_set()
 
     @property
     def aborted(self) -> str | None:
@@ -445,21 +486,11 @@ class _ApiStream:
         watch = rt.api_watch()
         waiting: Waiting | None = None
         try:
-            with state.batch() as b:
-                b.xadd(
-                    self.relay.key,
-                    self.relay.go_fields(
-                        rt.public_engine_url,
-                        self.call.request_id,
-                        job.attempt,
-                        exact_kv_events=rt.exact_kv_events,
-                        prefill_url=self.job.prefill_url,
-                        first_token_timeout_s=self.call.first_token_timeout_s,
-                    ),
-                    ttl_s=rt.live.stream_ttl_s,
-                )
-                rt.outcome_hub().wake(b.pipe)
-            self.relay.mark_expiry_set()
+            if not self._handed_over:
+                with state.batch() as b:
+                    b.xadd(self.relay.key, self._go_fields(), ttl_s=rt.live.stream_ttl_s)
+                    rt.outcome_hub().wake(b.pipe)
+                self.handed_over()
             deadline = job.arrival_ts + rt.live.request_timeout_s + 2 * rt.live.lease_ttl_s
             # the API's death and a settle without it are the watch's to notice
             # (one thread for all waiters): this thread wakes for news only

@@ -51,7 +51,17 @@ redis.call('HSET', KEYS[1], 'status', 'running', 'owner', ARGV[2], 'claimed_at',
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 -- start-of-run bookkeeping in the same step: queue depth, dispatch accounting
 if ARGV[7] ~= '' then redis.call('HINCRBY', KEYS[5], ARGV[7], -1) end
-for i = 8, #ARGV, 2 do redis.call('HINCRBY', KEYS[4], ARGV[i], ARGV[i + 1]) end
+local n = tonumber(ARGV[8])
+for i = 9, 8 + 2 * n, 2 do redis.call('HINCRBY', KEYS[4], ARGV[i], ARGV[i + 1]) end
+-- the direct path's hand-over too (KEYS[6]: the relay stream, KEYS[7]: the
+-- worker's outcome reader's wake-up stream; ARGV: stream TTL, then the fields)
+if #KEYS >= 7 then
+  local g = 9 + 2 * n
+  redis.call('XADD', KEYS[6], '*', unpack(ARGV, g + 1, #ARGV))
+  redis.call('EXPIRE', KEYS[6], ARGV[g])
+  redis.call('XADD', KEYS[7], 'MAXLEN', '~', '64', '*', 'w', '1')
+  redis.call('EXPIRE', KEYS[7], '3600')
+end
 return 'run'
 """
 
@@ -611,12 +621,16 @@ class LiveState:
         *,
         queue: str = "",
         dispatch: tuple[RequestInfo, int] | None = None,
+        go: tuple[str, Mapping[str, Any], float, str] | None = None,
     ) -> str:
         """'run' | 'done' | 'busy' | 'stale' | 'started' | 'cancelled' | 'missing'.
 
         On 'run' the same atomic step takes the request off ``queue``'s depth
         and, with ``dispatch`` = (request, expected cached tokens), books it in
         the instance's dispatch accounting: one round trip to start a request.
+        With ``go`` = (relay stream, ``go`` entry, stream TTL s, wake-up stream
+        of the reader the worker waits on) it also hands the engine call to
+        the API (the direct path), which otherwise took a second round trip.
         """
         now = time.time()
         args: list[Any] = [
@@ -628,13 +642,20 @@ class LiveState:
             received_at or now,
             queue,
         ]
+        pairs: list[Any] = []
         if dispatch is not None:
             for name, d in self._delta("on_dispatch", dispatch[0], dispatch[1]).items():
                 if d:
-                    args += [name, d]
-        out = self._claim(
-            keys=self._req_keys(rid) + [self.k("acct", instance_id), self.k("queued")], args=args
-        )
+                    pairs += [name, d]
+        args += [len(pairs) // 2, *pairs]
+        keys = self._req_keys(rid) + [self.k("acct", instance_id), self.k("queued")]
+        if go is not None:
+            stream, fields, ttl_s, wake = go
+            keys += [stream, wake]
+            args.append(int(ttl_s))
+            for name, value in fields.items():
+                args += [name, value]
+        out = self._claim(keys=keys, args=args)
         return out.decode() if isinstance(out, bytes) else str(out)
 
     def renew_leases(self, rids: Iterable[str], lease_ttl_s: float, owner: str = "") -> None:
