@@ -208,9 +208,8 @@ def test_a_winning_claim_hands_the_call_over_in_the_same_step(state: LiveState) 
     go = (relay.key, fields, 60.0, wake)
     before = state.queued().get("q.interactive", 0)
     req = _req("g1", n=300)
-    assert state.claim("g1", 1, "w1", 5, "gi1", queue="q.interactive", dispatch=(req, 0), go=go) == (
-        "run"
-    )
+    won = state.claim("g1", 1, "w1", 5, "gi1", queue="q.interactive", dispatch=(req, 0), go=go)
+    assert won == "run"
     assert state.claim("g1", 1, "w2", 5, "gi2", go=go) == "busy"  # redelivered: no second go
     entries = state.r.xrange(relay.key)
     assert len(entries) == 1 and state.r.ttl(relay.key) > 0
