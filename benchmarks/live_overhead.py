@@ -34,6 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.*, tests.support
 
 from tests.support.stack import API_KEY, InstanceSpec, LiveStack
+from tokenfleet.live.bench import hop_breakdown
 from tokenfleet.live.httpclient import KeepAliveClient
 
 
@@ -265,67 +266,12 @@ def overhead(
     return out
 
 
-#: hops of the request path, in order: (name, from timestamp, to timestamp)
-HOPS = (
-    ("client -> API arrival", "sent", "arrival"),
-    ("API: arrival -> admitted", "arrival", "admitted"),
-    ("publish -> worker receives", "admitted", "received"),
-    ("worker: received -> claimed", "received", "claimed"),
-    ("worker: claimed -> engine call", "claimed", "dispatched"),
-    ("worker -> engine receives", "dispatched", "engine_received"),
-    ("engine: received -> first token", "engine_received", "engine_first"),
-    ("engine -> worker first token", "engine_first", "worker_first"),
-    ("worker -> client first token", "worker_first", "first"),
-)
-
-
 def breakdown(
     stack: LiveStack, traces: list[dict[str, Any]], engine_log_dir: Path
 ) -> dict[str, Any]:
-    """Median and p90 of each hop (ms), joining the client's times with the
-    ledger (API and worker), the request state in Redis (when the worker's
-    consumer received the message and claimed it) and the engines' request
-    logs. All are wall-clock times of processes on this machine."""
-    rows = {r["request_id"]: r for r in stack.ledger_rows(timeout_s=3.0)}
-    engine: dict[str, dict[str, Any]] = {}
-    for f in engine_log_dir.glob("*.jsonl"):
-        for line in f.read_text().splitlines():
-            e = json.loads(line)
-            engine[e["id"].rsplit("-", 1)[0]] = e
-    state = stack.gateway.state
-
-    def ts(x: Any) -> float | None:
-        return x.timestamp() if x is not None else None
-
-    per_hop: dict[str, list[float]] = {name: [] for name, _, _ in HOPS}
-    for t in traces:
-        rid = t.get("rid")
-        row, e = rows.get(rid), engine.get(rid)
-        if not rid or row is None or e is None:
-            continue
-        st = state.request_state(rid)
-        point = dict(
-            t,
-            arrival=ts(row["arrival_ts"]),
-            admitted=ts(row["admitted_ts"]),
-            received=float(st.get("received_at") or "nan"),
-            claimed=float(st.get("claimed_at") or "nan"),
-            dispatched=ts(row["dispatched_ts"]),
-            engine_received=e["received"],
-            engine_first=e["first"],
-            worker_first=ts(row["first_token_ts"]),
-        )
-        for name, a, b in HOPS:
-            if point.get(a) is not None and point.get(b) is not None:
-                per_hop[name].append(point[b] - point[a])
-    return {
-        name: {
-            "p50_ms": round(_pct(xs, 50) * 1e3, 2),
-            "p90_ms": round(_pct(xs, 90) * 1e3, 2),
-            "n": len(xs),
-        }
-        for name, xs in per_hop.items()
-    }
+    """Median and p90 of each hop (ms): :func:`tokenfleet.live.bench.hop_breakdown`."""
+    rows = stack.ledger_rows(timeout_s=3.0)
+    return hop_breakdown(traces, rows, stack.gateway.state.request_state, engine_log_dir)
 
 
 def throughput(stack: LiveStack, clients: int = 32, duration_s: float = 10.0) -> dict[str, Any]:

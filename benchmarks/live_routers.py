@@ -65,7 +65,13 @@ sys.path.insert(0, str(ROOT))  # tests.support
 from tests.support.stack import API_KEY, InstanceSpec, LiveStack, engine_sim_argv  # noqa: E402
 from tests.support.stores import temp_data_dir  # noqa: E402
 from tokenfleet.core.tiers import SLOConfig  # noqa: E402
-from tokenfleet.live.bench import path_delays, replay, summary  # noqa: E402
+from tokenfleet.live.bench import (  # noqa: E402
+    hop_breakdown,
+    outcome_traces,
+    path_delays,
+    replay,
+    summary,
+)
 from tokenfleet.service.embedded import free_port  # noqa: E402
 from tokenfleet.workloads.trace import TraceRequest  # noqa: E402
 
@@ -240,6 +246,7 @@ def one_run(
         engines = Engines(args.engines, logs, seed=100 * rep)
         stack: LiveStack | None = None
         proc: subprocess.Popen[bytes] | None = None
+        hops: dict[str, dict[str, float]] | None = None
         try:
             hook = None
             if kind == "tokenfleet":
@@ -285,6 +292,13 @@ def one_run(
                 body_hook=hook,
             )
             rechecks = booking_rechecks(urls) if kind == "tokenfleet" else None
+            if stack is not None and args.breakdown:
+                hops = hop_breakdown(
+                    outcome_traces(outs),
+                    stack.ledger_rows(timeout_s=5.0),
+                    stack.gateway.state.request_state,
+                    logs,
+                )
         finally:
             if stack is not None:
                 stack.stop()
@@ -311,6 +325,7 @@ def one_run(
         "failed": sum(o.status != "completed" for o in outs),
         "sample_errors": s.get("sample_errors", []),
         "booking_rechecks": rechecks,
+        "hops": hops,
         "sim": sim,
     }
 
@@ -456,6 +471,11 @@ def main() -> int:
     ap.add_argument(
         "--sim", action="store_true", help="also the simulator's prediction of each run"
     )
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="TokenFleet fronts: also the median and p90 of every hop of its path",
+    )
     args = ap.parse_args()
     if args.duration is None:
         args.duration = 160.0 if args.slice == "mooncake" else 120.0
@@ -489,6 +509,8 @@ def main() -> int:
                 f"[{time.monotonic() - t0:.0f} s]",
                 flush=True,
             )
+            for name, h in (r["hops"] or {}).items():
+                print(f"      {name:34} p50 {h['p50_ms']:7.2f} ms  p90 {h['p90_ms']:7.2f} ms")
     print()
     print(table(runs, fronts))
     if args.sim:

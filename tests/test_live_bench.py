@@ -192,3 +192,64 @@ def test_path_latency_joins_client_outcomes_with_engine_logs(tmp_path: Path) -> 
     assert lat.relay_min_s + lat.relay_tail_s == pytest.approx(sum(relay) / 200)
     with pytest.raises(ValueError):
         path_latency(outs, tmp_path / "empty")
+
+
+def test_hop_breakdown_joins_client_ledger_state_and_engine_times(tmp_path: Path) -> None:
+    """Each hop is the difference of two stamps of one request; a request without
+    a ledger row or an engine entry is left out, and a missing Redis stamp only
+    drops the hops that need it."""
+    from datetime import UTC, datetime
+
+    from tokenfleet.live.bench import HOPS, Outcome, hop_breakdown, outcome_traces
+
+    def at(t: float) -> datetime:
+        return datetime.fromtimestamp(t, tz=UTC)
+
+    outs, rows, lines, state = [], [], [], {}
+    for i in range(10):
+        t0 = 1000.0 + 10 * i
+        k = 1 + i / 10  # hop = c * k: nearest rank gives k = 1.4 (p50), 1.8 (p90)
+        outs.append(
+            Outcome(
+                TraceRequest(RequestInfo(f"t{i}", 0.0, 100, 10), 5),
+                "interactive",
+                sent_s=float(i),
+                first_token_s=i + 0.030 * k,
+                api_request_id=f"rid{i}",
+                sent_wall=t0,
+            )
+        )
+        rows.append(
+            {
+                "request_id": f"rid{i}",
+                "arrival_ts": at(t0 + 0.002 * k),
+                "admitted_ts": at(t0 + 0.003 * k),
+                "dispatched_ts": at(t0 + 0.007 * k),
+                "first_token_ts": at(t0 + 0.028 * k),
+            }
+        )
+        state[f"rid{i}"] = (
+            {"received_at": str(t0 + 0.005 * k), "claimed_at": str(t0 + 0.006 * k)}
+            if i != 9
+            else {}
+        )
+        lines.append({"id": f"rid{i}-1", "received": t0 + 0.008 * k, "first": t0 + 0.027 * k})
+    outs.append(  # never reached the engine: no first token, not in the table
+        Outcome(
+            TraceRequest(RequestInfo("lost", 0.0, 100, 10), 5),
+            "interactive",
+            sent_s=0.0,
+            api_request_id="nobody",
+            sent_wall=1.0,
+        )
+    )
+    (tmp_path / "e0.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    traces = outcome_traces(outs)
+    assert [t["rid"] for t in traces] == [f"rid{i}" for i in range(10)]
+    hops = hop_breakdown(traces, rows, lambda rid: state[rid], tmp_path)
+    assert list(hops) == [name for name, _, _ in HOPS]
+    assert hops["client -> API arrival"] == {"p50_ms": 2.8, "p90_ms": 3.6, "n": 10}
+    assert hops["engine: received -> first token"]["p50_ms"] == pytest.approx(26.6)
+    assert hops["worker -> client first token"]["p90_ms"] == pytest.approx(3.6)
+    assert hops["publish -> worker receives"]["n"] == 9  # rid9 has no Redis stamps
+    assert hops["API: arrival -> admitted"]["n"] == 10

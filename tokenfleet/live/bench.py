@@ -293,6 +293,96 @@ def path_delays(outs: Sequence[Outcome], engine_logs: Path) -> list[tuple[int, f
     return out
 
 
+#: hops of TokenFleet's request path, in order: (name, from timestamp, to timestamp)
+HOPS = (
+    ("client -> API arrival", "sent", "arrival"),
+    ("API: arrival -> admitted", "arrival", "admitted"),
+    ("publish -> worker receives", "admitted", "received"),
+    ("worker: received -> claimed", "received", "claimed"),
+    ("worker: claimed -> engine call", "claimed", "dispatched"),
+    ("worker -> engine receives", "dispatched", "engine_received"),
+    ("engine: received -> first token", "engine_received", "engine_first"),
+    ("engine -> worker first token", "engine_first", "worker_first"),
+    ("worker -> client first token", "worker_first", "first"),
+)
+
+
+def hop_breakdown(
+    traces: Sequence[Mapping[str, Any]],
+    ledger_rows: Sequence[Mapping[str, Any]],
+    request_state: Callable[[str], Mapping[str, Any]],
+    engine_logs: Path,
+) -> dict[str, dict[str, float]]:
+    """Median and p90 (ms) of each of :data:`HOPS` on TokenFleet's path.
+
+    ``traces`` are the client's wall-clock times per request (``rid``,
+    ``sent``, ``first``); they are joined with the ledger (API and worker
+    stamps), the request state in Redis (when the worker's consumer received
+    the message and claimed it) and the emulators' request logs. Every time
+    is a wall clock of a process on one machine."""
+    rows = {r["request_id"]: r for r in ledger_rows}
+    engine: dict[str, dict[str, Any]] = {}
+    for f in sorted(engine_logs.glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            e = json.loads(line)
+            engine[e["id"].rsplit("-", 1)[0]] = e
+
+    def ts(x: Any) -> float | None:
+        return x.timestamp() if x is not None else None
+
+    per_hop: dict[str, list[float]] = {name: [] for name, _, _ in HOPS}
+    for t in traces:
+        rid = t.get("rid")
+        row, e = rows.get(rid), engine.get(rid) if rid else None
+        if not rid or row is None or e is None:
+            continue
+        st = request_state(rid)
+        point = dict(
+            t,
+            arrival=ts(row["arrival_ts"]),
+            admitted=ts(row["admitted_ts"]),
+            received=_float_or_none(st.get("received_at")),
+            claimed=_float_or_none(st.get("claimed_at")),
+            dispatched=ts(row["dispatched_ts"]),
+            engine_received=e["received"],
+            engine_first=e["first"],
+            worker_first=ts(row["first_token_ts"]),
+        )
+        for name, a, b in HOPS:
+            if point.get(a) is not None and point.get(b) is not None:
+                per_hop[name].append(point[b] - point[a])
+
+    def pct(xs: list[float], q: float) -> float:
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] if xs else float("nan")
+
+    return {
+        name: {
+            "p50_ms": round(pct(xs, 0.5) * 1e3, 2),
+            "p90_ms": round(pct(xs, 0.9) * 1e3, 2),
+            "n": len(xs),
+        }
+        for name, xs in per_hop.items()
+    }
+
+
+def _float_or_none(x: Any) -> float | None:
+    return float(x) if x not in (None, "") else None
+
+
+def outcome_traces(outs: Sequence[Outcome]) -> list[dict[str, Any]]:
+    """:func:`hop_breakdown`'s client times of replayed requests."""
+    return [
+        {
+            "rid": o.api_request_id,
+            "sent": o.sent_wall,
+            "first": o.sent_wall + (o.first_token_s - o.sent_s),
+        }
+        for o in outs
+        if o.api_request_id and o.first_token_s is not None
+    ]
+
+
 def path_latency(outs: Sequence[Outcome], engine_logs: Path) -> PathLatency:
     """The live path's latency as the simulator models it: per direction a
     shifted exponential fitted to :func:`path_delays` (its shift the 1st
