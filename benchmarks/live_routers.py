@@ -51,6 +51,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -258,6 +259,7 @@ def one_run(
                     ],
                     router=policy,
                     admission="slomax",
+                    with_beat=True,  # as `tokenfleet up`: SLOMax's knobs follow the traffic
                     external_engines=True,
                     engine_urls={f"e{k}": u for k, u in enumerate(engines.urls)},
                     kv_endpoints={f"e{k}": kv for k, kv in enumerate(engines.kv)},
@@ -292,6 +294,8 @@ def one_run(
                 body_hook=hook,
             )
             rechecks = booking_rechecks(urls) if kind == "tokenfleet" else None
+            if args.dump is not None:
+                dump_run(args.dump / f"{front}-{rep}", outs, logs, stack)
             if stack is not None and args.breakdown:
                 hops = hop_breakdown(
                     outcome_traces(outs),
@@ -307,7 +311,7 @@ def one_run(
             engines.stop()
         s = summary(outs, wall_s, slo)
         delays = path_delays(outs, logs)
-        sim = simulate(front, reqs, args, outs, logs) if args.sim else None
+        sim = simulate(front, reqs, args, outs, logs, rep) if args.sim else None
     path_ms = sorted(1000.0 * (disp + relay) for _, disp, relay in delays)
     dispatch_ms = sorted(1000.0 * disp for _, disp, _ in delays)
     return {
@@ -348,7 +352,12 @@ def booking_rechecks(urls: list[str]) -> dict[str, float]:
 
 
 def simulate(
-    front: str, reqs: list[TraceRequest], args: argparse.Namespace, outs: Any, logs: Path
+    front: str,
+    reqs: list[TraceRequest],
+    args: argparse.Namespace,
+    outs: Any,
+    logs: Path,
+    rep: int = 0,
 ) -> dict[str, Any] | None:
     """The simulator's prediction for this run: the same requests and engines,
     the front door's policy as the simulator models it, and the path latency
@@ -367,7 +376,7 @@ def simulate(
     sim_reqs = [
         dataclasses.replace(r, info=dataclasses.replace(r.info, model="default")) for r in reqs
     ]
-    draws = [
+    runs = [
         run_policies(
             sim_reqs,
             [policy],
@@ -379,14 +388,54 @@ def simulate(
                 path_latency=latency,
                 seed=k,
             ),
-        )[0].summary
+        )[0]
         for k in range(SIM_DRAWS)
     ]
+    draws = [r.summary for r in runs]
+    if args.dump is not None:
+        _jsonl(
+            args.dump / f"{front}-{rep}" / "sim.jsonl",
+            (dataclasses.asdict(x) for x in runs[0].records),
+        )
     return {
         "policy": policy,
         "ttft_p50_s": statistics.fmean(float(d["ttft_p50_s"]) for d in draws),
         "ttft_p95_s": statistics.fmean(float(d["ttft_p95_s"]) for d in draws),
     }
+
+
+def _jsonl(path: Path, rows: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row, default=str) + "\n")
+
+
+def dump_run(out: Path, outs: Any, logs: Path, stack: LiveStack | None) -> None:
+    """``--dump``: per request, what the client saw, the engines' logs (one file
+    per engine) and, for TokenFleet, its ledger rows: to compare runs request by
+    request, and with the simulator's records (``sim.jsonl``, first draw)."""
+    _jsonl(
+        out / "client.jsonl",
+        (
+            {
+                "request_id": o.request.info.request_id,
+                "api_request_id": o.api_request_id,
+                "input_tokens": o.request.info.input_tokens,
+                "output_tokens": o.output_tokens,
+                "sent_s": o.sent_s,
+                "ttft_s": None if o.first_token_s is None else o.first_token_s - o.sent_s,
+                "status": o.status,
+                "cached_tokens": o.cached_tokens,
+            }
+            for o in outs
+        ),
+    )
+    (out / "engines").mkdir(parents=True, exist_ok=True)
+    for f in logs.glob("*.jsonl"):
+        shutil.copy(f, out / "engines" / f.name)
+    if stack is not None:
+        _jsonl(out / "ledger.jsonl", stack.ledger_rows(timeout_s=5.0))
 
 
 def _model(url: str) -> str:
@@ -475,6 +524,12 @@ def main() -> int:
         "--breakdown",
         action="store_true",
         help="TokenFleet fronts: also the median and p90 of every hop of its path",
+    )
+    ap.add_argument(
+        "--dump",
+        type=Path,
+        default=None,
+        help="write each run's per-request data (client, engines, ledger, simulator) here",
     )
     args = ap.parse_args()
     if args.duration is None:

@@ -92,3 +92,43 @@ def test_engine_kv_events_feed_the_shared_prefix_index(stack: LiveStack) -> None
     # AllBlocksCleared from the engine reaches the index: the relay is exact, not guessed
     stack.emulators[inst].loop.reset_prefix_cache()
     assert _wait(lambda: gw.index.match_instance(inst, hashes) == 0, 10)
+
+
+def test_the_long_context_lane_grows_with_the_long_prompt_work_it_sees(stack: LiveStack) -> None:
+    """Beat's controller sizes SLOMax's long-context lane from the window's work
+    mix (uncached prompt tokens per tier, counted by the API as it publishes).
+    Without that count the lane kept its initial share whatever the traffic.
+    Workers count first tokens and those within the TTFT limit per tier."""
+    st = stack.gateway.state
+    assert _wait(lambda: st.thresholds().get("long_share") is not None)
+    before = st.thresholds()["long_share"]
+    assert before is not None
+    seen = st.counters()
+    c = stack.client()
+    ids = []
+    for k in range(6):  # 10k-token prompts, spread over several control periods
+        msgs = [{"role": "user", "content": f"{k} " + "long context " * 3200}]
+        resp = c.chat.completions.create(model=stack.model, max_tokens=2, messages=msgs)
+        ids.append(resp.id.removeprefix("chatcmpl-"))
+        time.sleep(0.3)
+
+    def grew(name: str) -> int:
+        return st.counters().get(name, 0) - seen.get(name, 0)
+
+    assert grew("prefill_tokens_long_context") >= 6 * 9000
+    # and the faster signal, first tokens within the TTFT limit (a 10k prompt: 2 s)
+    assert _wait(lambda: grew("first_tokens_long_context") == 6, 5)
+    rows = stack.ledger_rows(
+        "request_id IN ({})".format(",".join(f"'{i}'" for i in ids)),
+        expect=lambda rows: len(rows) == 6 and all(r["first_token_ts"] for r in rows),
+    )
+    in_time = sum(  # within the long-context tier's TTFT limit (1 s + 0.1 s per 1k tokens)
+        (r["first_token_ts"] - r["arrival_ts"]).total_seconds()
+        <= 1.0 + 0.1 * r["prompt_tokens"] / 1000
+        for r in rows
+    )
+    assert grew("ttft_met_long_context") == in_time
+    assert _wait(lambda: (st.thresholds().get("long_share") or 0.0) >= before + 0.3, 15), (
+        before,
+        st.thresholds(),
+    )

@@ -91,6 +91,12 @@ def _window(ctx: ControlContext, now: float) -> tuple[Any, dict[str, int], float
         w.failed = delta(f"failed_{tier}")
         w.finished = w.completed + w.rejected + w.failed
         w.queued = sum(n for q, n in queued.items() if q.endswith("." + tier))
+        # the work mix that sizes the long-context lane (left at 0, the lane
+        # kept its initial share whatever the traffic)
+        w.prefill_tokens = delta(f"prefill_tokens_{tier}")
+        w.first_tokens = delta(f"first_tokens_{tier}")
+        w.ttft_met = delta(f"ttft_met_{tier}")
+    win.batch_long_tokens = delta("batch_long_tokens")
     win.batch_remaining = win.tier("batch").queued
     win.batch_finished = win.tier("batch").completed
     return win, counters, period

@@ -229,6 +229,7 @@ def run_job(
                     flight.first_token = True
                     with state.batch() as b:  # the API set the state's flag itself
                         b.account(rt.info.instance_id, "on_first_token", info, cached_est)
+                        b.count(**_first_token_counts(rt, job, first_ts))
                     first_token_done()
             first_ts, tokens = waiter.first_ts, waiter.tokens
             usage, finish_reason = waiter.usage, waiter.finish_reason
@@ -248,6 +249,7 @@ def run_job(
                         )
                         b.first_token(rid)
                         b.account(rt.info.instance_id, "on_first_token", info, cached_est)
+                        b.count(**_first_token_counts(rt, job, first_ts))
                     relay.mark_expiry_set()
                     first_token_done()
                     tokens += piece.tokens
@@ -626,6 +628,14 @@ def _prefix_events(rt: WorkerRuntime, job: ChatJob) -> list[KVEvent]:
         log.debug("approximate KV event not built", exc_info=True)
         return []
     return [KVEvent(rt.info.instance_id, "stored", hashes, exact=False)] if hashes else []
+
+
+def _first_token_counts(rt: WorkerRuntime, job: ChatJob, first_ts: float | None) -> dict[str, int]:
+    """Beat's controller reads first tokens within the TTFT limit per tier: a
+    faster signal than finished requests (the simulator feeds it the same)."""
+    limit = rt.slo.slo_for(job.tier).ttft_limit_s(job.input_tokens)
+    met = first_ts is not None and (limit is None or first_ts - job.arrival_ts <= limit)
+    return {f"first_tokens_{job.tier}": 1, f"ttft_met_{job.tier}": int(met)}
 
 
 def _on_engine_error(

@@ -547,6 +547,22 @@ class Dispatcher:
         return target, True
 
     # -- publishing -----------------------------------------------------------------------
+    def _window_counts(self, info: RequestInfo, cached: int, how: str) -> dict[str, int]:
+        """Counters beat's SLOMax controller reads per window: arrivals, and the
+        uncached prompt tokens published per tier (its feed-forward sizes the
+        long-context lane by this work mix). Counted when published, the
+        router's cache estimate standing in for the engine's; the simulator
+        counts at dispatch to an engine, with the same estimate."""
+        uncached = max(0, info.input_tokens - cached)
+        out = {
+            f"arrived_{info.tier}": 1,
+            f"dispatched_{how}": 1,
+            f"prefill_tokens_{info.tier}": uncached,
+        }
+        if info.tier == "batch" and info.input_tokens >= self.slo.long_context_min_input_tokens:
+            out["batch_long_tokens"] = uncached
+        return out
+
     def _dispatch_writes(
         self,
         req: ChatRequest,
@@ -577,7 +593,7 @@ class Dispatcher:
                     already = prebooked[1] if prebooked is not None else None
                     booked = b.account(target.instance_id, "on_dispatch", info, cached, already)
                 how = "affinity" if affinity else "pool"
-                b.count(**{f"arrived_{info.tier}": 1, f"dispatched_{how}": 1})
+                b.count(**self._window_counts(info, cached, how))
                 if dc_choice is not None and dc_choice[1] not in (None, target.dc):
                     # beat's planner needs each DC's spilled-in share (rollback rule)
                     b.count(**{f"spilled_in:{target.dc}": 1})
