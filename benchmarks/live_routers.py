@@ -19,7 +19,9 @@ Front doors (``--fronts``):
   (``--kv-event-source``);
 * ``tokenfleet:tokenpilot``, ``tokenfleet:round_robin``: the whole live
   service (API process, one Celery worker per engine relaying its KV events,
-  Redis, PostgreSQL), SLOMax admission as shipped;
+  Redis, PostgreSQL, beat), SLOMax admission as shipped;
+  ``tokenfleet:tokenpilot-noadm``: the same without an admission policy (the
+  router alone, as the Rust routers run), ``-pinned_noadm`` also pinned;
   ``tokenfleet:tokenpilot-pinned``: the same with late binding off (every
   request to the routed instance's own queue: ``affinity_min_cached_tokens``
   and ``..._fraction`` 0), as the simulator places requests;
@@ -42,7 +44,8 @@ Per run: TTFT p50/p95, goodput (output tokens/s of requests that met their
 SLO), SLO attainment, and the front door's own path latency (client send ->
 engine, engine first token -> client; joined with the engines' request logs
 by the X-Request-Id the front door forwards). The table gives the median of
-the repeats and their range.
+the repeats and their range. ``--dump DIR`` keeps each run's requests as
+the client, the engines, the ledger and the simulator saw them.
 """
 
 from __future__ import annotations
@@ -101,6 +104,8 @@ SIM_POLICY: dict[str, tuple[str, bool]] = {
     "tokenfleet:tokenpilot-hits": ("tokenpilot", True),
     "tokenfleet:tokenpilot-2api": ("tokenpilot", True),
     "tokenfleet:tokenpilot-2api_nocheck": ("tokenpilot", True),
+    "tokenfleet:tokenpilot-noadm": ("tokenpilot", True),
+    "tokenfleet:tokenpilot-pinned_noadm": ("tokenpilot", True),
     "tokenfleet:round_robin": ("round_robin", False),
 }
 #: live settings of a ``tokenfleet:`` front's variant (``POLICY-VARIANT``)
@@ -110,7 +115,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "hits": {"affinity_min_cached_fraction": 0.0},
     "2api": {},
     "2api_nocheck": {"booking_check": False},
+    "noadm": {},  # no admission policy: the router alone, as the Rust routers run
+    "pinned_noadm": {"affinity_min_cached_tokens": 0, "affinity_min_cached_fraction": 0.0},
 }
+#: variants without SLOMax in front of the router
+NO_ADMISSION = {"noadm", "pinned_noadm"}
 SIM_DRAWS = 4
 
 
@@ -258,7 +267,7 @@ def one_run(
                         InstanceSpec("dc-a", f"e{k}", slots=64) for k in range(args.engines)
                     ],
                     router=policy,
-                    admission="slomax",
+                    admission="none" if variant in NO_ADMISSION else "slomax",
                     with_beat=True,  # as `tokenfleet up`: SLOMax's knobs follow the traffic
                     external_engines=True,
                     engine_urls={f"e{k}": u for k, u in enumerate(engines.urls)},
