@@ -150,21 +150,53 @@ class Engines:
         self.urls: list[str] = []
         self.kv: list[str] = []
         self.procs: list[subprocess.Popen[bytes]] = []
-        for k in range(n):
-            port, kv_port = free_port(), free_port()
-            env = dict(os.environ, TOKENFLEET_EMULATOR_REQUEST_LOG=str(log_dir / f"e{k}.jsonl"))
-            argv = engine_sim_argv(
-                port,
-                PROFILE,
-                seed=seed + k + 1,
-                extra=["--kv-events-endpoint", f"tcp://127.0.0.1:{kv_port}"],
-            )
-            log = open(log_dir / f"engine-{k}.log", "wb")  # noqa: SIM115 - closed by the process
-            self.procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
-            self.urls.append(f"http://127.0.0.1:{port}")
-            self.kv.append(f"tcp://127.0.0.1:{kv_port}")
-        for url in self.urls:
-            _wait_http(url + "/health", 60)
+        try:
+            for k in range(n):
+                self._start(k, seed)
+            for k in range(n):
+                if not self._healthy(k, 60.0):
+                    # a port taken between free_port() and the bind, or a slow
+                    # start: once more on fresh ports before giving up
+                    _stop([self.procs[k]])
+                    self._start(k, seed)
+                    if not self._healthy(k, 60.0):
+                        tail = (log_dir / f"engine-{k}.log").read_text(errors="replace")[-1500:]
+                        raise TimeoutError(f"engine {k} did not start twice; its log:\n{tail}")
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, k: int, seed: int) -> None:
+        port, kv_port = free_port(), free_port()
+        env = dict(os.environ, TOKENFLEET_EMULATOR_REQUEST_LOG=str(self.log_dir / f"e{k}.jsonl"))
+        argv = engine_sim_argv(
+            port,
+            PROFILE,
+            seed=seed + k + 1,
+            extra=["--kv-events-endpoint", f"tcp://127.0.0.1:{kv_port}"],
+        )
+        log = open(self.log_dir / f"engine-{k}.log", "ab")  # noqa: SIM115 - closed by the process
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        url, kv = f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{kv_port}"
+        if k < len(self.procs):
+            self.procs[k], self.urls[k], self.kv[k] = proc, url, kv
+        else:
+            self.procs.append(proc)
+            self.urls.append(url)
+            self.kv.append(kv)
+
+    def _healthy(self, k: int, timeout_s: float) -> bool:
+        """Engine ``k`` answers ``/health`` in time (False at once if it exited)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.procs[k].poll() is not None:
+                return False
+            try:
+                _wait_http(self.urls[k] + "/health", 1.0)
+                return True
+            except TimeoutError:
+                pass
+        return False
 
     def stop(self) -> None:
         _stop(self.procs)
@@ -474,6 +506,8 @@ def table(runs: list[dict[str, Any]], fronts: list[str]) -> str:
     lines.append("|" + " --- |" * (len(cols) + 1))
     for f in fronts:
         mine = [r for r in runs if r["front"] == f]
+        if not mine:  # every run of it failed
+            continue
         cells = []
         for _, key, fmt in cols:
             xs = [r[key] for r in mine]
@@ -558,10 +592,16 @@ def main() -> int:
         flush=True,
     )
     runs: list[dict[str, Any]] = []
+    failed_runs: list[dict[str, Any]] = []
     for rep in range(args.repeats):
         for f in fronts:
             t0 = time.monotonic()
-            r = one_run(f, reqs, args, bin_dir, rep)
+            try:
+                r = one_run(f, reqs, args, bin_dir, rep)
+            except Exception as exc:  # noqa: BLE001 - one broken run must not lose the others
+                print(f"  [{rep + 1}/{args.repeats}] {f:24} FAILED: {exc}", flush=True)
+                failed_runs.append({"front": f, "repeat": rep, "error": str(exc)})
+                continue
             runs.append(r)
             if r["ttft_p50_s"] is None:
                 raise SystemExit(f"{f}: no request completed; errors: {r['sample_errors']}")
@@ -583,7 +623,12 @@ def main() -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        args.json.write_text(json.dumps({"config": config, "runs": runs}, indent=2))
+        args.json.write_text(
+            json.dumps({"config": config, "runs": runs, "failed": failed_runs}, indent=2)
+        )
+    if failed_runs:
+        print(f"\n{len(failed_runs)} run(s) failed (left out of the tables above)")
+        return 1
     return 0
 
 
