@@ -187,6 +187,39 @@ def test_long_context_capped_per_instance_then_queued_then_rejected_early() -> N
     assert d3.retry_after_s > 0
 
 
+def test_a_returning_conversation_goes_where_its_kv_is_lane_or_not() -> None:
+    """The lane split knows nothing of caches. A long-context prompt that an
+    instance holds all but a short tail of needs no lane slot there (and must
+    not queue for one); an interactive prompt mostly held on a lane instance
+    may go there. Only with the holder known from KV events (the snapshot's
+    ``cached_tokens``); without it, the lane rules as before."""
+    pol = SLOMaxAdmission(slo=SLO, adaptive=False)  # lane: the last 2 of 4 instances
+    insts = instances(4)
+    qs = queues()
+    for k in (2, 3):  # both lane slots busy: a long prompt queues for one
+        book(insts[k], req(f"L{k}", 40000, tier="long_context"))
+    turn = req("turn", 21000, tier="long_context")
+    assert pol.on_arrival(turn, AdmissionSnapshot(0.0, insts, qs)).action == QUEUE
+    held = AdmissionSnapshot(0.0, insts, qs, cached_tokens={"i0": 20448, "i3": 4000})
+    d = pol.on_arrival(turn, held)
+    assert d.action == ADMIT and d.instance_ids == ("i0",)  # i3 would prefill 17k
+    # holding less than the threshold's worth of the prompt is no help
+    part = AdmissionSnapshot(0.0, insts, qs, cached_tokens={"i0": 21000 - 8192})
+    assert pol.on_arrival(turn, part).action == QUEUE
+    # interactive: off the lane, unless a lane instance holds most of the prompt
+    # and is not busy with a long prefill itself
+    insts = instances(4)
+    book(insts[2], req("L2", 40000, tier="long_context"), prefilling=False)  # decoding
+    book(insts[3], req("L3", 40000, tier="long_context"))  # prefilling
+    chat = req("chat", 4000, tier="interactive")
+    d = pol.on_arrival(chat, AdmissionSnapshot(0.0, insts, qs, cached_tokens={"i2": 1000}))
+    assert d.action == ADMIT and set(d.instance_ids or ()) == {"i0", "i1"}
+    d = pol.on_arrival(chat, AdmissionSnapshot(0.0, insts, qs, cached_tokens={"i2": 3900}))
+    assert d.action == ADMIT and set(d.instance_ids or ()) == {"i0", "i1", "i2"}
+    d = pol.on_arrival(chat, AdmissionSnapshot(0.0, insts, qs, cached_tokens={"i3": 3900}))
+    assert d.action == ADMIT and set(d.instance_ids or ()) == {"i0", "i1"}
+
+
 def test_retry_after_is_honest_about_the_predicted_wait() -> None:
     """More queued work ahead => proportionally longer Retry-After."""
     pol = SLOMaxAdmission(slo=SLO, adaptive=False)

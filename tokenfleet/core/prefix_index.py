@@ -16,6 +16,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenfleet.core.types import KVEvent
 
 
 class PrefixIndex:
@@ -117,6 +121,15 @@ class PrefixIndex:
                 held.discard(instance_id)
                 if not held:
                     del holders[old]
+
+    def apply(self, event: KVEvent) -> None:
+        """One engine KV event (``stored``, ``removed``, or a clear)."""
+        if event.kind == "stored":
+            self.insert(event.instance_id, event.block_hashes)
+        elif event.kind == "removed":
+            self.remove(event.instance_id, event.block_hashes)
+        else:
+            self.clear(event.instance_id)
 
     def remove(self, instance_id: str, block_hashes: Iterable[int]) -> None:
         """Forget blocks, e.g. on a vLLM ``BlockRemoved`` event."""

@@ -35,8 +35,15 @@ from tokenfleet.core.admission import (
     TierQueue,
     WindowStats,
 )
+from tokenfleet.core.prefix_index import PrefixIndex
 from tokenfleet.core.tiers import SLOConfig, classify, meets_slo
-from tokenfleet.core.types import TIERS, CompletionEvent, FirstTokenEvent, RequestInfo
+from tokenfleet.core.types import (
+    BLOCK_SIZE_TOKENS,
+    TIERS,
+    CompletionEvent,
+    FirstTokenEvent,
+    RequestInfo,
+)
 from tokenfleet.sim.cluster import PoolConfig, PoolSim, new_record
 from tokenfleet.sim.core import Environment
 from tokenfleet.sim.records import RequestRecord
@@ -106,6 +113,12 @@ class AdmissionDriver:
         self._pump_soon = False
         self._ticking = False
         self._uses_queues = policy.uses_queues()
+        # what the live gateway's prefix index holds: the engines' KV events
+        # (every 16th block: 256-token steps, 16x cheaper to keep than the live
+        # gateway's exact index, and finer than anything admission decides on)
+        self.index = PrefixIndex(stride_blocks=16)
+        if pool.cfg.kv_events:
+            pool.on_kv_event = self.index.apply
         pool.on_dispatch = self._on_dispatch
         pool.on_first_token = self._on_first_token
         pool.on_done = self._on_done
@@ -146,7 +159,7 @@ class AdmissionDriver:
         if timeout is not None:
             env.schedule(timeout, self._client_timeout, rid)
         t0 = time.perf_counter()
-        dec = self.policy.on_arrival(info, self._snapshot())
+        dec = self.policy.on_arrival(info, self._snapshot(info))
         self.stats.policy_wall_s += time.perf_counter() - t0
         if dec.action == ADMIT:
             self.pool.submit(trace, rec, dec.instance_ids)
@@ -185,8 +198,15 @@ class AdmissionDriver:
         return self.pool.cancel(request_id, status)
 
     # -- dispatch loop ---------------------------------------------------------------
-    def _snapshot(self) -> AdmissionSnapshot:
-        return AdmissionSnapshot(now_s=self.env.now, instances=self.loads, queues=self.queues)
+    def _snapshot(self, arriving: RequestInfo | None = None) -> AdmissionSnapshot:
+        cached = {}
+        if arriving is not None and arriving.block_hashes:
+            cap = arriving.input_tokens
+            held = self.index.match(arriving.block_hashes)  # one walk for every holder
+            cached = {i: min(cap, n * BLOCK_SIZE_TOKENS) for i, n in held.items()}
+        return AdmissionSnapshot(
+            now_s=self.env.now, instances=self.loads, queues=self.queues, cached_tokens=cached
+        )
 
     def _pump(self) -> None:
         if not self._uses_queues or self._pumping:

@@ -278,6 +278,8 @@ class PoolSim:
         # (tokenfleet.sim.admission): dispatch with the router's cache estimate,
         # and first tokens. Completions go through ``on_done``.
         self.on_dispatch: Callable[[RequestInfo, int, int], None] | None = None
+        #: every KV event the routers receive (a gateway's own prefix index)
+        self.on_kv_event: Callable[[KVEvent], None] | None = None
         self.on_first_token: Callable[[RequestInfo, int], None] | None = None
 
     # -- arrivals and routing -------------------------------------------------
@@ -446,6 +448,8 @@ class PoolSim:
         for ev in events:
             for router in self.routers:
                 router.on_kv_event(ev)
+            if self.on_kv_event is not None:
+                self.on_kv_event(ev)
 
     def _end_step(self, idx: int) -> None:
         res = self.engines[idx].finish_step()

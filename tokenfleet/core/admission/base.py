@@ -193,6 +193,10 @@ class AdmissionSnapshot:
     now_s: float
     instances: Sequence[InstanceLoad]
     queues: Mapping[str, TierQueue | QueueTotals]
+    #: at arrival: the request's prompt tokens each instance is believed to hold
+    #: (from the engines' KV events, as the gateway's prefix index has them;
+    #: instances holding nothing are left out; empty when nobody knows)
+    cached_tokens: Mapping[str, int] = field(default_factory=dict)
 
     def queued(self, tier: str) -> int:
         q = self.queues.get(tier)

@@ -75,6 +75,10 @@ from tokenfleet.engine.profiles import EngineProfile
 INTERACTIVE = "interactive"
 LONG = "long_context"
 BATCH = "batch"
+#: a prompt this much of which an instance holds may go there whatever the
+#: lane split (interactive: onto the lane; long-context: without a lane slot,
+#: if what is left to prefill is short)
+HOLDER_MIN_FRACTION = 0.5
 
 
 class _Quantile:
@@ -243,15 +247,45 @@ class SLOMaxAdmission(BaseAdmission):
             kv_free -= int(self.kv_reserve * view.kv_capacity_tokens)
         return inst.inflight < seats and kv_free >= self._reserve(req)
 
-    def _predicted(self, req: RequestInfo, insts: Sequence[InstanceLoad]) -> dict[str, float]:
+    def _predicted(
+        self,
+        req: RequestInfo,
+        insts: Sequence[InstanceLoad],
+        cached: Mapping[str, int] | None = None,
+    ) -> dict[str, float]:
+        """Predicted TTFT per instance: the prefill queued there, then this
+        prompt's own (its uncached part where ``cached`` says what the
+        instance holds, else the tier's learned hit ratio)."""
         kappa = self._kappa.get(req.tier, 1.0)
         out = {}
         for inst in insts:
             prof = inst.view.profile
-            out[inst.instance_id] = kappa * (
-                self._ahead_s(inst) + self._own_s(req, prof)
-            ) + self._costs.decode_step_s(prof)
+            held = cached.get(inst.instance_id) if cached else None
+            own = (
+                self._own_s(req, prof)
+                if held is None
+                else self._costs.prefill_s(prof, max(0, req.input_tokens - held))
+            )
+            out[inst.instance_id] = kappa * (self._ahead_s(inst) + own) + self._costs.decode_step_s(
+                prof
+            )
         return out
+
+    def _holders(
+        self, req: RequestInfo, snap: AdmissionSnapshot, min_fraction: float
+    ) -> list[InstanceLoad]:
+        """Instances with room that hold at least ``min_fraction`` of the prompt:
+        elsewhere it would be prefilled again, and the lane split, which knows
+        nothing of caches, would otherwise send a returning conversation away
+        from its KV."""
+        if not snap.cached_tokens:
+            return []
+        need = max(1, int(min_fraction * req.input_tokens))
+        return [
+            i
+            for i in snap.instances
+            if snap.cached_tokens.get(i.instance_id, 0) >= need and self._room(i, req)
+        ]
 
     def _remember(self, req: RequestInfo, pred: Mapping[str, float], ids: Sequence[str]) -> None:
         self._pred[req.request_id] = {i: pred[i] for i in ids if i in pred}
@@ -268,11 +302,14 @@ class SLOMaxAdmission(BaseAdmission):
         room = [i for i in snap.instances if self._room(i, req)]
         if not room:
             return None, math.inf
-        pred = self._predicted(req, room)
+        pred = self._predicted(req, room, snap.cached_tokens)
         limit = self._limit(req) - waited_s
         lane = self._long_lane(snap) if self._lane_in_use(snap) else set()
+        # an instance holding most of the prompt is as good as off the lane:
+        # the prefill left there is short, the prediction says how short
+        held = {i.instance_id for i in self._holders(req, snap, HOLDER_MIN_FRACTION)}
         best = min(pred.values())
-        off = [i for i in room if i.instance_id not in lane]
+        off = [i for i in room if i.instance_id not in lane or i.instance_id in held]
         tiers = (
             [i for i in off if pred[i.instance_id] <= self.clean_fraction * limit],
             [i for i in off if pred[i.instance_id] <= limit],
@@ -402,6 +439,30 @@ class SLOMaxAdmission(BaseAdmission):
     def _long_arrival(self, req: RequestInfo, snap: AdmissionSnapshot) -> AdmissionDecision:
         limit = self._limit(req)
         queue = snap.queues.get(LONG)
+        # Mostly cached where it is held (at least half of it, and what is left
+        # to prefill there is below the long-context threshold): no long
+        # prefill there, so it takes no lane slot and waits for none. The
+        # router picks among the holders and, while one is free, the lane's
+        # slots (which would prefill it all).
+        thr = self.slo.long_context_min_input_tokens
+        cheap = [
+            i
+            for i in self._holders(req, snap, HOLDER_MIN_FRACTION)
+            if req.input_tokens - snap.cached_tokens[i.instance_id] < thr
+        ]
+        if cheap:
+            slots = self._long_slots(req, snap) if queue is None or len(queue) == 0 else []
+            cheap_ids = {i.instance_id for i in cheap}
+            cands = cheap + [i for i in slots if i.instance_id not in cheap_ids]
+            pred = self._predicted(req, cands, snap.cached_tokens)
+            ids = tuple(i.instance_id for i in cands)
+            self._remember(req, pred, ids)
+            return AdmissionDecision(
+                ADMIT,
+                instance_ids=ids,
+                predicted_wait_s=0.0,
+                reason="long context, mostly cached where it is held",
+            )
         prof = snap.instances[0].view.profile if snap.instances else None
         own = 0.0 if prof is None else self._kappa.get(LONG, 1.0) * self._own_s(req, prof)
         if queue is None or len(queue) == 0:

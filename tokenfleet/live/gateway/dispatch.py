@@ -25,7 +25,7 @@ from kombu.exceptions import KombuError
 from tokenfleet.core.routing.base import TwoPhaseRouter
 from tokenfleet.core.routing.pd_base import PDRouter
 from tokenfleet.core.tiers import SLOConfig
-from tokenfleet.core.types import PoolSnapshot, RequestInfo, RouteDecision
+from tokenfleet.core.types import BLOCK_SIZE_TOKENS, PoolSnapshot, RequestInfo, RouteDecision
 from tokenfleet.errors import NoCandidateError
 from tokenfleet.live.brokers import DcBrokers
 from tokenfleet.live.config import LiveConfig
@@ -282,7 +282,10 @@ class Dispatcher:
             loads.append(load)
         dcs = {v.dc for v in views}
         snap = AdmissionSnapshot(
-            now_s=now, instances=loads, queues=self._broker_queues(dcs, req.info)
+            now_s=now,
+            instances=loads,
+            queues=self._broker_queues(dcs, req.info),
+            cached_tokens=self._cached_by_instance(req.info, loads),
         )
         with self.router_lock:
             decision = self.admission.on_arrival(req.info, snap)
@@ -293,6 +296,16 @@ class Dispatcher:
         if decision.action == ADMIT and decision.instance_ids:
             return tuple(decision.instance_ids)
         return None
+
+    def _cached_by_instance(self, info: RequestInfo, loads: list[Any]) -> dict[str, int]:
+        """The prompt's tokens each instance holds, by the engines' KV events."""
+        if not info.block_hashes:
+            return {}
+        with self.index_lock:
+            held = self.index.match(info.block_hashes)  # one walk for every holder
+        ids = {load.instance_id for load in loads}
+        cap = info.input_tokens
+        return {i: min(cap, n * BLOCK_SIZE_TOKENS) for i, n in held.items() if i in ids}
 
     def _shed_late(self, req: ChatRequest, views: list[Any], now: float) -> None:
         """Refuse (429) a request whose predicted queue wait in its datacenter is

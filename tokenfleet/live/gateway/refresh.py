@@ -131,12 +131,7 @@ class LiveView:
     def apply_kv_events(self, events: list[KVEvent]) -> None:
         with self.index_lock:
             for ev in events:
-                if ev.kind == "stored":
-                    self.index.insert(ev.instance_id, ev.block_hashes)
-                elif ev.kind == "removed":
-                    self.index.remove(ev.instance_id, ev.block_hashes)
-                else:
-                    self.index.clear(ev.instance_id)
+                self.index.apply(ev)
         with self.router_lock:
             for ev in events:
                 self.router.on_kv_event(ev)
