@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import requests
@@ -953,7 +954,8 @@ def test_a_requests_prefetch_reads_accounting_and_depths_before_its_dispatch(
             self.live = LiveConfig.load(env={})
             self.admission = None
             self.dc_selector = None
-            self.router = None
+            # its KV-event thread hands the module's earlier events to a router
+            self.router = SimpleNamespace(on_kv_event=lambda ev: None)
             self.router_lock = threading.Lock()
             self._start_view()
 
