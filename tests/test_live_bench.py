@@ -142,6 +142,23 @@ def test_bench_errors_are_one_line(stack: LiveStack, tmp_path: Path) -> None:
     assert proc.returncode == 2 and "401" in proc.stderr
 
 
+def _lost() -> Any:
+    """An outcome the engines never saw (its id is in no engine log)."""
+    from tokenfleet.live.bench import Outcome
+
+    return Outcome(
+        TraceRequest(RequestInfo("lost", 0.0, 100, 10), 5),
+        "interactive",
+        sent_s=0.0,
+        api_request_id="nobody",
+        sent_wall=1.0,
+    )
+
+
+def _write_engine_log(d: Path, lines: list[dict[str, Any]]) -> None:
+    (d / "e0.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+
+
 def test_path_latency_joins_client_outcomes_with_engine_logs(tmp_path: Path) -> None:
     """Dispatch = client send -> engine submit, relay = engine first-token step
     -> client; requests are joined by the API's id (engine id '<id>-<attempt>')."""
@@ -171,16 +188,8 @@ def test_path_latency_joins_client_outcomes_with_engine_logs(tmp_path: Path) -> 
                 "first": sent_wall + d + 0.0502,
             }
         )
-    outs.append(
-        Outcome(
-            TraceRequest(RequestInfo("lost", 0.0, 100, 10), 5),
-            "interactive",
-            sent_s=0.0,
-            api_request_id="nobody",
-            sent_wall=1.0,
-        )
-    )
-    (tmp_path / "e0.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    outs.append(_lost())
+    _write_engine_log(tmp_path, lines)
     rows = path_delays(outs, tmp_path)
     assert len(rows) == 200
     dispatch, relay = [d for _, d, _ in rows], [r for _, _, r in rows]
@@ -234,16 +243,8 @@ def test_hop_breakdown_joins_client_ledger_state_and_engine_times(tmp_path: Path
             else {}
         )
         lines.append({"id": f"rid{i}-1", "received": t0 + 0.008 * k, "first": t0 + 0.027 * k})
-    outs.append(  # never reached the engine: no first token, not in the table
-        Outcome(
-            TraceRequest(RequestInfo("lost", 0.0, 100, 10), 5),
-            "interactive",
-            sent_s=0.0,
-            api_request_id="nobody",
-            sent_wall=1.0,
-        )
-    )
-    (tmp_path / "e0.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    outs.append(_lost())  # never reached the engine: no first token, not in the table
+    _write_engine_log(tmp_path, lines)
     traces = outcome_traces(outs)
     assert [t["rid"] for t in traces] == [f"rid{i}" for i in range(10)]
     hops = hop_breakdown(traces, rows, lambda rid: state[rid], tmp_path)

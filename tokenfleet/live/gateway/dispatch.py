@@ -15,7 +15,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -147,7 +147,8 @@ class Dispatcher:
             if down := self.brokers.down_dcs(now):  # their requests spill (residency allowing)
                 views = [v for v in views if v.dc not in down]
             views, dc_choice, allowed_dcs = self._pick_dc(req, views, now)
-            allowed = self._admit(req, views, now)
+            held = self._cached_by_instance(info)  # one walk of the index per request
+            allowed = self._admit(req, views, now, held)
             # a P/D router places both phases by role; SLOMax's per-tier instance
             # split would hide the prefill pool (as in the simulator's P/D pool)
             if allowed is not None and not isinstance(self.router, PDRouter):
@@ -163,11 +164,7 @@ class Dispatcher:
             cached = (
                 decision.expected_cached_tokens if target.instance_id == decision.instance_id else 0
             )
-            with self.index_lock:
-                cached = max(
-                    cached, self.index.match_instance(target.instance_id, info.block_hashes) * 16
-                )
-            cached = min(cached, info.input_tokens)
+            cached = min(max(cached, held.get(target.instance_id, 0)), info.input_tokens)
             affinity = sticky or self._valuable(info, cached)
             if affinity:
                 queue = affinity_queue(target.dc, target.instance_id, info.tier)
@@ -256,8 +253,11 @@ class Dispatcher:
         )
 
     # -- admission ----------------------------------------------------------------------
-    def _admit(self, req: ChatRequest, views: list[Any], now: float) -> tuple[str, ...] | None:
-        """Admission policy at arrival: None = anywhere, else allowed instance ids."""
+    def _admit(
+        self, req: ChatRequest, views: list[Any], now: float, held: Mapping[str, int]
+    ) -> tuple[str, ...] | None:
+        """Admission policy at arrival: None = anywhere, else allowed instance ids.
+        ``held``: the prompt's tokens each instance holds (:meth:`_cached_by_instance`)."""
         if self.admission is None:
             return None
         from tokenfleet.core.admission import (
@@ -285,7 +285,7 @@ class Dispatcher:
             now_s=now,
             instances=loads,
             queues=self._broker_queues(dcs, req.info),
-            cached_tokens=self._cached_by_instance(req.info, loads),
+            cached_tokens=held,
         )
         with self.router_lock:
             decision = self.admission.on_arrival(req.info, snap)
@@ -297,15 +297,15 @@ class Dispatcher:
             return tuple(decision.instance_ids)
         return None
 
-    def _cached_by_instance(self, info: RequestInfo, loads: list[Any]) -> dict[str, int]:
-        """The prompt's tokens each instance holds, by the engines' KV events."""
+    def _cached_by_instance(self, info: RequestInfo) -> dict[str, int]:
+        """The prompt's tokens each instance holds, by the engines' KV events
+        (instances holding none are left out)."""
         if not info.block_hashes:
             return {}
         with self.index_lock:
             held = self.index.match(info.block_hashes)  # one walk for every holder
-        ids = {load.instance_id for load in loads}
         cap = info.input_tokens
-        return {i: min(cap, n * BLOCK_SIZE_TOKENS) for i, n in held.items() if i in ids}
+        return {i: min(cap, n * BLOCK_SIZE_TOKENS) for i, n in held.items()}
 
     def _shed_late(self, req: ChatRequest, views: list[Any], now: float) -> None:
         """Refuse (429) a request whose predicted queue wait in its datacenter is
