@@ -41,6 +41,8 @@ log = logging.getLogger("tokenfleet.api")
 
 #: how often the pump looks at stalls and idle streams (seconds)
 TICK_S = 0.25
+#: coalescing jobs due within this much of each other are read in one round
+SWEEP_SLACK_S = 0.002
 #: a streamed client gets a keep-alive comment after this long without bytes
 KEEPALIVE_S = 5.0
 _READ_BYTES = 65536
@@ -192,10 +194,10 @@ class StreamPump:
                     continue
                 self._on_event(job, which, mask)
             now = time.monotonic()
-            while self._timers and self._timers[0][0] <= now:
+            while self._timers and self._timers[0][0] <= now + SWEEP_SLACK_S:
                 _, _, job = heapq.heappop(self._timers)
                 if not job.done.is_set():
-                    self._want_read(job)
+                    self._on_due(job)
             if now >= next_tick:
                 next_tick = now + TICK_S
                 self._tick(now)
@@ -252,23 +254,59 @@ class StreamPump:
                 self._end(job, self._broken(job, exc))
 
     def _read(self, job: _Job) -> None:
-        try:
-            data = job.engine.recv(_READ_BYTES)
-        except (BlockingIOError, InterruptedError):
+        """The engine socket is readable (it was waited on: nothing had come at
+        the last look)."""
+        if not self._recv(job):
             return
-        except OSError as exc:
-            self._end(job, self._broken(job, exc))
-            return
-        if not data:
-            self._end(job, self._broken(job, None))
-            return
-        self._consume(job, data)
         if job.coalesce_s > 0 and job.reading and not job.done.is_set() and not job.ended:
             # what the engine flushes meanwhile comes as one piece, one chunk
             self._sel.unregister(job.engine)
             job.reading = False
-            self._seq += 1
-            heapq.heappush(self._timers, (time.monotonic() + job.coalesce_s, self._seq, job))
+            self._rest(job)
+
+    def _rest(self, job: _Job) -> None:
+        """Look at the engine socket again at the next multiple of ``coalesce_s``
+        on the monotonic clock, without the selector: every stream resting on
+        the same interval is read in the same round, one wake-up of this
+        thread for all of them instead of one each."""
+        q = job.coalesce_s
+        self._seq += 1
+        heapq.heappush(self._timers, ((time.monotonic() // q + 1) * q, self._seq, job))
+
+    def _on_due(self, job: _Job) -> None:
+        """A coalescing job's time to read. Mid-stream the engine has almost
+        always flushed meanwhile, so read at once: registering the socket to
+        wait on it and taking it out again after the read were two system
+        calls and a selector round per read, most of the pump's CPU
+        (docs/benchmarks.md, section 14). Only when nothing came is the socket
+        waited on."""
+        try:
+            if job.ended or job.reading:
+                return
+            got = self._recv(job, wait=True)
+            if got and not job.done.is_set() and not job.ended:
+                self._rest(job)
+        except Exception as exc:  # as in _on_event: one broken stream only
+            log.exception("stream pump: request %s", job.call.request_id)
+            self._end(job, EngineError(f"stream pump failed: {exc!r}", 502, True, True))
+
+    def _recv(self, job: _Job, wait: bool = False) -> bool:
+        """Read and consume what the engine sent; False if nothing was there
+        (``wait``: the socket is then waited on) or the stream ended badly."""
+        try:
+            data = job.engine.recv(_READ_BYTES)
+        except (BlockingIOError, InterruptedError):
+            if wait:
+                self._want_read(job)
+            return False
+        except OSError as exc:
+            self._end(job, self._broken(job, exc))
+            return False
+        if not data:
+            self._end(job, self._broken(job, None))
+            return False
+        self._consume(job, data)
+        return True
 
     def _consume(self, job: _Job, data: bytes) -> None:
         job.last_data_s = time.monotonic()
