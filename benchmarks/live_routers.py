@@ -27,7 +27,9 @@ Front doors (``--fronts``):
   and ``..._fraction`` 0), as the simulator places requests;
   ``tokenfleet:tokenpilot-hits``: pinned whenever the router expects at
   least ``affinity_min_cached_tokens`` cached (fraction 0), late-bound
-  otherwise; ``tokenfleet:tokenpilot-2api``: two API replicas on the same
+  otherwise; ``tokenfleet:tokenpilot-late``: late-bound also when the
+  router's choice is idle (``affinity_when_idle`` off, as shipped before
+  2026-12-05); ``tokenfleet:tokenpilot-2api``: two API replicas on the same
   stores, the client sending the requests to them in turn (the booking check
   on, as shipped), and ``tokenfleet:tokenpilot-2api_nocheck``: the same with
   ``booking_check`` off. Their rows add the replicas' booking rechecks.
@@ -102,6 +104,7 @@ SIM_POLICY: dict[str, tuple[str, bool]] = {
     "tokenfleet:tokenpilot": ("tokenpilot", True),
     "tokenfleet:tokenpilot-pinned": ("tokenpilot", True),
     "tokenfleet:tokenpilot-hits": ("tokenpilot", True),
+    "tokenfleet:tokenpilot-late": ("tokenpilot", True),
     "tokenfleet:tokenpilot-2api": ("tokenpilot", True),
     "tokenfleet:tokenpilot-2api_nocheck": ("tokenpilot", True),
     "tokenfleet:tokenpilot-noadm": ("tokenpilot", True),
@@ -113,6 +116,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "pinned": {"affinity_min_cached_tokens": 0, "affinity_min_cached_fraction": 0.0},
     # pinned when the router expects any real cache hit there, late-bound otherwise
     "hits": {"affinity_min_cached_fraction": 0.0},
+    # as shipped before 2026-12-05: an idle choice without a cache hit went to the pool too
+    "late": {"affinity_when_idle": False},
     "2api": {},
     "2api_nocheck": {"booking_check": False},
     "noadm": {},  # no admission policy: the router alone, as the Rust routers run

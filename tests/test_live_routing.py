@@ -15,6 +15,7 @@ import pytest
 import requests
 
 from tests.support.stack import API_KEY, InstanceSpec, LiveStack
+from tokenfleet.core.types import RequestInfo
 
 SYSTEM = " ".join(f"Rule {i}: be concise, cite the handbook, never guess." for i in range(260))
 
@@ -72,19 +73,45 @@ def test_repeated_long_prefix_goes_to_the_same_instance(stack: LiveStack) -> Non
     assert after - before >= 5, "repeats must use the instance's affinity queue"
 
 
-def test_short_prompts_without_cache_value_use_the_pool_queue(stack: LiveStack) -> None:
-    before = stack.gateway.state.counters().get("dispatched_pool", 0)
-    for i in range(3):
-        r = _post(
-            stack,
-            {
+def test_without_cache_value_a_request_goes_to_an_idle_choice_else_to_the_pool(
+    stack: LiveStack,
+) -> None:
+    """Short prompts with nothing cached: while the router's choice has no
+    prefill queued they go to its own queue (its worker would pull them from
+    the pool at once anyway); once every instance has a prefill queue (here
+    a booked 30k-token prompt each, as the API's accounting sees it) they go
+    to the pool, for whichever engine frees first (late binding)."""
+    gw = stack.gateway
+    counters = gw.state.counters
+
+    def send(n: int, tag: str) -> None:
+        for i in range(n):
+            body = {
                 "model": stack.model,
                 "max_tokens": 2,
-                "messages": [{"role": "user", "content": f"tiny {i}"}],
-            },
-        )
-        assert r.status_code == 200
-    assert stack.gateway.state.counters().get("dispatched_pool", 0) - before == 3
+                "messages": [{"role": "user", "content": f"tiny {tag} {i}"}],
+            }
+            assert _post(stack, body).status_code == 200
+
+    before = counters()
+    send(3, "idle")
+    after = counters()
+    assert after.get("dispatched_affinity", 0) - before.get("dispatched_affinity", 0) == 3
+    assert after.get("dispatched_pool", 0) == before.get("dispatched_pool", 0)
+
+    ids = [i.instance_id for i in gw.instances()]
+    queued = RequestInfo("queued-elsewhere", time.time(), 30_000, 64)
+    booked = [(iid, gw.state.book_dispatch(iid, queued, 0)[0]) for iid in ids]
+    try:
+        gw.accounting.refresh(ids)
+        before = counters()
+        send(3, "busy")
+        after = counters()
+    finally:
+        for iid, delta in booked:
+            gw.state.unbook(iid, delta)
+        gw.accounting.refresh(ids)
+    assert after.get("dispatched_pool", 0) - before.get("dispatched_pool", 0) == 3
 
 
 def _conversation_instances(stack: LiveStack, key: str, turns: int) -> set[str]:
@@ -261,7 +288,7 @@ def test_a_booking_that_shows_another_replicas_dispatches_decides_again(
 
 
 def _check_booking(stack: LiveStack) -> None:
-    from tokenfleet.core.types import CompletionEvent, PoolSnapshot, RequestInfo
+    from tokenfleet.core.types import CompletionEvent, PoolSnapshot
 
     gw = stack.gateway
     messages = [

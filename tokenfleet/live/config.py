@@ -99,6 +99,16 @@ class LiveConfig:
             '"the first engine whose prefill queue is (nearly) empty".'
         ),
     )
+    affinity_when_idle: bool = field(
+        default=True,
+        metadata=_doc(
+            "A request without a valuable cache hit still goes to the router's choice's own queue"
+            " when, by the API's dispatch accounting, that instance has less uncached prompt"
+            " waiting for prefill than pool_prefill_budget_tokens: its worker would take it from"
+            " the pool at once anyway, and the router chose among such instances knowing more"
+            " (cache, decode load, KV). False: only cache hits are pinned, the rest late-bound."
+        ),
+    )
     affinity_dead_after_s: float = field(
         default=2.0,
         metadata=_doc(

@@ -25,7 +25,14 @@ from kombu.exceptions import KombuError
 from tokenfleet.core.routing.base import TwoPhaseRouter
 from tokenfleet.core.routing.pd_base import PDRouter
 from tokenfleet.core.tiers import SLOConfig
-from tokenfleet.core.types import BLOCK_SIZE_TOKENS, PoolSnapshot, RequestInfo, RouteDecision
+from tokenfleet.core.types import (
+    BLOCK_SIZE_TOKENS,
+    DispatchAccounting,
+    InstanceView,
+    PoolSnapshot,
+    RequestInfo,
+    RouteDecision,
+)
 from tokenfleet.errors import NoCandidateError
 from tokenfleet.live.brokers import DcBrokers
 from tokenfleet.live.config import LiveConfig
@@ -165,7 +172,7 @@ class Dispatcher:
                 decision.expected_cached_tokens if target.instance_id == decision.instance_id else 0
             )
             cached = min(max(cached, held.get(target.instance_id, 0)), info.input_tokens)
-            affinity = sticky or self._valuable(info, cached)
+            affinity = sticky or self._pinned(info, cached, target)
             if affinity:
                 queue = affinity_queue(target.dc, target.instance_id, info.tier)
             else:
@@ -506,9 +513,9 @@ class Dispatcher:
         Called with the router lock held: propose and commit are one decision."""
         info = req.info
         proposed = self.router.propose(info, snap)
-        if not self._valuable(info, proposed.expected_cached_tokens):
-            return self.router.commit(info), None, None  # the pool's worker books it
         view = next(v for v in snap.instances if v.instance_id == proposed.instance_id)
+        if not self._pinned(info, proposed.expected_cached_tokens, view):
+            return self.router.commit(info), None, None  # the pool's worker books it
         delta, fresh = self.state.book_dispatch(
             view.instance_id, info, proposed.expected_cached_tokens
         )
@@ -519,8 +526,8 @@ class Dispatcher:
                 again = self.router.propose(info, replace(snap, instances=shown))
                 if self.metrics is not None:
                     self.metrics.booking_recheck(again.instance_id != view.instance_id)
-                if again.instance_id != view.instance_id or not self._valuable(
-                    info, again.expected_cached_tokens
+                if again.instance_id != view.instance_id or not self._pinned(
+                    info, again.expected_cached_tokens, view, fresh
                 ):
                     self.state.unbook(view.instance_id, delta)
                     booked = None
@@ -531,12 +538,36 @@ class Dispatcher:
                     self.state.unbook(*booked)
             raise
 
-    def _valuable(self, info: RequestInfo, cached_tokens: int) -> bool:
-        """A cache hit worth waiting for that instance (else: late binding)."""
-        return (
+    def _pinned(
+        self,
+        info: RequestInfo,
+        cached_tokens: int,
+        view: InstanceView,
+        acc: DispatchAccounting | None = None,
+    ) -> bool:
+        """To the chosen instance's own queue, else to the pool (late binding):
+        a cache hit worth waiting for there, or (``affinity_when_idle``) an
+        instance that would pull the request from the pool at once anyway:
+        its prefill queue (nearly) empty and a slot free, by the API's
+        accounting (``acc``: a fresher copy than the view's), and nothing of
+        the request's tier waiting in the pool that it would overtake. Then
+        the router's choice among such instances stands, as in the simulator;
+        on the prefix-heavy slice the pool's "whichever frees first" had cost
+        a tenth of TTFT p95 (docs/benchmarks.md, section 15)."""
+        if (
             cached_tokens >= self.live.affinity_min_cached_tokens
             and cached_tokens >= self.live.affinity_min_cached_fraction * info.input_tokens
-        )
+        ):
+            return True
+        if not self.live.affinity_when_idle:
+            return False
+        acc = view.accounting if acc is None else acc
+        if acc.prefill_pending_uncached_tokens >= self.live.pool_prefill_budget_tokens:
+            return False
+        slots = next((i.slots for i in self.instances() if i.instance_id == view.instance_id), 0)
+        if acc.inflight_requests >= slots:
+            return False
+        return self._depths.get(pool_queue(view.dc, info.tier), 0) <= 0
 
     def _sticky(self, req: ChatRequest, views: list[Any], target: Any) -> tuple[Any, bool]:
         """``prompt_cache_key``: the client's own affinity hint. The first request
