@@ -77,8 +77,8 @@ def test_without_cache_value_a_request_goes_to_an_idle_choice_else_to_the_pool(
     stack: LiveStack,
 ) -> None:
     """Short prompts with nothing cached: while the router's choice has no
-    prefill queued they go to its own queue (its worker would pull them from
-    the pool at once anyway); once every instance has a prefill queue (here
+    prefill queued and a slot free they go to its own queue (its worker would
+    pull them from the pool at once anyway); once every instance has a prefill queue (here
     a booked 30k-token prompt each, as the API's accounting sees it) they go
     to the pool, for whichever engine frees first (late binding)."""
     gw = stack.gateway

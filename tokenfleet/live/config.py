@@ -103,10 +103,11 @@ class LiveConfig:
         default=True,
         metadata=_doc(
             "A request without a valuable cache hit still goes to the router's choice's own queue"
-            " when, by the API's dispatch accounting, that instance has less uncached prompt"
-            " waiting for prefill than pool_prefill_budget_tokens: its worker would take it from"
-            " the pool at once anyway, and the router chose among such instances knowing more"
-            " (cache, decode load, KV). False: only cache hits are pinned, the rest late-bound."
+            " when, by the API's dispatch accounting, that instance has a slot free and less"
+            " uncached prompt waiting for prefill than pool_prefill_budget_tokens, and nothing of"
+            " the request's tier waits in the pool: its worker would take it from the pool at once"
+            " anyway, and the router chose among such instances knowing more (cache, decode load,"
+            " KV). False: only cache hits are pinned, the rest late-bound."
         ),
     )
     affinity_dead_after_s: float = field(
