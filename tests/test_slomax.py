@@ -187,6 +187,22 @@ def test_long_context_capped_per_instance_then_queued_then_rejected_early() -> N
     assert d3.retry_after_s > 0
 
 
+def test_the_lane_cap_counts_prefill_left_not_requests() -> None:
+    """A lane instance is busy with a long prefill by the uncached prompt it
+    still has to prefill, not by how many long requests it holds: a 20k-token
+    turn with all but 2k cached leaves room for the next long prompt, 30k
+    uncached does not (the driver books each request's uncached estimate)."""
+    pol = SLOMaxAdmission(slo=SLO, adaptive=False)  # long_share 0.5 of 2 -> the last
+    insts = instances(2)
+    snap = AdmissionSnapshot(0.0, insts, queues())
+    tl = insts[1].tier("long_context")
+    tl.inflight, tl.prefill_pending, tl.prefill_pending_tokens = 1, 1, 2000
+    d = pol.on_arrival(req("L1", 30000, tier="long_context"), snap)
+    assert d.action == ADMIT and d.instance_ids == ("i1",)
+    tl.prefill_pending_tokens = 30000
+    assert pol.on_arrival(req("L2", 30000, tier="long_context"), snap).action == QUEUE
+
+
 def test_a_returning_conversation_goes_where_its_kv_is_lane_or_not() -> None:
     """The lane split knows nothing of caches. A long-context prompt that an
     instance holds all but a short tail of needs no lane slot there (and must

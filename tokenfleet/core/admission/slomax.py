@@ -8,8 +8,10 @@ gateway, per tier (rules and rationale in docs/slomax.md):
 long-context lane
     Long prefills (long_context requests, and long batch prompts) run only on
     a lane: the last ``long_share`` of the instances, one long prefill per
-    instance at a time. The other instances never see a multi-second
-    prefill, so interactive TTFT and TPOT hold there.
+    instance at a time, counted in uncached prompt tokens still to prefill (a
+    long conversation turn mostly cached there is not a long prefill). The
+    other instances never see a multi-second prefill, so interactive TTFT and
+    TPOT hold there.
 interactive
     dispatched at once, preferring off-lane instances whose predicted TTFT is
     well inside the limit, then off-lane within the limit, then lane
@@ -360,7 +362,11 @@ class SLOMaxAdmission(BaseAdmission):
             if inst.instance_id not in lane:
                 continue
             tl = inst.tier(LONG)
-            if tl.prefill_pending >= self.long_prefill_cap or tl.inflight >= self.long_inflight_cap:
+            if (
+                tl.prefill_pending_tokens
+                >= self.long_prefill_cap * self.slo.long_context_min_input_tokens
+                or tl.inflight >= self.long_inflight_cap
+            ):
                 continue
             if self._long_batch_pending(inst):
                 continue
