@@ -350,10 +350,12 @@ class LiveStack:
                 and self._consuming(want)
                 and (self.app is not None or self._api_answers())
             ):
-                # the gateway's own copy of the instances may be up to two refresh
-                # periods older than this read: a test's first request then saw one
-                # instance of two (a DC it did not know yet: 403 instead of 200)
-                self.gateway.instances(max_age_s=0.0)
+                if self.app is not None:
+                    # the in-process gateway's copy of the instances may be up to two
+                    # refresh periods older than this read: a test's first request
+                    # then saw one instance of two (a DC it did not know yet: 403
+                    # instead of 200); an API in its own process has no copy here
+                    self.gateway.instances(max_age_s=0.0)
                 return
             self._check_workers()
             time.sleep(0.1)
