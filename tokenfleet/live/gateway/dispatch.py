@@ -551,9 +551,8 @@ class Dispatcher:
         its prefill queue (nearly) empty and a slot free, by the API's
         accounting (``acc``: a fresher copy than the view's), and nothing of
         the request's tier waiting in the pool that it would overtake. Then
-        the router's choice among such instances stands, as in the simulator;
-        on the prefix-heavy slice the pool's "whichever frees first" had cost
-        a tenth of TTFT p95 (docs/benchmarks.md, section 15)."""
+        the router's choice among such instances stands, as in the simulator
+        (docs/benchmarks.md, section 15: TTFT level, cache hits as simulated)."""
         if (
             cached_tokens >= self.live.affinity_min_cached_tokens
             and cached_tokens >= self.live.affinity_min_cached_fraction * info.input_tokens

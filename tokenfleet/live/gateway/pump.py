@@ -220,9 +220,8 @@ class StreamPump:
                     self._client_readable(job)
                 if mask & selectors.EVENT_WRITE and not job.done.is_set():
                     self._flush(job)
-        except Exception as exc:  # one broken stream must not stop the others
-            log.exception("stream pump: request %s", job.call.request_id)
-            self._end(job, EngineError(f"stream pump failed: {exc!r}", 502, True, True))
+        except Exception as exc:  # noqa: BLE001 - logged by _failed; one stream only
+            self._failed(job, exc)
 
     def _take_new(self) -> None:
         try:
@@ -241,9 +240,8 @@ class StreamPump:
                     self._consume(job, data)
                 if not job.done.is_set() and not job.ended:
                     self._want_read(job)
-            except Exception as exc:
-                log.exception("stream pump: request %s", job.call.request_id)
-                self._end(job, EngineError(f"stream pump failed: {exc!r}", 502, True, True))
+            except Exception as exc:  # noqa: BLE001 - logged by _failed
+                self._failed(job, exc)
 
     def _want_read(self, job: _Job) -> None:
         if not job.reading and not job.ended:
@@ -286,9 +284,8 @@ class StreamPump:
             got = self._recv(job, wait=True)
             if got and not job.done.is_set() and not job.ended:
                 self._rest(job)
-        except Exception as exc:  # as in _on_event: one broken stream only
-            log.exception("stream pump: request %s", job.call.request_id)
-            self._end(job, EngineError(f"stream pump failed: {exc!r}", 502, True, True))
+        except Exception as exc:  # noqa: BLE001 - logged by _failed; one stream only
+            self._failed(job, exc)
 
     def _recv(self, job: _Job, wait: bool = False) -> bool:
         """Read and consume what the engine sent; False if nothing was there
@@ -419,6 +416,11 @@ class StreamPump:
                 )
             elif job.sink.frame is not None and now - job.last_sent_s > KEEPALIVE_S:
                 self._send(job, b": keep-alive\n\n")
+
+    def _failed(self, job: _Job, exc: Exception) -> None:
+        """The pump's own code raised on one stream: end that stream only."""
+        log.exception("stream pump: request %s", job.call.request_id)
+        self._end(job, EngineError(f"stream pump failed: {exc!r}", 502, True, True))
 
     def _broken(self, job: _Job, exc: BaseException | None) -> EngineError:
         why = job.call.aborted
