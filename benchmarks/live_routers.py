@@ -29,7 +29,9 @@ Front doors (``--fronts``):
   least ``affinity_min_cached_tokens`` cached (fraction 0), late-bound
   otherwise; ``tokenfleet:tokenpilot-late``: late-bound also when the
   router's choice is idle (``affinity_when_idle`` off, as shipped before
-  2026-12-05); ``tokenfleet:tokenpilot-2api``: two API replicas on the same
+  2026-12-05); ``tokenfleet:tokenpilot-worker``: every attempt through
+  the broker and a worker (``express_dispatch`` off, as shipped before
+  2026-12-05's second change); ``tokenfleet:tokenpilot-2api``: two API replicas on the same
   stores, the client sending the requests to them in turn (the booking check
   on, as shipped), and ``tokenfleet:tokenpilot-2api_nocheck``: the same with
   ``booking_check`` off. Their rows add the replicas' booking rechecks.
@@ -105,6 +107,7 @@ SIM_POLICY: dict[str, tuple[str, bool]] = {
     "tokenfleet:tokenpilot-pinned": ("tokenpilot", True),
     "tokenfleet:tokenpilot-hits": ("tokenpilot", True),
     "tokenfleet:tokenpilot-late": ("tokenpilot", True),
+    "tokenfleet:tokenpilot-worker": ("tokenpilot", True),
     "tokenfleet:tokenpilot-2api": ("tokenpilot", True),
     "tokenfleet:tokenpilot-2api_nocheck": ("tokenpilot", True),
     "tokenfleet:tokenpilot-noadm": ("tokenpilot", True),
@@ -118,6 +121,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "hits": {"affinity_min_cached_fraction": 0.0},
     # as shipped before 2026-12-05: an idle choice without a cache hit went to the pool too
     "late": {"affinity_when_idle": False},
+    # as shipped before express dispatch: every attempt a Celery task for a worker
+    "worker": {"express_dispatch": False},
     "2api": {},
     "2api_nocheck": {"booking_check": False},
     "noadm": {},  # no admission policy: the router alone, as the Rust routers run

@@ -22,7 +22,11 @@ from tokenfleet.live.jobs import ChatJob, send_chat_job
 
 @pytest.fixture(scope="module")
 def stack(live_stack: Any) -> Iterator[LiveStack]:
-    with live_stack(app_config={"CHAT_QUOTAS": False}) as s:
+    # the worker's hand-over is what these tests check: the API's own
+    # attempts (express dispatch) are tests/test_live_express.py's
+    with live_stack(
+        app_config={"CHAT_QUOTAS": False}, live_overrides={"express_dispatch": False}
+    ) as s:
         yield s
 
 

@@ -41,7 +41,13 @@ def stack(live_stack: Any) -> Iterator[LiveStack]:
         router="round_robin",
         time_scale=1.0,
         shared_postgres=None,
-        live_overrides={"engine_fail_threshold": 2, "fleet_policy": "off"},
+        # Express dispatch off: the worker faults below need a worker in the
+        # request's path (the API's own attempts: tests/test_live_express.py).
+        live_overrides={
+            "engine_fail_threshold": 2,
+            "fleet_policy": "off",
+            "express_dispatch": False,
+        },
         app_config={"CHAT_QUOTAS": False},
         instances=[InstanceSpec("dc-a", "a0"), InstanceSpec("dc-b", "b0")],
     ) as s:

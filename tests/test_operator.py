@@ -288,8 +288,14 @@ def test_workers_send_heartbeats_and_task_events_for_flower(stack: Any) -> None:
     try:
         c = stack.client()
         assert wait_until(lambda: len(seen["hosts"]) >= 2, 15.0)
+        # a batch request: its tier's share (0.5 of the slots) is the workers'
+        # gate to apply, so it is a Celery task even on an idle instance (an
+        # interactive one there is run by the API itself: express dispatch)
         c.chat.completions.create(
-            model=stack.model, max_tokens=2, messages=[{"role": "user", "content": "flower"}]
+            model=stack.model,
+            max_tokens=2,
+            messages=[{"role": "user", "content": "flower"}],
+            extra_headers={"X-TokenFleet-Tier": "batch"},
         )
         assert wait_until(lambda: "task-succeeded" in seen["tasks"], 15.0)
     finally:

@@ -31,7 +31,13 @@ from typing import Any, Protocol
 from tokenfleet.core.tiers import SLOConfig
 from tokenfleet.core.types import ScrapedMetrics
 from tokenfleet.live.config import LiveConfig
-from tokenfleet.live.queues import TIER_PRIORITY, is_pool_queue, tier_of_queue, worker_queues
+from tokenfleet.live.queues import (
+    DEFAULT_SHARES,
+    TIER_PRIORITY,
+    is_pool_queue,
+    tier_of_queue,
+    worker_queues,
+)
 from tokenfleet.live.relay import RelayHub
 from tokenfleet.live.scrape import Scraper
 from tokenfleet.live.state import InstanceInfo, LiveState
@@ -45,7 +51,6 @@ log = logging.getLogger("tokenfleet.worker")
 WATCHDOG_TICK_S = 0.25
 
 #: default share of an engine's slots per tier until beat writes real ones
-DEFAULT_SHARES = {"interactive": 1.0, "long_context": 1.0, "batch": 0.5}
 
 
 class Abortable(Protocol):
@@ -95,6 +100,9 @@ class WorkerRuntime:
         self.send_task = send_task
         #: the engine's URL the API calls on the direct path (go entry)
         self.public_engine_url = public_engine_url or info.url
+        # registered, so an API can run an attempt here itself (express dispatch)
+        info.api_url = self.public_engine_url if self.public_engine_url != info.url else ""
+        info.exact_kv = bool(kv_events_endpoint)
         #: the broker orders queues itself (Redis with queue_order_strategy=priority);
         #: else lower tiers must pause while a higher one has work queued
         self.broker_orders_queues = False

@@ -21,7 +21,6 @@ from typing import Any
 
 from celery.signals import task_received
 
-from tokenfleet.core.tiers import meets_slo
 from tokenfleet.core.types import BLOCK_SIZE_TOKENS, KVEvent, RequestInfo
 from tokenfleet.hf_tokenizer import HFChatTokenizer
 from tokenfleet.live.direct import api_alive_key, outcome_key
@@ -43,6 +42,7 @@ from tokenfleet.live.jobs import (
 from tokenfleet.live.queues import pool_queue
 from tokenfleet.live.relay import RelayEvent, RelayWriter
 from tokenfleet.live.resend import pick_resend_target
+from tokenfleet.live.settle import completed, first_token_counts
 from tokenfleet.service.writer import RequestRecord
 from tokenfleet.tokenizer import chat_block_hashes
 from workers.api_watch import API_LOST, SETTLED, Waiting
@@ -278,44 +278,21 @@ def run_job(
     got_first_token = first_ts is not None
     won, final = False, ""
     try:
-        finished = time.time()
-        completion = int((usage or {}).get("completion_tokens", tokens))
-        cached = int(((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0))
-        prompt = int((usage or {}).get("prompt_tokens", job.input_tokens))
-        if first_ts is None:  # zero-token answer: first token = end
-            first_ts = finished
-        ttft = first_ts - job.arrival_ts
-        tpot = (finished - first_ts) / (completion - 1) if completion > 1 else None
-        slo = rt.slo.slo_for(job.tier)
-        deadline_in = None
-        if job.deadline_ts:
-            deadline_in = job.deadline_ts - job.arrival_ts
-        ok = meets_slo(
-            slo,
-            status="completed",
-            input_tokens=prompt,
-            ttft_s=ttft,
-            tpot_s=tpot,
-            e2e_s=finished - job.arrival_ts,
-            deadline_in_s=deadline_in,
+        done = completed(
+            rt.slo,
+            job,
+            relay,
+            first_ts=first_ts,
+            finished_ts=time.time(),
+            dispatched_ts=dispatched,
+            usage=usage,
+            tokens=tokens,
+            finish_reason=finish_reason,
         )
-        status = "completed" if ok else "slo_missed"
-        end = relay.end_fields(
-            finish_reason,
-            usage
-            or {
-                "prompt_tokens": prompt,
-                "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached},
-            },
-        )
-        # what the ledger row says, for the API's copy of it: a worker killed
-        # before its writer flushed must not leave the request unbilled
-        end.update({"s": status, "td": dispatched, "tf": first_ts, "te": finished, "ca": cached})
+        status = done.status
         # settle and append the end entry atomically: only the winner ends the stream
         won, final = state.finish(
-            rid, status, rt.worker_id, end_event=end, stream_ttl_s=rt.live.stream_ttl_s
+            rid, status, rt.worker_id, end_event=done.end, stream_ttl_s=rt.live.stream_ttl_s
         )
     finally:
         # the instance's accounting and the winner's counters: one round trip,
@@ -325,13 +302,7 @@ def run_job(
                 rt.info.instance_id, "on_finish", info, cached_est, got_first_token=got_first_token
             )
             if won:
-                b.count(
-                    **{
-                        f"finished_{job.tier}": 1,
-                        f"slo_met_{job.tier}": int(ok),
-                        "completion_tokens": completion,
-                    }
-                )
+                b.count(**done.counts(job.tier))
     if not won:
         status = final or status
     _record(
@@ -341,11 +312,11 @@ def run_job(
             rt,
             status,
             dispatched_ts=dispatched,
-            first_token_ts=first_ts,
-            finished_ts=finished,
-            prompt_tokens=prompt,
-            cached_tokens=cached,
-            completion_tokens=completion,
+            first_token_ts=done.first_ts,
+            finished_ts=done.finished_ts,
+            prompt_tokens=done.prompt_tokens,
+            cached_tokens=done.cached_tokens,
+            completion_tokens=done.completion_tokens,
         ),
     )
     return status
@@ -631,11 +602,7 @@ def _prefix_events(rt: WorkerRuntime, job: ChatJob) -> list[KVEvent]:
 
 
 def _first_token_counts(rt: WorkerRuntime, job: ChatJob, first_ts: float | None) -> dict[str, int]:
-    """Beat's controller reads first tokens within the TTFT limit per tier: a
-    faster signal than finished requests (the simulator feeds it the same)."""
-    limit = rt.slo.slo_for(job.tier).ttft_limit_s(job.input_tokens)
-    met = first_ts is not None and (limit is None or first_ts - job.arrival_ts <= limit)
-    return {f"first_tokens_{job.tier}": 1, f"ttft_met_{job.tier}": int(met)}
+    return first_token_counts(rt.slo, job.tier, job.input_tokens, job.arrival_ts, first_ts)
 
 
 def _on_engine_error(

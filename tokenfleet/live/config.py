@@ -212,6 +212,17 @@ class LiveConfig:
             " to the same instance). One more Redis round trip for those requests."
         ),
     )
+    express_dispatch: bool = field(
+        default=True,
+        metadata=_doc(
+            "With direct_stream, the API runs a request's first attempt itself, with no broker"
+            " message and no worker hop, when the router's chosen instance is idle by the API's"
+            " dispatch accounting (a slot free, its prefill queue under"
+            " pool_prefill_budget_tokens, nothing of the tier queued for it or its pool): it"
+            " claims the request, calls the engine and settles it as the worker would. Re-sends"
+            " and every busy instance go through the broker. False: every attempt is a Celery task."
+        ),
+    )
     direct_stream: bool = field(
         default=True,
         metadata=_doc(

@@ -18,6 +18,10 @@ TIER_PRIORITY: tuple[str, ...] = TIERS
 #: queue of the control tasks run by beat (SLOMax tick, FleetMind cycle)
 CONTROL_QUEUE = "tokenfleet.control"
 
+#: each tier's share of an instance's slots until beat writes its own
+#: (a worker's tier gate caps the tier at ``ceil(share * slots)`` running)
+DEFAULT_SHARES: dict[str, float] = {"interactive": 1.0, "long_context": 1.0, "batch": 0.5}
+
 
 def _check(part: str, what: str) -> str:
     if not part or "." in part or any(c.isspace() for c in part):

@@ -142,6 +142,12 @@ class InstanceInfo:
     block_size_tokens: int = 0
     #: P/D role ("mixed", "prefill", "decode"; :mod:`tokenfleet.core.routing.pd_base`)
     role: str = "mixed"
+    #: the engine's URL as the API reaches it ("": :attr:`url`; a worker's
+    #: ``--public-engine-url``), for the API's own attempts (express dispatch)
+    api_url: str = ""
+    #: the worker relays the engine's own KV events (else the API publishes
+    #: the prompt's blocks at its first token)
+    exact_kv: bool = False
     metrics: ScrapedMetrics = field(default_factory=ScrapedMetrics)
     heartbeat_at_s: float = float("-inf")
     unhealthy_until_s: float = 0.0
@@ -177,6 +183,8 @@ def _static_facts(info: InstanceInfo) -> dict[str, Any]:
         "tokenizer": info.tokenizer,
         "block_size": info.block_size_tokens,
         "role": info.role,
+        "api_url": info.api_url,
+        "exact_kv": int(info.exact_kv),
     }
 
 
@@ -324,6 +332,8 @@ class LiveState:
                     tokenizer=_s(raw, "tokenizer"),
                     block_size_tokens=_i(raw, "block_size"),
                     role=_s(raw, "role", "mixed"),
+                    api_url=_s(raw, "api_url"),
+                    exact_kv=_i(raw, "exact_kv") == 1,
                     metrics=m,
                     heartbeat_at_s=_f(raw, "heartbeat_at", float("-inf")),
                     unhealthy_until_s=_f(raw, "unhealthy_until"),
@@ -828,6 +838,23 @@ class Batch:
 
     def first_token(self, rid: str) -> None:
         self.pipe.hset(self.state.k("req", rid), "first_token", 1)
+
+    def own_request(self, rid: str, owner: str, lease_ttl_s: float, instance_id: str) -> None:
+        """The claim of a request this batch creates (:meth:`create_request`),
+        taken by ``owner`` at once: the API's express dispatch. No script is
+        needed: nobody else knows the fresh id before the batch runs."""
+        now = time.time()
+        self.pipe.hset(
+            self.state.k("req", rid),
+            mapping={
+                "status": "running",
+                "owner": owner,
+                "claimed_at": now,
+                "received_at": now,
+                "instance": instance_id,
+            },
+        )
+        self.pipe.set(self.state.k("lease", rid), owner, px=int(lease_ttl_s * 1000))
 
     def xadd(self, key: str, fields: Mapping[str, Any], ttl_s: float | None = None) -> None:
         self.pipe.xadd(key, dict(fields))

@@ -38,6 +38,7 @@ from tokenfleet.live.gateway.pump import StreamPump
 from tokenfleet.live.gateway.refresh import LiveView
 from tokenfleet.live.gateway.validate import ChatRequest, validate_chat
 from tokenfleet.live.gateway.watch import Watcher
+from tokenfleet.live.queues import DEFAULT_SHARES
 from tokenfleet.live.redis_transport import TRANSPORT_PATH, PipelinePublisher, same_database
 from tokenfleet.live.relay import RelayHub
 from tokenfleet.live.state import InstanceInfo, LiveState
@@ -113,6 +114,13 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
             )
         self._dc_views_at = -1.0
         self._mean_tokens: dict[str, tuple[float, float]] = {}
+        #: the slot shares beat gives each tier (the workers' tier gates apply them)
+        self.tier_shares: dict[str, float] = dict(DEFAULT_SHARES)
+        #: (instance, tier) -> attempts this process runs itself (express
+        #: dispatch): no worker reports them in its running counts
+        self.express_running: dict[tuple[str, str], int] = {}
+        self.express_lock = threading.Lock()
+        self.engine_failures: dict[str, int] = {}
         #: tenant id -> regions its record allows (set by the tenancy layer; () = any)
         self.tenant_regions = None
         self.metrics: Any = None  # the API's metrics (web.metrics.ApiMetrics), if any

@@ -8,7 +8,8 @@ trip for all calls) the worker holding the request's slot lost its lease or
 the attempt was superseded (the worker re-sent it, or settled it). Each
 closes the engine call with a reason the request thread then acts on. The
 same thread renews the process's liveness key, by which a worker waiting for
-an outcome tells a live API from a dead one.
+an outcome tells a live API from a dead one, and the leases of the attempts
+the process claimed itself (express dispatch).
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class DirectCall:
     #: monotonic time of the first of the checks in a row that found the lease
     #: missing after the first token (None: the last check found it)
     lease_missing_since: float | None = None
+    #: this process claimed the attempt (express dispatch): the watch thread
+    #: renews its lease, as a worker's watchdog does for its own
+    owned: bool = False
 
 
 class DirectCalls:
@@ -65,6 +69,8 @@ class DirectCalls:
         self.live = live
         self.api_id = api_id or uuid.uuid4().hex[:12]
         self.alive_key = api_alive_key(state, self.api_id)
+        #: the lease owner of the attempts this process claims itself
+        self.owner = f"api:{self.api_id}"
         self._calls: set[DirectCall] = set()
         self._lock = threading.Lock()
         self._work = threading.Event()
@@ -100,8 +106,9 @@ class DirectCalls:
         self._alive_at = time.monotonic()
 
     def _loop(self) -> None:
-        checked = 0.0
+        checked = renewed = 0.0
         period = min(1.0, self.live.lease_ttl_s / 2)
+        renew_every = self.live.lease_ttl_s / 3.0
         while not self._stop.is_set():
             with self._lock:
                 calls = list(self._calls)
@@ -113,6 +120,11 @@ class DirectCalls:
             try:
                 if now_m - self._alive_at >= period:
                     self.renew_alive()
+                if now_m - renewed >= renew_every:
+                    renewed = now_m
+                    owned = [c.request_id for c in calls if c.owned]
+                    if owned:
+                        self.state.renew_leases(owned, self.live.lease_ttl_s, self.owner)
                 if now_m - checked >= period:
                     checked = now_m
                     self._check_state(calls)
@@ -148,7 +160,7 @@ class DirectCalls:
             if status != "running" or attempt != c.attempt:
                 if status:  # a state lost with Redis is the request thread's to judge
                     c.call.abort(SUPERSEDED)
-            elif leased:
+            elif leased or c.owned:  # an owned lease is renewed by this thread
                 c.lease_missing_since = None
             elif raw_first != b"1":
                 c.call.abort(LOST)  # before the first token: re-sent elsewhere at once

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +38,7 @@ from tokenfleet.errors import NoCandidateError
 from tokenfleet.live.brokers import DcBrokers
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.dc_select import DCTicket
+from tokenfleet.live.engine_client import first_token_timeout_s
 from tokenfleet.live.gateway.direct import DirectCalls
 from tokenfleet.live.gateway.errors import (
     AtCapacity,
@@ -48,7 +50,7 @@ from tokenfleet.live.gateway.pump import PumpSink
 from tokenfleet.live.gateway.validate import ChatRequest
 from tokenfleet.live.jobs import TASK_CHAT, ChatJob, send_chat_job
 from tokenfleet.live.queues import affinity_queue, pool_queue
-from tokenfleet.live.relay import RelayHub, Subscription
+from tokenfleet.live.relay import RelayEvent, RelayHub, Subscription
 from tokenfleet.live.state import InstanceInfo, LiveState
 from tokenfleet.service.writer import RequestRecord
 
@@ -88,6 +90,9 @@ class Dispatched:
     #: where the stream pump sends the tokens after the first (pump.py); None:
     #: the request's thread reads the engine itself
     sink: PumpSink | None = None
+    #: express dispatch: the hand-over of the first attempt, which this
+    #: process claimed and runs itself (no broker message, no worker)
+    express: RelayEvent | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -133,6 +138,9 @@ class Dispatcher:
     _depths: dict[str, int]
     _depths_at: float
     _mean_tokens: dict[str, tuple[float, float]]
+    tier_shares: dict[str, float]
+    express_running: dict[tuple[str, str], int]
+    express_lock: threading.Lock
 
     if TYPE_CHECKING:  # from LiveView
 
@@ -173,6 +181,8 @@ class Dispatcher:
             )
             cached = min(max(cached, held.get(target.instance_id, 0)), info.input_tokens)
             affinity = sticky or self._pinned(info, cached, target)
+            express = self._express(info, target, prefill)
+            affinity = affinity or express is not None
             if affinity:
                 queue = affinity_queue(target.dc, target.instance_id, info.tier)
             else:
@@ -221,7 +231,9 @@ class Dispatcher:
                 prebooked = None
             sub = self.relay_hub.subscribe(info.request_id)
             try:
-                self._dispatch_writes(req, job, target, affinity, cached, dc_choice, prebooked)
+                self._dispatch_writes(
+                    req, job, target, affinity, cached, dc_choice, prebooked, express is not None
+                )
             except KombuError as exc:
                 sub.close()
                 raise StoreUnavailable(
@@ -230,6 +242,10 @@ class Dispatcher:
             except BaseException:
                 sub.close()
                 raise
+            if express is not None:
+                with self.express_lock:
+                    key = (target.instance_id, info.tier)
+                    self.express_running[key] = self.express_running.get(key, 0) + 1
             self._ledger(
                 ledger_record(info, "in_flight", admitted_ts=admitted, dc=target.dc, attempts=1)
             )
@@ -257,6 +273,7 @@ class Dispatcher:
             affinity=affinity,
             dc_ticket=ticket,
             sub=sub,
+            express=self._express_go(job, express) if express is not None else None,
         )
 
     # -- admission ----------------------------------------------------------------------
@@ -278,13 +295,15 @@ class Dispatcher:
         self._shed_late(req, views, now)
         loads = []
         infos = {i.instance_id: i for i in self.instances()}
+        with self.express_lock:  # the workers' counts lack this process's own attempts
+            own = dict(self.express_running)
         for v in views:
             if not v.ready:
                 continue
             load = InstanceLoad(view=v)
             rbt = infos[v.instance_id].running_by_tier if v.instance_id in infos else {}
-            for tier, n in rbt.items():
-                load.tier(tier).inflight = n
+            for tier in {*rbt, *(t for i, t in own if i == v.instance_id)}:
+                load.tier(tier).inflight = rbt.get(tier, 0) + own.get((v.instance_id, tier), 0)
                 load.tier(tier).reserved_kv_tokens = 0
             loads.append(load)
         dcs = {v.dc for v in views}
@@ -568,6 +587,58 @@ class Dispatcher:
             return False
         return self._depths.get(pool_queue(view.dc, info.tier), 0) <= 0
 
+    def _express(
+        self, info: RequestInfo, view: InstanceView, prefill: tuple[str, int] | None
+    ) -> InstanceInfo | None:
+        """The instance to run the request on from this process (express
+        dispatch, ``LiveConfig.express_dispatch``), or None: through the broker.
+
+        Only where the broker and a worker add nothing but their hop: the
+        router's choice has a slot free and its prefill queue under the
+        budget by the API's dispatch accounting, and nothing of the tier waits
+        for it or its pool (the request would overtake it). Not for a
+        disaggregated request (its prefill side opens on the worker)."""
+        live = self.live
+        if not (live.express_dispatch and live.direct_stream) or prefill is not None:
+            return None
+        inst = next((i for i in self.instances() if i.instance_id == view.instance_id), None)
+        if inst is None or inst.role == "prefill":
+            return None
+        acc = view.accounting
+        if acc.prefill_pending_uncached_tokens >= live.pool_prefill_budget_tokens:
+            return None
+        if acc.inflight_requests >= inst.slots:
+            return None
+        # a tier the workers' gate caps below all slots (SLOMax's shares) goes
+        # through the gate: this process cannot count the tier's running work
+        if math.ceil(self.tier_shares.get(info.tier, 1.0) * inst.slots) < inst.slots:
+            return None
+        depths = self._depths
+        for q in (
+            pool_queue(view.dc, info.tier),
+            affinity_queue(view.dc, view.instance_id, info.tier),
+        ):
+            if depths.get(q, 0) > 0:
+                return None
+        return inst
+
+    def _express_go(self, job: ChatJob, inst: InstanceInfo) -> RelayEvent:
+        """The hand-over a worker would have written (``RelayWriter.go_fields``)."""
+        uncached = max(0, job.input_tokens - job.expected_cached)
+        wait_s = first_token_timeout_s(
+            self.live.engine_stall_timeout_s, self.state.profile(inst.profile), uncached
+        )
+        facts = {
+            "k": "go",
+            "u": inst.api_url or inst.url,
+            "e": f"{job.request_id}-{job.attempt}",
+            "a": str(job.attempt),
+            "i": inst.instance_id,
+            "x": "1" if inst.exact_kv else "0",
+            "w": str(round(wait_s, 3)),
+        }
+        return RelayEvent("go", instance=inst.instance_id, facts=facts)
+
     def _sticky(self, req: ChatRequest, views: list[Any], target: Any) -> tuple[Any, bool]:
         """``prompt_cache_key``: the client's own affinity hint. The first request
         with a key pins it to the routed instance for ten minutes; later ones
@@ -615,12 +686,16 @@ class Dispatcher:
         cached: int,
         dc_choice: tuple[Any, str | None] | None,
         prebooked: tuple[str, dict[str, int]] | None = None,
+        express: bool = False,
     ) -> None:
         """``prebooked``: the booking check already wrote this dispatch's
-        accounting; undone here if the publish fails."""
+        accounting; undone here if the publish fails. ``express``: claimed
+        here for this process (:meth:`_express`), nothing published."""
         info = req.info
         # the task joins the state's round trip only when it goes to that same Redis
         joined = None if self.brokers.own(target.dc) else self._publisher
+        if express:
+            joined = None
         booked: dict[str, int] = {}
         try:
             with self.state.batch() as b:
@@ -631,12 +706,22 @@ class Dispatcher:
                     tier=info.tier,
                     instance=target.instance_id,
                 )
-                b.queued(job.queue, 1)
+                if express:
+                    b.own_request(
+                        info.request_id,
+                        self.direct_calls.owner,
+                        self.live.lease_ttl_s,
+                        target.instance_id,
+                    )
+                else:
+                    b.queued(job.queue, 1)
                 if affinity:  # the cache estimate may have grown since a prebooking
                     already = prebooked[1] if prebooked is not None else None
                     booked = b.account(target.instance_id, "on_dispatch", info, cached, already)
                 how = "affinity" if affinity else "pool"
                 b.count(**self._window_counts(info, cached, how))
+                if express:
+                    b.count(dispatched_express=1)
                 if dc_choice is not None and dc_choice[1] not in (None, target.dc):
                     # beat's planner needs each DC's spilled-in share (rollback rule)
                     b.count(**{f"spilled_in:{target.dc}": 1})
@@ -654,7 +739,7 @@ class Dispatcher:
             raise
         if booked:  # the pool's dispatches are booked by the worker that claims them
             self.accounting.wrote(target.instance_id, booked)
-        if joined is not None:
+        if joined is not None or express:
             return
         try:
             send_chat_job(self.brokers.send_task, job)

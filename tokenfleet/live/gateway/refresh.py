@@ -23,6 +23,7 @@ from tokenfleet.core.prefix_index import PrefixIndex
 from tokenfleet.core.types import DispatchAccounting, KVEvent
 from tokenfleet.live.accounting import AccountingView
 from tokenfleet.live.config import LiveConfig
+from tokenfleet.live.queues import DEFAULT_SHARES
 from tokenfleet.live.state import InstanceInfo, LiveState
 
 log = logging.getLogger("tokenfleet.api")
@@ -61,6 +62,7 @@ class LiveView:
     admission: Any
     dc_selector: Any
     _depths_copy: dict[str, int]
+    tier_shares: dict[str, float]
 
     def _start_view(self) -> None:
         self.index = PrefixIndex(stride_blocks=1)
@@ -184,15 +186,16 @@ class LiveView:
                     )
                 if now >= due["depths"]:
                     due["depths"] = now + depths_period_s
-                    if (
-                        self.admission is not None
-                        and now - self._depths_used_at <= POLL_WHILE_USED_PERIODS * depths_period_s
-                    ):
+                    # read by admission, and by the pinning and express checks
+                    if now - self._depths_used_at <= POLL_WHILE_USED_PERIODS * depths_period_s:
                         self._refresh_depths()
                 if now >= due["knobs"]:
                     due["knobs"] = now + KNOBS_REFRESH_S / 2
                     self._refresh_admission_knobs(max_age_s=0.0)
                     self._refresh_fleet_plan(max_age_s=0.0)
+                    if self.live.express_dispatch:
+                        got = self.state.shares()
+                        self.tier_shares = {**DEFAULT_SHARES, **got} if got else self.tier_shares
                     self.peer_apis = self.state.api_heartbeat(
                         self.api_id, time.time(), PEER_APIS_FRESH_S
                     )

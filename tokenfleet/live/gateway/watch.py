@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 from kombu.exceptions import KombuError
 
+from tokenfleet.core.tiers import SLOConfig
 from tokenfleet.core.types import KVEvent
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.direct import outcome_key
@@ -48,8 +49,10 @@ from tokenfleet.live.gateway.rows import (
     settled,
 )
 from tokenfleet.live.jobs import ChatJob
-from tokenfleet.live.relay import RelayEvent, RelayReader
+from tokenfleet.live.queues import pool_queue
+from tokenfleet.live.relay import RelayEvent, RelayReader, RelayWriter
 from tokenfleet.live.resend import pick_resend_target
+from tokenfleet.live.settle import completed, first_token_counts
 from tokenfleet.live.state import InstanceInfo, LiveState
 from tokenfleet.service.writer import RequestRecord
 
@@ -71,6 +74,12 @@ class Watcher:
     metrics: Any
     direct_calls: DirectCalls
     pump: StreamPump | None
+    slo: SLOConfig
+    accounting: Any
+    express_running: dict[tuple[str, str], int]
+    express_lock: threading.Lock
+    #: instance -> this process's own attempts there that failed in a row
+    engine_failures: dict[str, int]
 
     if TYPE_CHECKING:  # from LiveView, Dispatcher and Feedback
 
@@ -188,6 +197,12 @@ class Watcher:
         """The relay stream's events, with each ``go`` hand-over replaced by the
         engine's own stream (:meth:`_direct`)."""
         try:
+            if d.express is not None:  # this process's own first attempt
+                for dev in self._direct(d, d.express, client_gone, owned=True):
+                    yield dev
+                    if dev.kind in ("err", "gone"):
+                        return
+                last_entry[0] = time.time()  # its end (or re-send) follows on the stream
             for ev in relayed:
                 if ev.kind != "go":
                     yield ev
@@ -201,14 +216,20 @@ class Watcher:
             relayed.close()
 
     def _direct(
-        self, d: Dispatched, go: RelayEvent, client_gone: Callable[[], bool] | None
+        self,
+        d: Dispatched,
+        go: RelayEvent,
+        client_gone: Callable[[], bool] | None,
+        owned: bool = False,
     ) -> Generator[RelayEvent, None, None]:
         """Read the engine's stream of the attempt ``go`` hands over
         (:mod:`tokenfleet.live.direct`).
 
         Yields ``d`` events; ends after reporting the outcome to the worker
         (whose ``end``, ``retry`` or ``err`` entry follows on the relay stream),
-        or with a terminal ``err``/``gone`` when the watch thread closed the call."""
+        or with a terminal ``err``/``gone`` when the watch thread closed the call.
+        ``owned``: this process claimed the attempt (express dispatch) and
+        settles it itself, as the worker would (:meth:`_own_end`)."""
         facts = go.facts or {}
         info = d.request.info
         rid = info.request_id
@@ -234,6 +255,7 @@ class Watcher:
             call,
             info.arrival_s + self.live.request_timeout_s,
             client_gone,
+            owned=owned,
         )
         out_key = outcome_key(self.state, rid, attempt)
         first_s: float | None = None
@@ -255,7 +277,10 @@ class Watcher:
                         yield RelayEvent("d", piece.text, piece.tokens, instance=instance)
                         # after the token left: the state's flag first (a lost worker
                         # then means an error, not a re-send), then the worker's entry
-                        self._report(out_key, {"k": "ft", "t": first_s}, first_token_of=rid)
+                        if owned:
+                            self._own_first_token(d, instance, first_s)
+                        else:
+                            self._report(out_key, {"k": "ft", "t": first_s}, first_token_of=rid)
                         if facts.get("x") == "0":
                             self._approximate_kv(instance, info.block_hashes)
                     else:
@@ -293,6 +318,11 @@ class Watcher:
                     if ev is not None:
                         yield ev
                     return
+                if owned:
+                    ev = self._own_failure(d, instance, attempt, exc, first_s)
+                    if ev is not None:
+                        yield ev
+                    return
                 fields: dict[str, Any] = {
                     "k": "out",
                     "x": exc.kind,
@@ -305,14 +335,162 @@ class Watcher:
                     fields["t"] = first_s
                 self._report(out_key, fields)
                 return
+            if owned:
+                self._own_end(d, instance, first_s, tokens, usage, finish)
+                return
         finally:
             self.direct_calls.unregister(watched)
             if not completed:
                 call.abort("closed")  # the caller stopped reading: the engine stops too
+            if owned:
+                self._own_release(d, instance, first_s is not None)
         fields = {"k": "out", "f": finish, "n": tokens, "u": json.dumps(usage) if usage else ""}
         if first_s is not None:
             fields["t"] = first_s
         self._report(out_key, fields)
+
+    # -- express dispatch: the attempts this process claimed (dispatch.py, _express) --------
+    def _own_first_token(self, d: Dispatched, instance: str, first_s: float) -> None:
+        """The worker's first-token step: the state's flag (a re-send is no
+        longer possible), the instance's accounting and beat's counters."""
+        info = d.request.info
+        try:
+            with self.state.batch() as b:
+                b.first_token(info.request_id)
+                delta = b.account(instance, "on_first_token", info, d.job.expected_cached)
+                b.count(
+                    **first_token_counts(
+                        self.slo, info.tier, info.input_tokens, info.arrival_s, first_s
+                    )
+                )
+            self.accounting.wrote(instance, delta)
+        except redis.RedisError:
+            log.warning("first token of %s not recorded in the live state", info.request_id)
+
+    def _own_end(
+        self,
+        d: Dispatched,
+        instance: str,
+        first_s: float | None,
+        tokens: int,
+        usage: dict[str, Any] | None,
+        finish: str,
+    ) -> None:
+        """Settle a completed attempt as its worker would: the verdict, and the
+        ``end`` entry (the row and the client's last chunk come from it, in
+        :meth:`events`) in the same atomic step."""
+        rid = d.request.info.request_id
+        done = completed(
+            self.slo,
+            d.job,
+            RelayWriter(self.state, rid, self.live.stream_ttl_s, instance),
+            first_ts=first_s,
+            finished_ts=time.time(),
+            dispatched_ts=d.dispatch_s,
+            usage=usage,
+            tokens=tokens,
+            finish_reason=finish,
+        )
+        try:
+            won, _ = self.state.finish(
+                rid,
+                done.status,
+                self.direct_calls.owner,
+                end_event=done.end,
+                stream_ttl_s=self.live.stream_ttl_s,
+            )
+        except redis.RedisError:
+            self._settle_later(rid, done.status)
+            return
+        if won:
+            d.extra["counts"] = done.counts(d.request.info.tier)
+        with self.express_lock:
+            self.engine_failures.pop(instance, None)
+
+    def _own_failure(
+        self, d: Dispatched, instance: str, attempt: int, exc: EngineError, first_s: float | None
+    ) -> RelayEvent | None:
+        """The worker's engine-error rule: before any token, a retryable error
+        re-sends the request (through the broker: another instance, else its
+        datacenter's pool); otherwise the request ends with the error."""
+        info = d.request.info
+        if exc.kind in ("error", "stall", "connect") or (exc.kind == "aborted" and first_s is None):
+            self._engine_failed(instance, str(exc))
+        retryable = exc.retryable or exc.kind == "aborted"
+        if first_s is None and retryable and attempt < self.live.max_attempts:
+            log.warning(
+                "request %s attempt %d failed on %s: %s", info.request_id, attempt, instance, exc
+            )
+            dc = self._dc_of(instance) or d.job.dc
+            ev = self._resend(
+                d,
+                attempt,
+                {instance},
+                f"attempt {attempt} on {instance}: {exc}",
+                owner=self.direct_calls.owner,
+                fallback_queue=pool_queue(dc, info.tier),
+            )
+            if d.attempt > attempt or ev is not None:
+                return ev
+        status = "timed_out" if exc.kind == "stall" else "failed"
+        code = 504 if status == "timed_out" else (exc.status if exc.status < 500 else 502)
+        verb = "engine timed out" if status == "timed_out" else "engine failed"
+        ev = self._settle(
+            d,
+            status,
+            code,
+            f"{verb} after {attempt} attempt(s): {exc}",
+            "invalid_request_error" if code < 500 else None,
+        )
+        if ev is not None:
+            d.extra["counts"] = {f"failed_{info.tier}": 1}
+        return ev
+
+    def _engine_failed(self, instance: str, reason: str) -> None:
+        """The worker's health rule for the attempts run here: after
+        ``engine_fail_threshold`` failures in a row the instance is marked
+        unhealthy for ``engine_unhealthy_s`` (routers skip it meanwhile)."""
+        with self.express_lock:
+            n = self.engine_failures[instance] = self.engine_failures.get(instance, 0) + 1
+            if n < self.live.engine_fail_threshold:
+                return
+            self.engine_failures[instance] = 0
+        log.warning(
+            "instance %s marked unhealthy for %.1fs: %s",
+            instance,
+            self.live.engine_unhealthy_s,
+            reason,
+        )
+        try:
+            self.state.mark_unhealthy(instance, self.live.engine_unhealthy_s, reason)
+            self.state.count(instances_marked_unhealthy=1)
+        except redis.RedisError:
+            log.warning("instance %s could not be marked unhealthy in Redis", instance)
+
+    def _own_release(self, d: Dispatched, instance: str, got_first_token: bool) -> None:
+        """The attempt left the engine: its accounting, and the settler's counters."""
+        info = d.request.info
+        with self.express_lock:
+            key = (instance, info.tier)
+            left = self.express_running.get(key, 0) - 1
+            if left > 0:
+                self.express_running[key] = left
+            else:
+                self.express_running.pop(key, None)
+        try:
+            with self.state.batch() as b:
+                delta = b.account(
+                    instance,
+                    "on_finish",
+                    info,
+                    d.job.expected_cached,
+                    got_first_token=got_first_token,
+                )
+                if counts := d.extra.pop("counts", None):
+                    b.count(**counts)
+            self.accounting.wrote(instance, delta)
+        except redis.RedisError:
+            log.warning("accounting of %s on %s not released", info.request_id, instance)
 
     def _approximate_kv(self, instance: str, hashes: Sequence[int]) -> None:
         """Without the engine's KV events, every replica learns that ``instance``
@@ -419,9 +597,17 @@ class Watcher:
         return False
 
     def _resend(
-        self, d: Dispatched, attempt: int, exclude: set[str], why: str
+        self,
+        d: Dispatched,
+        attempt: int,
+        exclude: set[str],
+        why: str,
+        owner: str = "",
+        fallback_queue: str = "",
     ) -> RelayEvent | None:
-        """Publish the next attempt by the shared re-send rule (:mod:`tokenfleet.live.resend`)."""
+        """Publish the next attempt by the shared re-send rule (:mod:`tokenfleet.live.resend`).
+        ``owner``: the attempt's lease is this process's (express dispatch),
+        given up by the move; ``fallback_queue``: where to with no other instance."""
         info = d.request.info
         now = time.time()
         tried = set(d.job.tried) | exclude
@@ -429,21 +615,24 @@ class Watcher:
             now, self.live.stale_after_s, self.instances(max_age_s=0.0)
         )
         target = pick_resend_target(views, d.job, tried)
-        if target is None:
+        if target is None and not fallback_queue:
             if attempt >= self.live.max_attempts:
                 return self._settle(d, "failed", 503, f"{why}; no other instance available")
             return None  # wait for one to come back (or the request timeout)
+        queue = target.queue if target is not None else fallback_queue
         new_attempt = self.state.redispatch(
-            info.request_id, attempt, self.live.max_attempts, target.queue
+            info.request_id, attempt, self.live.max_attempts, queue, owner
         )
         if new_attempt == -5:
             return self._settle(d, "failed", 502, f"{why}; out of attempts")
         if new_attempt < 0:
             return None  # raced with a worker or another check: look again next tick
-        with self.index_lock:
-            cached = self.index.match_instance(target.instance_id, info.block_hashes) * 16
+        cached = 0
+        if target is not None:
+            with self.index_lock:
+                cached = self.index.match_instance(target.instance_id, info.block_hashes) * 16
         job = d.job.next_attempt(
-            new_attempt, target.queue, tried=tried, expected_cached=min(cached, info.input_tokens)
+            new_attempt, queue, tried=tried, expected_cached=min(cached, info.input_tokens)
         )
         try:
             self._publish(job)
@@ -462,12 +651,14 @@ class Watcher:
             "request %s re-sent as attempt %d to %s: %s",
             info.request_id,
             new_attempt,
-            target.queue,
+            queue,
             why,
         )
         return None
 
-    def _settle(self, d: Dispatched, status: str, code: int, message: str) -> RelayEvent | None:
+    def _settle(
+        self, d: Dispatched, status: str, code: int, message: str, error_type: str | None = None
+    ) -> RelayEvent | None:
         info = d.request.info
         won, _final = self.state.finish(info.request_id, status)
         if not won:
@@ -481,7 +672,7 @@ class Watcher:
             "err",
             message=message,
             code=code,
-            error_type="timeout" if code == 504 else "server_error",
+            error_type=error_type or ("timeout" if code == 504 else "server_error"),
             ledger=settled(status),
         )
 
