@@ -200,7 +200,7 @@ class Watcher:
             if d.express is not None:  # this process's own first attempt
                 for dev in self._direct(d, d.express, client_gone, owned=True):
                     yield dev
-                    if dev.kind in ("err", "gone"):
+                    if dev.kind in ("end", "err", "gone"):
                         return
                 last_entry[0] = time.time()  # its end (or re-send) follows on the stream
             for ev in relayed:
@@ -336,7 +336,9 @@ class Watcher:
                 self._report(out_key, fields)
                 return
             if owned:
-                self._own_end(d, instance, first_s, tokens, usage, finish)
+                end = self._own_end(d, instance, first_s, tokens, usage, finish)
+                if end is not None:
+                    yield end
                 return
         finally:
             self.direct_calls.unregister(watched)
@@ -375,10 +377,12 @@ class Watcher:
         tokens: int,
         usage: dict[str, Any] | None,
         finish: str,
-    ) -> None:
-        """Settle a completed attempt as its worker would: the verdict, and the
-        ``end`` entry (the row and the client's last chunk come from it, in
-        :meth:`events`) in the same atomic step."""
+    ) -> RelayEvent | None:
+        """Settle a completed attempt as its worker would: the verdict and the
+        ``end`` entry in one atomic step. Returns the ``end`` event for the
+        client (and the API's row, in :meth:`events`) at once, also when Redis
+        is away (settled there once it is back); None when something else
+        settled the request first (its verdict is on the stream)."""
         rid = d.request.info.request_id
         done = completed(
             self.slo,
@@ -401,11 +405,21 @@ class Watcher:
             )
         except redis.RedisError:
             self._settle_later(rid, done.status)
-            return
-        if won:
-            d.extra["counts"] = done.counts(d.request.info.tier)
+            won = True
+        else:
+            if won:
+                d.extra["counts"] = done.counts(d.request.info.tier)
         with self.express_lock:
             self.engine_failures.pop(instance, None)
+        if not won:
+            return None
+        return RelayEvent(
+            "end",
+            finish_reason=finish or "stop",
+            usage=json.loads(done.end["u"]) if done.end.get("u") else None,
+            instance=instance,
+            ledger={k: str(done.end[k]) for k in ("s", "td", "tf", "te", "ca")},
+        )
 
     def _own_failure(
         self, d: Dispatched, instance: str, attempt: int, exc: EngineError, first_s: float | None
@@ -413,6 +427,22 @@ class Watcher:
         """The worker's engine-error rule: before any token, a retryable error
         re-sends the request (through the broker: another instance, else its
         datacenter's pool); otherwise the request ends with the error."""
+        try:
+            return self._own_failure_settled(d, instance, attempt, exc, first_s)
+        except redis.RedisError:
+            self._settle_later(d.request.info.request_id, "failed")
+            return RelayEvent(
+                "err",
+                message="lost contact with the live state store after the engine failed "
+                f"({exc}); retry the request",
+                code=503,
+                error_type="server_error",
+                ledger=settled("failed"),
+            )
+
+    def _own_failure_settled(
+        self, d: Dispatched, instance: str, attempt: int, exc: EngineError, first_s: float | None
+    ) -> RelayEvent | None:
         info = d.request.info
         if exc.kind in ("error", "stall", "connect") or (exc.kind == "aborted" and first_s is None):
             self._engine_failed(instance, str(exc))
