@@ -737,6 +737,31 @@ def test_pool_queues_pause_while_the_engine_has_prefill_queued(state: LiveState)
     assert rt.desired_queues() == affinity_only
 
 
+def test_pool_queues_pause_while_an_api_prefills_on_the_engine(state: LiveState) -> None:
+    """A request the API runs itself (express dispatch) is no flight of the
+    worker's, but its booking in the shared accounting closes the pool as
+    the worker's own long prefill does (a short pool request pulled here
+    would wait behind it; the Mooncake slice's SLO misses of 2026-12-05)."""
+    from tokenfleet.core.types import RequestInfo
+
+    info = InstanceInfo("x1", "dcx", "m", "http://127.0.0.1:1", "llama3-8b-h200", 4096, 1, 8)
+    rt = WorkerRuntime(LiveConfig.load(env={}, pool_prefill_budget_tokens=2048), state, info)
+    rt._shares, rt._shares_at = {"batch": 1.0}, time.monotonic() + 1e6
+    affinity_only = [q for q in worker_queues("dcx", "x1") if q.count(".") == 2]
+    long = RequestInfo(
+        request_id="api-run", arrival_s=0.0, tenant="t", input_tokens=30000, max_tokens=16
+    )
+    with state.batch() as b:  # what the API's express dispatch books
+        b.account("x1", "on_dispatch", long, 0)
+    assert rt.desired_queues() == worker_queues("dcx", "x1"), "not read yet"
+    rt.read_shared_prefill()
+    assert rt.desired_queues() == affinity_only
+    with state.batch() as b:  # its first token: prefill done, decoding does not block
+        b.account("x1", "on_first_token", long, 0)
+    rt.read_shared_prefill()
+    assert rt.desired_queues() == worker_queues("dcx", "x1")
+
+
 def test_up_engine_option_names_dc_url_and_optional_kv_and_tokenizer() -> None:
     """``tokenfleet up --engine`` serves engines it did not start (real vLLM)."""
     from tokenfleet.cli.commands.up import ExternalEngine, parse_engine

@@ -142,6 +142,10 @@ class WorkerRuntime:
         #: scrapes in a row it stayed so (:meth:`_repair_accounting`)
         self._idle_acct: dict[bytes, bytes] | None = None
         self._idle_scrapes = 0
+        #: uncached prompt tokens booked on this instance by anyone (the shared
+        #: dispatch accounting): includes what the APIs run here themselves
+        #: (express dispatch), which this worker's own flights do not show
+        self.shared_prefill_tokens = 0
 
     def outcome_hub(self) -> RelayHub:
         """Reads the outcome streams of this process's direct requests
@@ -262,9 +266,19 @@ class WorkerRuntime:
         with self._lock:
             flights = list(self._flights.values())
             reserved = [self.reserved_prefill.get(t) for t in self.reserved]
-        return sum(f.prefill_tokens for f in flights if not f.first_token) + sum(
+        own = sum(f.prefill_tokens for f in flights if not f.first_token) + sum(
             budget if n is None else n for n in reserved
         )
+        return max(own, self.shared_prefill_tokens)
+
+    def read_shared_prefill(self) -> None:
+        """The gate thread's read of :attr:`shared_prefill_tokens` (one HGET)."""
+        try:
+            self.shared_prefill_tokens = max(
+                0, self.state.prefill_pending_uncached(self.info.instance_id)
+            )
+        except Exception:  # noqa: BLE001 - Redis away: the worker's own count stands
+            self.shared_prefill_tokens = 0
 
     def pool_open(self) -> bool:
         return self.pending_prefill_tokens() < self.live.pool_prefill_budget_tokens
@@ -480,6 +494,8 @@ class WorkerRuntime:
             c = self._consumer
             if c is None or getattr(c, "task_consumer", None) is None:
                 continue
+            if self.info.role != "prefill":  # it consumes its DC's pool queues
+                self.read_shared_prefill()
             queued: dict[str, int] = {}
             if not self.broker_orders_queues:
                 try:

@@ -410,6 +410,12 @@ class LiveState:
         queued = {k.decode(): max(0, int(v)) for k, v in raws[-1].items()}
         return accts, queued
 
+    def prefill_pending_uncached(self, instance_id: str) -> int:
+        """One field of the instance's accounting: the uncached prompt tokens
+        booked there and not prefilled yet, by every API and worker."""
+        raw = self.r.hget(self.k("acct", instance_id), "prefill_pending_uncached_tokens")
+        return int(raw) if raw else 0
+
     def book_dispatch(
         self, instance_id: str, req: RequestInfo, cached: int
     ) -> tuple[dict[str, int], DispatchAccounting]:
