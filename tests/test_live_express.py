@@ -26,7 +26,12 @@ def stack(live_stack: Any) -> Iterator[LiveStack]:
         router="round_robin",
         time_scale=0.2,
         app_config={"CHAT_QUOTAS": False},
-        live_overrides={"engine_fail_threshold": 2, "fleet_policy": "off"},
+        # unhealthy for a minute: the check below must not race the mark's expiry
+        live_overrides={
+            "engine_fail_threshold": 2,
+            "engine_unhealthy_s": 60.0,
+            "fleet_policy": "off",
+        },
         instances=[InstanceSpec("dc-a", "a0", slots=1), InstanceSpec("dc-a", "a1", slots=1)],
     ) as s:
         yield s

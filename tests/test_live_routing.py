@@ -99,18 +99,31 @@ def test_without_cache_value_a_request_goes_to_an_idle_choice_else_to_the_pool(
     assert after.get("dispatched_affinity", 0) - before.get("dispatched_affinity", 0) == 3
     assert after.get("dispatched_pool", 0) == before.get("dispatched_pool", 0)
 
+    def dispatched(c: dict[str, int]) -> int:
+        return c.get("dispatched_pool", 0) + c.get("dispatched_affinity", 0)
+
     ids = [i.instance_id for i in gw.instances()]
     queued = RequestInfo("queued-elsewhere", time.time(), 30_000, 64)
     booked = [(iid, gw.state.book_dispatch(iid, queued, 0)[0]) for iid in ids]
+    # sent together, and the bookings taken back once all three are placed:
+    # the workers see the booked prompt too and pull no pool work meanwhile
+    # (and an idle engine's worker clears such a booking after 2 s)
+    threads = [threading.Thread(target=send, args=(1, f"busy {i}")) for i in range(3)]
     try:
         gw.accounting.refresh(ids)
         before = counters()
-        send(3, "busy")
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while dispatched(counters()) - dispatched(before) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
         after = counters()
     finally:
         for iid, delta in booked:
             gw.state.unbook(iid, delta)
         gw.accounting.refresh(ids)
+        for t in threads:
+            t.join(60)
     assert after.get("dispatched_pool", 0) - before.get("dispatched_pool", 0) == 3
 
 
