@@ -50,8 +50,6 @@ log = logging.getLogger("tokenfleet.worker")
 #: client does not see (on the direct path the API closes the engine call itself)
 WATCHDOG_TICK_S = 0.25
 
-#: default share of an engine's slots per tier until beat writes real ones
-
 
 class Abortable(Protocol):
     """What a flight's watchdog and scraper stop: the engine call, or on the

@@ -50,7 +50,7 @@ from tokenfleet.live.gateway.pump import PumpSink
 from tokenfleet.live.gateway.validate import ChatRequest
 from tokenfleet.live.jobs import TASK_CHAT, ChatJob, send_chat_job
 from tokenfleet.live.queues import affinity_queue, pool_queue
-from tokenfleet.live.relay import RelayEvent, RelayHub, Subscription
+from tokenfleet.live.relay import RelayEvent, RelayHub, RelayWriter, Subscription
 from tokenfleet.live.state import InstanceInfo, LiveState
 from tokenfleet.service.writer import RequestRecord
 
@@ -628,15 +628,15 @@ class Dispatcher:
         wait_s = first_token_timeout_s(
             self.live.engine_stall_timeout_s, self.state.profile(inst.profile), uncached
         )
-        facts = {
-            "k": "go",
-            "u": inst.api_url or inst.url,
-            "e": f"{job.request_id}-{job.attempt}",
-            "a": str(job.attempt),
-            "i": inst.instance_id,
-            "x": "1" if inst.exact_kv else "0",
-            "w": str(round(wait_s, 3)),
-        }
+        fields = RelayWriter(self.state, job.request_id, 0, inst.instance_id).go_fields(
+            inst.api_url or inst.url,
+            f"{job.request_id}-{job.attempt}",
+            job.attempt,
+            exact_kv_events=inst.exact_kv,
+            first_token_timeout_s=wait_s,
+        )
+        # as read back from the stream: strings
+        facts = {k: str(v) for k, v in fields.items()}
         return RelayEvent("go", instance=inst.instance_id, facts=facts)
 
     def _sticky(self, req: ChatRequest, views: list[Any], target: Any) -> tuple[Any, bool]:
@@ -693,9 +693,7 @@ class Dispatcher:
         here for this process (:meth:`_express`), nothing published."""
         info = req.info
         # the task joins the state's round trip only when it goes to that same Redis
-        joined = None if self.brokers.own(target.dc) else self._publisher
-        if express:
-            joined = None
+        joined = None if express or self.brokers.own(target.dc) else self._publisher
         booked: dict[str, int] = {}
         try:
             with self.state.batch() as b:
