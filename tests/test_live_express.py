@@ -14,7 +14,9 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import openai
 import pytest
+import redis
 
 from tests.support.stack import InstanceSpec, LiveStack
 from tokenfleet.live.direct import outcome_key
@@ -183,3 +185,37 @@ def test_engine_errors_resend_through_the_broker_and_mark_the_engine(stack: Live
         stack.emulators["a0"].config.fail_5xx_rate = 0.0
         state.mark_unhealthy("a0", -1.0, "")
     assert _wait_for(lambda: _idle(stack))
+
+
+def test_the_engine_starts_before_the_dispatch_writes_and_a_failed_write_aborts_it(
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The express request is on its engine while the dispatch's Redis round
+    trip runs (the writes no longer precede the engine's prefill); when that
+    round trip fails the client gets a 503 and the engine's request is
+    aborted, not left running unowned."""
+    assert _wait_for(lambda: _idle(stack))
+    gw = stack.gateway
+    writes = gw._dispatch_writes
+    at_writes: list[int] = []
+
+    def failing_writes(*args: Any, **kwargs: Any) -> None:
+        express = args[-1] if len(args) >= 8 else kwargs.get("express", False)
+        if express:
+            _wait_for(lambda: sum(len(e.loop.handles) for e in stack.emulators.values()) > 0, 5)
+            at_writes.append(sum(len(e.loop.handles) for e in stack.emulators.values()))
+            raise redis.ConnectionError("injected: the dispatch's round trip failed")
+        writes(*args, **kwargs)
+
+    monkeypatch.setattr(gw, "_dispatch_writes", failing_writes)
+    with pytest.raises(openai.APIStatusError) as exc:
+        stack.client(timeout=30).chat.completions.create(
+            model=stack.model,
+            max_tokens=3000,
+            extra_body={"vllm_xargs": {"output_tokens": 3000}},
+            messages=[{"role": "user", "content": f"lost write {uuid.uuid4().hex}"}],
+        )
+    assert exc.value.status_code == 503
+    assert at_writes == [1], "the engine had not received the request when the writes ran"
+    monkeypatch.undo()
+    assert _wait_for(lambda: _idle(stack)), "the engine call outlived its failed dispatch"

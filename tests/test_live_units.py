@@ -621,6 +621,63 @@ def test_engine_call_abort_stops_the_engine(emulator: EmulatorServer) -> None:
     assert running and float(running[0].split()[-1]) == 0.0
 
 
+def _running(emulator: EmulatorServer) -> float:
+    m = requests.get(emulator.url + "/metrics", timeout=5).text
+    return sum(
+        float(ln.split()[-1]) for ln in m.splitlines() if ln.startswith("vllm:num_requests_running")
+    )
+
+
+def test_an_engine_call_sent_ahead_runs_before_its_read(emulator: EmulatorServer) -> None:
+    """``start`` (express dispatch, before the dispatch's Redis writes) puts the
+    request on the engine at once; ``stream`` reads its answer later, and
+    ``discard`` aborts one that will never be read."""
+    call = EngineCall(emulator.url, _body(5000), "ahead-1")
+    call.start()
+    deadline = time.monotonic() + 5
+    while _running(emulator) < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _running(emulator) == 1  # running, nothing read yet
+    got = 0
+    for piece in call.stream():
+        got += piece.tokens
+        if got >= 3:
+            break
+    assert got >= 3
+    call.discard("done reading")
+    dropped = EngineCall(emulator.url, _body(5000), "ahead-2")
+    dropped.start()
+    time.sleep(0.2)
+    dropped.discard("dispatch failed")
+    deadline = time.monotonic() + 5
+    while _running(emulator) > 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _running(emulator) == 0  # both aborted on the engine
+
+
+def test_an_engine_call_sent_ahead_on_a_stale_connection_is_sent_again(
+    emulator: EmulatorServer,
+) -> None:
+    """A pooled keep-alive connection the engine had closed takes the request
+    (the write succeeds) and then answers nothing: the read sends it again on
+    a new connection, as a call that was not started ahead does."""
+    import http.client
+    import socket
+
+    call = EngineCall(emulator.url, _body(4), "stale-1")
+    ours, theirs = socket.socketpair()
+    stale = http.client.HTTPConnection(call.host, call.port)
+    stale.sock = ours
+    with engine_client._idle_lock:
+        engine_client._idle[(call.host, call.port)] = [stale]
+    call.start()
+    assert theirs.recv(65536).startswith(b"POST /v1/chat/completions")  # it went out there
+    theirs.close()  # the engine's side was gone: no answer comes
+    pieces = list(call.stream())
+    assert sum(p.tokens for p in pieces) == 4
+    assert pieces[-1].usage is not None and pieces[-1].usage["completion_tokens"] == 4
+
+
 def test_engine_call_classifies_failures(emulator: EmulatorServer) -> None:
     with pytest.raises(EngineError) as exc:
         list(EngineCall("http://127.0.0.1:1", _body(2), "e3").stream())

@@ -113,6 +113,10 @@ class EngineCall:
         #: disaggregated: the instance that prefills first (:meth:`_remote_prefill`)
         self.prefill_url = prefill_url
         self._prefill: EngineCall | None = None
+        #: the request was sent ahead of the read (:meth:`start`): its connection
+        #: and whether that connection was fresh
+        self._started: http.client.HTTPConnection | None = None
+        self._fresh = False  # the connection in use was opened for this call
 
     # -- the process's keep-alive connections ---------------------------------------
     def _take_conn(self, reuse: bool = True) -> http.client.HTTPConnection:
@@ -147,7 +151,30 @@ class EngineCall:
         conn.close()
 
     # -- the call ------------------------------------------------------------------
-    def _send(self) -> http.client.HTTPResponse:
+    def start(self) -> None:
+        """Send the request now and read the answer later (:meth:`stream`), so
+        what the caller does meanwhile (the dispatch's own Redis writes)
+        overlaps the engine's work instead of preceding it. Best effort: a
+        failure here leaves the whole send to :meth:`stream`, which reports it."""
+        if self.prefill_url or self._started is not None:
+            return  # disaggregated: the prefill instance comes first
+        try:
+            self._started = self._request(reuse=True)
+        except Exception:  # noqa: BLE001 - stream() sends again and raises what it means
+            with self._lock:
+                conn, self._conn = self._conn, None
+            if conn is not None:
+                conn.close()
+
+    def discard(self, reason: str) -> None:
+        """A started call whose stream will not be read: abort it and close."""
+        self.abort(reason)
+        self._started = None
+        self._give_back()
+
+    def _request(self, reuse: bool) -> http.client.HTTPConnection:
+        """Write the request on a pooled (``reuse``) or new connection (which
+        :attr:`_fresh` tells). Raises what ``http.client`` raises."""
         payload = json.dumps(self.body).encode()
         hdrs = {
             "Content-Type": "application/json",
@@ -157,49 +184,59 @@ class EngineCall:
         }
         # a legacy completion (``prompt``, /v1/completions) goes to the engine's own
         path = "/v1/completions" if "prompt" in self.body else "/v1/chat/completions"
+        conn = self._take_conn(reuse=reuse)
+        self._fresh = conn.sock is None
+        with self._lock:
+            self._conn = conn
+            if self._aborted:
+                raise self._abort_error()
+        conn.request("POST", path, body=payload, headers=hdrs)
+        if conn.sock is not None:
+            conn.sock.settimeout(self._timeout_s)
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
+
+    def _send(self) -> http.client.HTTPResponse:
         for attempt in range(2):  # a pooled keep-alive connection may have gone stale
-            conn = self._take_conn(reuse=attempt == 0)
-            fresh = conn.sock is None
-            with self._lock:
-                self._conn = conn
-                if self._aborted:
-                    raise self._abort_error()
+            conn, self._started = self._started, None
             try:
-                conn.request("POST", path, body=payload, headers=hdrs)
-                if conn.sock is not None:
-                    conn.sock.settimeout(self._timeout_s)
-                    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if conn is None:
+                    conn = self._request(reuse=attempt == 0)
                 return conn.getresponse()
             except (
                 ConnectionError,
                 http.client.RemoteDisconnected,
                 http.client.BadStatusLine,
             ) as exc:
-                conn.close()
-                self._conn = None
+                self._close(conn)
                 if self._aborted:
                     raise self._abort_error() from None
-                if fresh or attempt:
+                if self._fresh or attempt:
                     raise EngineError(
                         f"engine {self.base_url} unreachable: {exc!r}", 503, kind="connect"
                     ) from None
             except TimeoutError:
-                conn.close()
-                self._conn = None
+                self._close(conn)
                 raise EngineError(
                     f"engine {self.base_url} did not answer within {self._timeout_s:.1f}s",
                     504,
                     kind="stall",
                 ) from None
             except OSError as exc:
-                conn.close()
-                self._conn = None
+                self._close(conn)
                 if self._aborted:
                     raise self._abort_error() from None
                 raise EngineError(
                     f"engine {self.base_url} unreachable: {exc!r}", 503, kind="connect"
                 ) from None
         raise AssertionError("unreachable")
+
+    def _close(self, conn: http.client.HTTPConnection | None) -> None:
+        if conn is None:
+            conn = self._conn
+        if conn is not None:
+            conn.close()
+        self._conn = None
 
     def stream(self, coalesce_s: float = 0.0) -> Iterator[StreamPiece]:
         """Pieces of the completion, one per read of what the engine flushed;

@@ -26,6 +26,7 @@ import redis
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.direct import API_ALIVE_LEASES, api_alive_key
 from tokenfleet.live.engine_client import EngineCall
+from tokenfleet.live.jobs import ChatJob
 from tokenfleet.live.state import LiveState
 
 log = logging.getLogger("tokenfleet.api")
@@ -42,6 +43,20 @@ GONE = "client went away"
 LOST = "worker lost"
 DEADLINE = "request timeout"
 SUPERSEDED = "attempt superseded"
+
+
+def engine_call(facts: dict[str, str], job: ChatJob, live: LiveConfig) -> EngineCall:
+    """The engine call a ``go`` hand-over's facts describe (``RelayWriter.go_fields``)."""
+    return EngineCall(
+        facts.get("u", ""),
+        job.body,
+        facts.get("e") or f"{job.request_id}-{int(facts.get('a') or 0)}",
+        connect_timeout_s=live.engine_connect_timeout_s,
+        stall_timeout_s=live.engine_stall_timeout_s,
+        headers=job.engine_headers or None,
+        prefill_url=facts.get("p", ""),
+        first_token_timeout_s=float(facts.get("w") or 0.0),
+    )
 
 
 @dataclass(slots=True, eq=False)

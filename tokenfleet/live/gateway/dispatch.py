@@ -38,8 +38,8 @@ from tokenfleet.errors import NoCandidateError
 from tokenfleet.live.brokers import DcBrokers
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.dc_select import DCTicket
-from tokenfleet.live.engine_client import first_token_timeout_s
-from tokenfleet.live.gateway.direct import DirectCalls
+from tokenfleet.live.engine_client import EngineCall, first_token_timeout_s
+from tokenfleet.live.gateway.direct import DirectCalls, engine_call
 from tokenfleet.live.gateway.errors import (
     AtCapacity,
     NoCapacity,
@@ -93,6 +93,8 @@ class Dispatched:
     #: express dispatch: the hand-over of the first attempt, which this
     #: process claimed and runs itself (no broker message, no worker)
     express: RelayEvent | None = None
+    #: its engine call, sent before the dispatch's writes (None once read)
+    express_call: EngineCall | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -155,6 +157,7 @@ class Dispatcher:
         info = req.info
         self.await_prefetch()
         now = time.time()
+        call: EngineCall | None = None  # express dispatch's engine call, once started
         try:
             views = self.state.instance_views(
                 now, self.live.stale_after_s, self.instances(), self.accounting.get
@@ -229,6 +232,14 @@ class Dispatcher:
                 # booked for another dispatch than the one published
                 self.state.unbook(*prebooked)
                 prebooked = None
+            go = None
+            if express is not None:
+                # the engine starts on the prompt while the state is written: its
+                # answer is read only after the writes (and a failure of theirs
+                # aborts it), so no token leaves before the state says whose it is
+                go = self._express_go(job, express)
+                call = engine_call(go.facts or {}, job, self.live)
+                call.start()
             sub = self.relay_hub.subscribe(info.request_id)
             try:
                 self._dispatch_writes(
@@ -241,6 +252,8 @@ class Dispatcher:
                 ) from None
             except BaseException:
                 sub.close()
+                if call is not None:
+                    call.discard("dispatch failed")
                 raise
             if express is not None:
                 with self.express_lock:
@@ -250,6 +263,8 @@ class Dispatcher:
                 ledger_record(info, "in_flight", admitted_ts=admitted, dc=target.dc, attempts=1)
             )
         except redis.RedisError as exc:
+            if call is not None:
+                call.discard("dispatch failed")
             raise StoreUnavailable(
                 f"the live state store is unavailable ({exc.__class__.__name__}); retry shortly"
             ) from None
@@ -273,7 +288,8 @@ class Dispatcher:
             affinity=affinity,
             dc_ticket=ticket,
             sub=sub,
-            express=self._express_go(job, express) if express is not None else None,
+            express=go,
+            express_call=call,
         )
 
     # -- admission ----------------------------------------------------------------------

@@ -31,7 +31,7 @@ from tokenfleet.core.tiers import SLOConfig
 from tokenfleet.core.types import KVEvent
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.direct import outcome_key
-from tokenfleet.live.engine_client import EngineCall, EngineError
+from tokenfleet.live.engine_client import EngineError
 from tokenfleet.live.gateway.direct import (
     DEADLINE,
     GONE,
@@ -39,6 +39,7 @@ from tokenfleet.live.gateway.direct import (
     SUPERSEDED,
     DirectCall,
     DirectCalls,
+    engine_call,
 )
 from tokenfleet.live.gateway.dispatch import Dispatched, ledger_record
 from tokenfleet.live.gateway.pump import PumpResult, StreamPump
@@ -214,6 +215,9 @@ class Watcher:
                 last_entry[0] = time.time()  # the worker's verdict follows on the stream
         finally:
             relayed.close()
+            if d.express_call is not None:  # closed before its stream was read
+                d.express_call.discard(GONE)
+                d.express_call = None
 
     def _direct(
         self,
@@ -239,16 +243,10 @@ class Watcher:
         d.attempt = attempt
         instance = facts.get("i", "")
         d.serving = instance
-        call = EngineCall(
-            facts.get("u", ""),
-            d.job.body,
-            facts.get("e") or f"{rid}-{attempt}",
-            connect_timeout_s=self.live.engine_connect_timeout_s,
-            stall_timeout_s=self.live.engine_stall_timeout_s,
-            headers=d.job.engine_headers or None,
-            prefill_url=facts.get("p", ""),
-            first_token_timeout_s=float(facts.get("w") or 0.0),
-        )
+        call = d.express_call if owned and d.express_call is not None else None
+        d.express_call = None  # a re-send's attempt is another call
+        if call is None:
+            call = engine_call(facts, d.job, self.live)
         watched = DirectCall(
             rid,
             attempt,
@@ -711,6 +709,9 @@ class Watcher:
         info = d.request.info
         if d.sub is not None:
             d.sub.close()
+        if d.express_call is not None:  # sent, never read
+            d.express_call.discard(GONE)
+            d.express_call = None
         try:
             self.state.cancel(info.request_id)
             won, _ = self.state.finish(info.request_id, "cancelled")
