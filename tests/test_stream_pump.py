@@ -146,18 +146,19 @@ def test_a_stream_aborted_while_it_rests_between_reads_ends_with_the_reason() ->
     assert result.error.status == 499 and "client went away" in str(result.error)
 
 
-def _events(shapes: list[dict[str, Any]], compact: bool) -> bytes:
+#: a token's text with escapes and the shape of the event's own keys
+_TRICKY = '\\ "choices": [{"index": 0, "delta": {"content": "x"}}]} \n\t'
+
+
+def _events(shapes: list[dict[str, Any]], compact: bool, done: bool = True) -> bytes:
     sep = (",", ":") if compact else (", ", ": ")
     head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
-    return (
-        b"".join(
-            b"data: "
-            + json.dumps({**head, **s}, separators=sep, ensure_ascii=compact).encode()
-            + b"\n\n"
-            for s in shapes
-        )
-        + b"data: [DONE]\n\n"
-    )
+    return b"".join(
+        b"data: "
+        + json.dumps({**head, **s}, separators=sep, ensure_ascii=compact).encode()
+        + b"\n\n"
+        for s in shapes
+    ) + (b"data: [DONE]\n\n" if done else b"")
 
 
 def _delta(content: Any = None, finish: str | None = None, **delta: Any) -> dict[str, Any]:
@@ -173,7 +174,7 @@ def test_plain_token_events_read_by_the_shortcut_equal_the_full_parse(monkeypatc
     it must leave to the full parse (role, finish reason, usage, extra fields)."""
     from tokenfleet.live import engine_client
 
-    tricky = '\\ "choices": [{"index": 0, "delta": {"content": "x"}}]} \n\t'
+    tricky = _TRICKY
     shapes = [
         _delta("", role="assistant"),
         _delta("Hello"),
@@ -205,3 +206,41 @@ def test_plain_token_events_read_by_the_shortcut_equal_the_full_parse(monkeypatc
         assert fast is not None and fast.tokens == 6 and fast.finish_reason == "length"
         assert fast.text == "Hello wörld ✓" + tricky + " more x end"
         assert fast.usage == {"prompt_tokens": 5, "completion_tokens": 6}
+
+
+class _NoSearch:
+    """A stand-in for the per-line pattern that fails the test when used."""
+
+    def search(self, line: bytes) -> Any:
+        raise AssertionError(f"read line by line: {line[:60]!r}")
+
+
+def test_a_flush_of_plain_token_events_is_read_in_one_pass(monkeypatch: Any) -> None:
+    """Mid-stream a flush holds token events only: one pass over the block
+    reads them (the per-line pattern is not used), with the same text and
+    count as the full parse; a block with anything else, or a token whose
+    text says ``data:``, goes line by line and still agrees."""
+    from tokenfleet.live import engine_client
+
+    tricky = _TRICKY
+    plain = [_delta("Hello"), _delta(" wörld ✓"), _delta(tricky), _delta(""), _delta(" end")]
+    for compact in (True, False):
+        block = _events(plain, compact, done=False)
+        with monkeypatch.context() as m:
+            m.setattr(engine_client, "_PLAIN_DELTA", _NoSearch())
+            fast = engine_client._parse_events(block)
+        with monkeypatch.context() as m:
+            m.setattr(engine_client, "_PLAIN_DELTA", re.compile(rb"(?!)"))
+            m.setattr(engine_client, "_PLAIN_EVENTS", re.compile(rb"(?!)"))
+            full = engine_client._parse_events(block)
+        assert fast == full
+        assert fast is not None and fast.tokens == 4
+        assert fast.text == "Hello wörld ✓" + tricky + " end"
+        for other in ([*plain, _delta(" data: y")], [*plain, _delta(" z", finish="stop")]):
+            block = _events(other, compact, done=False)
+            got = engine_client._parse_events(block)
+            with monkeypatch.context() as m:
+                m.setattr(engine_client, "_PLAIN_DELTA", re.compile(rb"(?!)"))
+                m.setattr(engine_client, "_PLAIN_EVENTS", re.compile(rb"(?!)"))
+                assert got == engine_client._parse_events(block)
+            assert got is not None and got.tokens == 5

@@ -114,6 +114,7 @@ class StreamPump:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.carried = 0  # streams handed over so far
+        self.reads = 0  # engine socket reads that returned bytes
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -302,6 +303,7 @@ class StreamPump:
         if not data:
             self._end(job, self._broken(job, None))
             return False
+        self.reads += 1
         self._consume(job, data)
         return True
 
