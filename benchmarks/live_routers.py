@@ -47,7 +47,10 @@ sessions on shared system prompts) at ``--rate`` requests/s.
 Per run: TTFT p50/p95, goodput (output tokens/s of requests that met their
 SLO), SLO attainment, and the front door's own path latency (client send ->
 engine, engine first token -> client; joined with the engines' request logs
-by the X-Request-Id the front door forwards). The table gives the median of
+by the X-Request-Id the front door forwards), and the front door's CPU per
+request over the run (gross: background work included; TokenFleet's control
+plane as ``cpu_per_request.py`` counts it, or the Rust router's process
+tree; engines and the client apart). The table gives the median of
 the repeats and their range. ``--dump DIR`` keeps each run's requests as
 the client, the engines, the ledger and the simulator saw them.
 """
@@ -70,6 +73,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.support
 
+from benchmarks.cpu_per_request import CONTROL_PLANE, cpu_by_role, stack_pids, tree_cpu_s  # noqa: E402
 from tests.support.stack import API_KEY, InstanceSpec, LiveStack, engine_sim_argv  # noqa: E402
 from tests.support.stores import temp_data_dir  # noqa: E402
 from tokenfleet.core.tiers import SLOConfig  # noqa: E402
@@ -335,6 +339,7 @@ def one_run(
                         body["ignore_eos"] = True
                         body["max_tokens"] = max(1, req.output_tokens)
 
+            cpu0 = _front_cpu_s(stack, proc)
             outs, wall_s = replay(
                 urls,
                 API_KEY,
@@ -344,6 +349,7 @@ def one_run(
                 send_request_ids=True,
                 body_hook=hook,
             )
+            front_cpu_s = _front_cpu_s(stack, proc) - cpu0
             rechecks = booking_rechecks(urls) if kind == "tokenfleet" else None
             if args.dump is not None:
                 dump_run(args.dump / f"{front}-{rep}", outs, logs, stack)
@@ -375,6 +381,7 @@ def one_run(
         "path_p50_ms": _q(path_ms, 0.5),
         "dispatch_p50_ms": _q(dispatch_ms, 0.5),
         "dispatch_p95_ms": _q(dispatch_ms, 0.95),
+        "front_cpu_ms_per_request": round(front_cpu_s * 1e3 / max(1, len(outs)), 2),
         "joined": len(delays),
         "requests": len(outs),
         "failed": sum(o.status != "completed" for o in outs),
@@ -383,6 +390,19 @@ def one_run(
         "hops": hops,
         "sim": sim,
     }
+
+
+def _front_cpu_s(stack: LiveStack | None, proc: subprocess.Popen[bytes] | None) -> float:
+    """CPU seconds the front door's processes have used: TokenFleet's control
+    plane (API, workers, beat, Redis, PostgreSQL; ``cpu_per_request.py``'s
+    roles) or the Rust router's process tree. Engines and this client are not
+    counted."""
+    if stack is not None:
+        by_role = cpu_by_role(stack_pids(stack))
+        return sum(by_role.get(r, 0.0) for r in CONTROL_PLANE)
+    if proc is not None:
+        return tree_cpu_s(proc.pid) or 0.0
+    return 0.0
 
 
 def booking_rechecks(urls: list[str]) -> dict[str, float]:
@@ -511,6 +531,7 @@ def table(runs: list[dict[str, Any]], fronts: list[str]) -> str:
         ("SLO met", "slo_attainment", "{:.1%}"),
         ("path p50 ms", "path_p50_ms", "{:.1f}"),
         ("dispatch p95 ms", "dispatch_p95_ms", "{:.1f}"),
+        ("front CPU ms/req", "front_cpu_ms_per_request", "{:.1f}"),
     ]
     lines = ["| front door | " + " | ".join(c[0] for c in cols) + " |"]
     lines.append("|" + " --- |" * (len(cols) + 1))
@@ -618,7 +639,8 @@ def main() -> int:
             print(
                 f"  [{rep + 1}/{args.repeats}] {f:24} TTFT p50 {r['ttft_p50_s']:.3f} "
                 f"p95 {r['ttft_p95_s']:.3f} s, goodput {r['goodput_tok_s']:.0f} tok/s, "
-                f"SLO {r['slo_attainment']:.1%}, path p50 {r['path_p50_ms']:.1f} ms "
+                f"SLO {r['slo_attainment']:.1%}, path p50 {r['path_p50_ms']:.1f} ms, "
+                f"front CPU {r['front_cpu_ms_per_request']:.1f} ms/req "
                 f"({r['joined']}/{r['requests']} joined, {r['failed']} not completed) "
                 f"[{time.monotonic() - t0:.0f} s]",
                 flush=True,
