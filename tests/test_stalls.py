@@ -69,3 +69,11 @@ def test_a_stall_names_the_code_the_busy_threads_run() -> None:
             t.join()
     assert "test_stalls.py _spin x2" in described, described
     assert "wait" not in described
+
+
+def test_the_watch_wakes_a_quarter_of_its_threshold_apart_within_bounds() -> None:
+    """Each timed wake-up costs CPU: an idle worker's 250 ms threshold needs no
+    50 wake-ups a second (the API's 100 ms gets 40)."""
+    ticks = {ms: StallWatch(ms).tick_s for ms in (40.0, 100.0, 250.0, 1000.0)}
+    assert ticks == {40.0: 0.02, 100.0: 0.025, 250.0: 0.0625, 1000.0: 0.1}
+    assert StallWatch(250.0, tick_s=0.005).tick_s == 0.005

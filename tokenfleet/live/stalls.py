@@ -7,14 +7,14 @@ to a process with thousands of threads, so the process watches itself:
 
 * a collector callback times every collection and logs those of at least
   ``threshold_ms`` (generation, objects examined, collected);
-* a watch thread sleeps ``tick_s`` at a time and logs a wake-up late by at
-  least ``threshold_ms``, with the CPU the process used meanwhile: about as
-  much as the stall when its own threads held the interpreter, little when
-  the host did not run the process.
+* a watch thread sleeps ``tick_s`` at a time (a quarter of the threshold)
+  and logs a wake-up late by at least ``threshold_ms``, with the CPU the
+  process used meanwhile: about as much as the stall when its own threads
+  held the interpreter, little when the host did not run the process.
 
-Both cost next to nothing when nothing is slow (one callback per
-collection, ``1 / tick_s`` wake-ups a second), so the API runs them by
-default (``api_stall_log_ms``).
+Both cost little when nothing is slow (one callback per collection,
+``1 / tick_s`` wake-ups a second), so the API and the workers run them by
+default (``api_stall_log_ms``, ``worker_stall_log_ms``).
 """
 
 from __future__ import annotations
@@ -33,8 +33,13 @@ import tokenfleet
 
 log = logging.getLogger("tokenfleet.stalls")
 
-#: how often the watch thread wakes (seconds)
-TICK_S = 0.02
+#: how often the watch thread wakes (seconds): a quarter of the threshold,
+#: within these bounds. Each timed wake-up costs the process about 50 us of
+#: CPU here; at a fixed 20 ms that was 4-5 ms a second of an idle worker
+#: (docs/benchmarks.md, section 17). A stall is measured as how late the
+#: thread woke, which undercounts it by up to one tick.
+MIN_TICK_S = 0.02
+MAX_TICK_S = 0.1
 #: a stall's log line names the busy threads' code at most this often (seconds)
 DESCRIBE_EVERY_S = 1.0
 #: a thread whose innermost frame is one of these waits, it does not compete
@@ -94,8 +99,10 @@ def describe_busy_threads(top: int = 5) -> str:
 class StallWatch:
     """Logs collections and interpreter stalls of at least ``threshold_ms``."""
 
-    def __init__(self, threshold_ms: float, tick_s: float = TICK_S) -> None:
+    def __init__(self, threshold_ms: float, tick_s: float | None = None) -> None:
         self.threshold_s = threshold_ms / 1000.0
+        if tick_s is None:
+            tick_s = min(MAX_TICK_S, max(MIN_TICK_S, self.threshold_s / 4))
         self.tick_s = tick_s
         self._gc_started = 0.0
         self._described_at = float("-inf")
