@@ -194,6 +194,8 @@ def test_the_engine_starts_before_the_dispatch_writes_and_a_failed_write_aborts_
     trip runs (the writes no longer precede the engine's prefill); when that
     round trip fails the client gets a 503 and the engine's request is
     aborted, not left running unowned."""
+    for i in range(2):  # a keep-alive connection to each engine (round robin) to send on
+        _chat(stack, 1, f"warm {i}")
     assert _wait_for(lambda: _idle(stack))
     gw = stack.gateway
     writes = gw._dispatch_writes

@@ -630,10 +630,18 @@ def _running(emulator: EmulatorServer) -> float:
 
 def test_an_engine_call_sent_ahead_runs_before_its_read(emulator: EmulatorServer) -> None:
     """``start`` (express dispatch, before the dispatch's Redis writes) puts the
-    request on the engine at once; ``stream`` reads its answer later, and
+    request on the engine at once over a pooled connection (without one it
+    leaves the send to ``stream``); ``stream`` reads its answer later, and
     ``discard`` aborts one that will never be read."""
+    fresh = EngineCall(emulator.url, _body(5000), "ahead-0")
+    with engine_client._idle_lock:
+        engine_client._idle.pop((fresh.host, fresh.port), None)
+    fresh.start()  # no pooled connection: a connect is not made on the caller's time
+    time.sleep(0.2)
+    assert _running(emulator) == 0
+    assert sum(p.tokens for p in EngineCall(emulator.url, _body(2), "warm").stream()) == 2
     call = EngineCall(emulator.url, _body(5000), "ahead-1")
-    call.start()
+    call.start()  # on the connection the warm call left in the pool
     deadline = time.monotonic() + 5
     while _running(emulator) < 1 and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -154,12 +154,20 @@ class EngineCall:
     def start(self) -> None:
         """Send the request now and read the answer later (:meth:`stream`), so
         what the caller does meanwhile (the dispatch's own Redis writes)
-        overlaps the engine's work instead of preceding it. Best effort: a
-        failure here leaves the whole send to :meth:`stream`, which reports it."""
+        overlaps the engine's work instead of preceding it. Only on a pooled
+        keep-alive connection; best effort: without one, or on a failure here,
+        :meth:`stream` sends the request and reports what it means."""
         if self.prefill_url or self._started is not None:
             return  # disaggregated: the prefill instance comes first
+        with _idle_lock:
+            idle = _idle.get((self.host, self.port))
+            conn = idle.pop() if idle else None  # the most recently used: likeliest alive
+        if conn is None:
+            # a new connection's connect waits on the engine (up to the connect
+            # timeout, were it unreachable): not on the caller's time
+            return
         try:
-            self._started = self._request(reuse=True)
+            self._started = self._request(reuse=True, conn=conn)
         except Exception:  # noqa: BLE001 - stream() sends again and raises what it means
             with self._lock:
                 conn, self._conn = self._conn, None
@@ -172,9 +180,12 @@ class EngineCall:
         self._started = None
         self._give_back()
 
-    def _request(self, reuse: bool) -> http.client.HTTPConnection:
-        """Write the request on a pooled (``reuse``) or new connection (which
-        :attr:`_fresh` tells). Raises what ``http.client`` raises."""
+    def _request(
+        self, reuse: bool, conn: http.client.HTTPConnection | None = None
+    ) -> http.client.HTTPConnection:
+        """Write the request on ``conn``, else a pooled (``reuse``) or new
+        connection (which :attr:`_fresh` tells). Raises what ``http.client``
+        raises."""
         payload = json.dumps(self.body).encode()
         hdrs = {
             "Content-Type": "application/json",
@@ -184,7 +195,8 @@ class EngineCall:
         }
         # a legacy completion (``prompt``, /v1/completions) goes to the engine's own
         path = "/v1/completions" if "prompt" in self.body else "/v1/chat/completions"
-        conn = self._take_conn(reuse=reuse)
+        if conn is None:
+            conn = self._take_conn(reuse=reuse)
         self._fresh = conn.sock is None
         with self._lock:
             self._conn = conn
