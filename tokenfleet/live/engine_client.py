@@ -113,8 +113,7 @@ class EngineCall:
         #: disaggregated: the instance that prefills first (:meth:`_remote_prefill`)
         self.prefill_url = prefill_url
         self._prefill: EngineCall | None = None
-        #: the request was sent ahead of the read (:meth:`start`): its connection
-        #: and whether that connection was fresh
+        #: the connection the request was sent on ahead of the read (:meth:`start`)
         self._started: http.client.HTTPConnection | None = None
         self._fresh = False  # the connection in use was opened for this call
 
@@ -169,10 +168,7 @@ class EngineCall:
         try:
             self._started = self._request(reuse=True, conn=conn)
         except Exception:  # noqa: BLE001 - stream() sends again and raises what it means
-            with self._lock:
-                conn, self._conn = self._conn, None
-            if conn is not None:
-                conn.close()
+            self._close(conn)
 
     def discard(self, reason: str) -> None:
         """A started call whose stream will not be read: abort it and close."""

@@ -97,6 +97,12 @@ class Dispatched:
     express_call: EngineCall | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def drop_express_call(self, reason: str) -> None:
+        """The express call was sent but its stream will not be read: abort it."""
+        if self.express_call is not None:
+            self.express_call.discard(reason)
+            self.express_call = None
+
 
 def ledger_record(info: RequestInfo, status: str, **columns: Any) -> RequestRecord:
     """The ledger row of a request the API settles itself (rejected, timed out, ...)."""

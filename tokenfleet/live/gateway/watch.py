@@ -215,9 +215,7 @@ class Watcher:
                 last_entry[0] = time.time()  # the worker's verdict follows on the stream
         finally:
             relayed.close()
-            if d.express_call is not None:  # closed before its stream was read
-                d.express_call.discard(GONE)
-                d.express_call = None
+            d.drop_express_call(GONE)  # closed before its stream was read
 
     def _direct(
         self,
@@ -243,10 +241,9 @@ class Watcher:
         d.attempt = attempt
         instance = facts.get("i", "")
         d.serving = instance
-        call = d.express_call if owned and d.express_call is not None else None
-        d.express_call = None  # a re-send's attempt is another call
-        if call is None:
-            call = engine_call(facts, d.job, self.live)
+        # the express attempt's call was sent at dispatch; any other is opened here
+        call = (d.express_call if owned else None) or engine_call(facts, d.job, self.live)
+        d.express_call = None
         watched = DirectCall(
             rid,
             attempt,
@@ -709,9 +706,7 @@ class Watcher:
         info = d.request.info
         if d.sub is not None:
             d.sub.close()
-        if d.express_call is not None:  # sent, never read
-            d.express_call.discard(GONE)
-            d.express_call = None
+        d.drop_express_call(GONE)  # sent, never read
         try:
             self.state.cancel(info.request_id)
             won, _ = self.state.finish(info.request_id, "cancelled")
