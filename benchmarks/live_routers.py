@@ -443,9 +443,17 @@ def simulate(
     if policy not in ROUTERS:
         return None
     latency = path_latency(outs, logs)
-    # the simulator's pool serves the model "default"
+    # The simulator's pool serves the model "default". The replay sends each
+    # turn with the workload's own answer text, which no engine generated, so
+    # no engine holds that answer's KV; the simulated engines are not told it
+    # either (``output_block_hashes``: a real client sends the model's own
+    # answer back and hits it, as the simulator's conversations assume, but
+    # that is not what this run did; docs/benchmarks.md section 18).
     sim_reqs = [
-        dataclasses.replace(r, info=dataclasses.replace(r.info, model="default")) for r in reqs
+        dataclasses.replace(
+            r, info=dataclasses.replace(r.info, model="default"), output_block_hashes=()
+        )
+        for r in reqs
     ]
     runs = [
         run_policies(

@@ -297,6 +297,36 @@ def test_prediction_is_queue_plus_prefill_in_seconds() -> None:
     assert d.predicted_ttft_s == pytest.approx(expect, rel=0.03)
 
 
+def test_a_prefill_sent_after_the_scrape_is_queued_from_its_dispatch_not_from_now() -> None:
+    """Live, an engine is scraped every 0.5 s. A prefill sent after the last
+    scrape and predicted done by now is not still ahead of the next request
+    (it once was, in full, until the next scrape, and follow-up turns left
+    the instance holding their prefix: docs/benchmarks.md section 18)."""
+    router = TokenPilotRouter()
+    pool = views(2)  # scraped at t = 0, idle; no new scrape below
+    shared = prompt(400)  # 6,400 tokens held by i0
+    warm(router, pool, 0, shared)
+    pool[1].ready = False
+    big = router.route(req(prompt(800)), PoolSnapshot(0.6, pool))  # 12,800 unrelated tokens
+    pool[1].ready = True
+    assert big.instance_id == "i0"
+    work_s = big.predicted_ttft_s
+    assert work_s is not None and work_s > 0.2
+    now = 0.6 + work_s + 0.05  # done by the router's reckoning; no first token seen yet
+    d = router.route(req(shared + prompt(4), arrival_s=now), PoolSnapshot(now, pool))
+    assert d.instance_id == "i0" and d.expected_cached_tokens >= 6_000
+    assert d.predicted_ttft_s is not None and d.predicted_ttft_s < 0.25 * work_s
+    # while that prefill is still running, it is ahead of the next request
+    r = req(shared + prompt(5), arrival_s=0.7)
+    router2 = TokenPilotRouter()
+    warm(router2, pool, 0, shared)
+    pool[1].ready = False
+    router2.route(req(prompt(800)), PoolSnapshot(0.6, pool))
+    pool[1].ready = True
+    early = router2.route(r, PoolSnapshot(0.7, pool))
+    assert early.instance_id == "i1" or early.predicted_ttft_s > work_s - 0.15
+
+
 # -- KV headroom -----------------------------------------------------------------
 def test_filters_instances_whose_kv_cannot_hold_prompt_plus_reserved_output() -> None:
     router = TokenPilotRouter()
@@ -468,8 +498,8 @@ def test_online_correction_when_the_profile_is_wrong_by_2x() -> None:
     assert believed.prefill_time_s(10_000) == pytest.approx(
         PROFILE.prefill_time_s(10_000) / 2, rel=0.01
     )
-    recs, pool = pool_sim(
-        workload(400, rate=6.0, seed=3), "tokenpilot", n=2, router_profile=believed
+    recs, pool = pool_sim(  # first_id: the same prompts whatever tests ran before
+        workload(400, rate=6.0, seed=3, first_id=1000), "tokenpilot", n=2, router_profile=believed
     )
     router = pool.routers[0]
     assert isinstance(router, TokenPilotRouter)
@@ -563,7 +593,9 @@ def test_replicas_do_not_herd(test_routers: object) -> None:
     """4 replicas, 500 ms scrapes, no prefix reuse: a naive argmin over the
     shared stale metrics herds; TokenPilot holds up like a balancer that uses
     only its own exact accounting, and stays close to a single router."""
-    reqs = workload(600, rate=rate_for(0.45, 8, 7600), seed=11, p_family=0.0, out=(10, 60))
+    reqs = workload(
+        600, rate=rate_for(0.45, 8, 7600), seed=11, p_family=0.0, out=(10, 60), first_id=0
+    )
 
     def p95(policy: str, routers: int) -> float:
         recs, _ = pool_sim(reqs, policy, n=8, routers=routers, scrape_s=0.5)

@@ -11,7 +11,7 @@ For every candidate instance ``i``::
     queue_i   = max(own drain clock,
                     scraped work: prefill the engine admitted (scraped prefix
                     query/hit counters) + waiting requests, then our own
-                    dispatches since the scrape)
+                    dispatches since the scrape, each from its send time)
     ttft_i    = (queue_i + own_i) * decode_inflation_i + half a decode step
 
 and the request goes to the lowest ``ttft_i`` among instances whose KV
@@ -148,7 +148,7 @@ class _InstState:
         "pending",
         "inflight",
         "mean_work_base_s",
-        "since_scrape_s",
+        "since_done_at_s",
         "since_scrape_kv",
         "scrape_seen_s",
         "scrape_prev_s",
@@ -190,7 +190,9 @@ class _InstState:
         self.pending: OrderedDict[str, _Flight] = OrderedDict()  # no first token yet
         self.inflight: dict[str, _Flight] = {}
         self.mean_work_base_s = prefill.seconds(4096)
-        self.since_scrape_s = 0.0  # own prefill work dispatched after the last scrape
+        # when the work the last scrape showed, then our own prefills dispatched
+        # after it (each starting no earlier than its dispatch), should be done
+        self.since_done_at_s = float("-inf")
         self.since_scrape_kv = 0  # own KV tokens dispatched after the last scrape
         self.scrape_seen_s = float("nan")
         self.scrape_prev_s = float("-inf")
@@ -334,10 +336,8 @@ class TokenPilotRouter(BaseRouter):
         if at > self._scrape_at_s:
             self._scrape_at_s = at
         if st.last_dispatch_s > at:
-            st.since_scrape_s = sum(f.work_s for f in st.pending.values() if f.dispatch_s > at)
             st.since_scrape_kv = sum(f.kv_tokens for f in st.inflight.values() if f.dispatch_s > at)
         else:  # the common case: nothing sent since this scrape was taken
-            st.since_scrape_s = 0.0
             st.since_scrape_kv = 0
         kappa = st.kappa.value
         queries = m.prefix_queries_total
@@ -358,6 +358,7 @@ class TokenPilotRouter(BaseRouter):
         st.scrape_prev_s = at
         start = st.eng_busy_until_s if st.eng_busy_until_s > at else at
         st.scraped_done_at_s = start + m.num_waiting * st.mean_work_base_s * kappa
+        self._chain_since_scrape(st)
         load = m.num_running + m.num_waiting
         self._scraped_total += load - st.scraped_load
         st.scraped_load = load
@@ -375,6 +376,18 @@ class TokenPilotRouter(BaseRouter):
             st.infl_factor = factor
             st.infl_wait_s = kappa * wait
             st.decode_step_s = max(0.01, 2.0 * kappa * wait)
+
+    @staticmethod
+    def _chain_since_scrape(st: _InstState) -> None:
+        """Our prefills sent after the last scrape, queued behind the work it
+        showed, each from its own send time on (``pending`` is in send order)."""
+        at = st.scrape_seen_s
+        done = st.scraped_done_at_s
+        if st.last_dispatch_s > at:
+            for f in st.pending.values():
+                if f.dispatch_s > at:
+                    done = (done if done > f.dispatch_s else f.dispatch_s) + f.work_s
+        st.since_done_at_s = done
 
     # -- routing ----------------------------------------------------------------
     def route(self, request: RequestInfo, pool: PoolSnapshot) -> RouteDecision:
@@ -465,10 +478,13 @@ class TokenPilotRouter(BaseRouter):
                 self._refresh_scrape(st, m)
             # Queue ahead, in seconds: our own drain clock, or what the scrape
             # showed (every replica's work) followed by our dispatches since.
-            x = st.scraped_done_at_s
+            # Those started at their dispatch at the earliest, not now: counted
+            # from now, a prefill sent 0.3 s after a scrape still looked queued
+            # in full until the next scrape (up to its 0.5 s period live), and
+            # requests left the instance holding their prefix for nothing.
+            x = st.since_done_at_s
             if x < now:
                 x = now
-            x += st.since_scrape_s
             d = st.drain_at_s
             acc = inst.accounting
             if acc.dispatched_total > st.dispatched:
@@ -710,7 +726,8 @@ class TokenPilotRouter(BaseRouter):
         st.dispatched += 1
         st.last_dispatch_s = now
         if now > st.scrape_seen_s:  # same predicate as the recount in _refresh_scrape
-            st.since_scrape_s += work
+            done = st.since_done_at_s
+            st.since_done_at_s = (done if done > now else now) + work
             st.since_scrape_kv += kv
             st.free_kv_tokens -= kv
         st.mean_work_base_s += 0.1 * (base_own - st.mean_work_base_s)
@@ -746,7 +763,7 @@ class TokenPilotRouter(BaseRouter):
             # FCFS: whatever we sent after it is all that is left of our queue.
             st.drain_at_s = now_s + after
         if flight.dispatch_s > st.scrape_seen_s:
-            st.since_scrape_s = max(0.0, st.since_scrape_s - flight.work_s)
+            self._chain_since_scrape(st)
 
     def on_first_token(self, event: FirstTokenEvent) -> None:
         flight = self._flights.get(event.request.request_id)
