@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tokenfleet.live.engine_client import StreamDecoder
+from tests.support.pump import FakeEngineCall
 from tokenfleet.live.gateway.pump import PumpSink, StreamPump
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -106,27 +106,6 @@ def _client(listener: socket.socket, got: Any) -> None:
         threading.Thread(target=drain, args=(conn,), daemon=True).start()
 
 
-class _Call:
-    """What the pump uses of an EngineCall: the engine socket and the decoder."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.decoder = StreamDecoder(chunked=True)
-        self.aborted: str | None = None
-        self.base_url = "http://engine"
-
-    def detach(self) -> tuple[socket.socket, bytes]:
-        self.sock.setblocking(False)
-        return self.sock, b""
-
-    def reattach(self, finished: bool) -> None:
-        self.sock.close()
-
-    def abort(self, reason: str) -> None:
-        self.aborted = reason
-        self.sock.shutdown(socket.SHUT_RDWR)
-
-
 def _thread_cpu_s(tid: int) -> float:
     with open(f"/proc/self/task/{tid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -172,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             client = socket.create_connection(cli_l.getsockname())
             sink = PumpSink(client, frame, chunked=lambda: True)
             res = pump.carry(
-                _Call(engine),  # type: ignore[arg-type]
+                FakeEngineCall(engine),  # type: ignore[arg-type]
                 sink,
                 coalesce_s=args.coalesce_ms / 1e3,
                 stall_s=10.0,

@@ -10,31 +10,8 @@ import threading
 import time
 from typing import Any
 
-from tokenfleet.live.engine_client import StreamDecoder
+from tests.support.pump import FakeEngineCall
 from tokenfleet.live.gateway.pump import PumpResult, PumpSink, StreamPump
-
-
-class _Call:
-    """What the pump uses of an :class:`EngineCall`: its detached socket and decoder."""
-
-    def __init__(self, engine_side: socket.socket) -> None:
-        self.sock = engine_side
-        self.decoder = StreamDecoder(chunked=True)
-        self.aborted: str | None = None
-        self.request_id = "req-1"
-        self.base_url = "http://engine"
-        self.reattached: bool | None = None
-
-    def detach(self) -> tuple[socket.socket, bytes]:
-        self.sock.setblocking(False)
-        return self.sock, b""
-
-    def reattach(self, finished: bool) -> None:
-        self.reattached = finished
-
-    def abort(self, reason: str) -> None:
-        self.aborted = reason
-        self.sock.shutdown(socket.SHUT_RDWR)
 
 
 def _event(text: str) -> bytes:
@@ -57,7 +34,7 @@ def _carry(pump: StreamPump, coalesce_s: float, engine_script: Any) -> tuple[Pum
     result and every byte the client received."""
     pump_engine, engine = socket.socketpair()
     pump_client, client = socket.socketpair()
-    call = _Call(pump_engine)
+    call = FakeEngineCall(pump_engine)
     engine_thread = threading.Thread(target=engine_script, args=(engine.sendall,))
     engine_thread.start()
     sink = PumpSink(
@@ -124,7 +101,7 @@ def test_a_stream_aborted_while_it_rests_between_reads_ends_with_the_reason() ->
     pump = StreamPump()
     pump_engine, engine = socket.socketpair()
     pump_client, client = socket.socketpair()
-    call = _Call(pump_engine)
+    call = FakeEngineCall(pump_engine)
     sink = PumpSink(pump_client, lambda text: text.encode(), chunked=lambda: False)
     out: list[PumpResult | None] = []
     t = threading.Thread(
