@@ -43,7 +43,9 @@ def post(stack: Any, text: str) -> requests.Response:
 
 
 def test_a_long_context_backlog_in_the_broker_refuses_new_long_work_only(stack: Any) -> None:
-    long_prompt = "lorem ipsum dolor sit amet " * 1800  # ~12k tokens: long_context
+    # ~30k tokens: long_context, and a long prefill (1.2 s on the profile; a
+    # prompt whose prefill fits the interactive clean budget needs no lane slot)
+    long_prompt = "lorem ipsum dolor sit amet " * 4500
     st = stack.gateway.state
     # (no long request first: the emulator runs 50x faster than the model, and
     # admission would learn that from its first token and shrink every wait)

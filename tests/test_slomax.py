@@ -126,34 +126,50 @@ def test_classification_threshold_is_configurable() -> None:
 
 
 # -- 2. admission decisions on hand-built snapshots ---------------------------------------
-def test_interactive_stays_off_the_long_context_lane() -> None:
+def test_interactive_goes_by_predicted_ttft_lane_or_not() -> None:
+    """The lane keeps long prefills off the other instances, not interactive
+    work off the lane: a lane instance with no long prefill is as good as any,
+    one prefilling a long prompt is out by its predicted TTFT."""
     pol = SLOMaxAdmission(slo=SLO, adaptive=False)  # lane: the last 2 of 4 instances
-    insts = instances(4)
-    book(insts[3], req("L", 40000, tier="long_context"))
-    snap = AdmissionSnapshot(0.0, insts, queues())
-    d = pol.on_arrival(req("x", 800, tier="interactive"), snap)
-    assert d.action == ADMIT and set(d.instance_ids or ()) == {"i0", "i1"}
-    # Off-lane instances backed up past the TTFT limit: spill onto the lane,
-    # but not onto the instance that is prefilling a long prompt.
-    for inst in insts[:2]:
-        book(inst, req(f"big{inst.instance_id}", 60000, tier="interactive"))
-    d = pol.on_arrival(req("y", 800, tier="interactive"), snap)
-    assert d.action == ADMIT and d.instance_ids == ("i2",)
-
-
-def test_no_lane_is_kept_off_limits_without_long_work() -> None:
-    """All-interactive traffic: nothing long is queued or in flight, so the
-    lane instances are as good as any (an idle lane held back would leave the
-    rest of the pool to saturate)."""
-    pol = SLOMaxAdmission(slo=SLO, adaptive=False)
     insts = instances(4)
     snap = AdmissionSnapshot(0.0, insts, queues())
     d = pol.on_arrival(req("x", 800, tier="interactive"), snap)
     assert d.action == ADMIT and set(d.instance_ids or ()) == {"i0", "i1", "i2", "i3"}
-    # a long-context request in flight anywhere brings the lane back
-    book(insts[0], req("L", 40000, tier="long_context"))
+    book(insts[3], req("L", 40000, tier="long_context"))
     d = pol.on_arrival(req("y", 800, tier="interactive"), snap)
-    assert d.action == ADMIT and not {"i2", "i3"} & set(d.instance_ids or ())
+    assert d.action == ADMIT and set(d.instance_ids or ()) == {"i0", "i1", "i2"}
+    # the others backed up past the TTFT limit: the one lane instance left
+    for inst in insts[:2]:
+        book(inst, req(f"big{inst.instance_id}", 60000, tier="interactive"))
+    d = pol.on_arrival(req("z", 800, tier="interactive"), snap)
+    assert d.action == ADMIT and d.instance_ids == ("i2",)
+
+
+def test_a_long_context_prompt_with_a_short_prefill_needs_no_lane_slot() -> None:
+    """The lane is for prefills of seconds. A long-context prompt whose prefill
+    fits the interactive tier's clean TTFT budget (half its 1 s limit: about
+    14k tokens on an H200 8B) may go to any instance where the prefill queued
+    ahead plus its own stays within that budget, lane slots busy or not."""
+    pol = SLOMaxAdmission(slo=SLO, adaptive=False)  # lane: the last 2 of 4 instances
+    insts = instances(4)
+    qs = queues()
+    for k in (2, 3):  # both lane slots busy
+        book(insts[k], req(f"L{k}", 40000, tier="long_context"))
+    snap = AdmissionSnapshot(0.0, insts, qs)
+    budget_s = 0.5 * (SLO.slo_for("interactive").ttft_s or 0.0)
+    assert PROFILE.prefill_time_s(10000) < budget_s < PROFILE.prefill_time_s(16000)
+    d = pol.on_arrival(req("mid", 10000, tier="long_context"), snap)
+    assert d.action == ADMIT and set(d.instance_ids or ()) == {"i0", "i1"}
+    assert pol.on_arrival(req("long", 16000, tier="long_context"), snap).action == QUEUE
+    # an instance with prefill queued ahead is out once the sum is over budget
+    book(insts[0], req("chat", 6000, tier="interactive"))
+    d = pol.on_arrival(req("mid2", 10000, tier="long_context"), snap)
+    assert d.action == ADMIT and d.instance_ids == ("i1",)
+    # and a queued head is dispatched the same way
+    qs["long_context"].append(QueuedRequest(req("q", 10000, tier="long_context"), 0.0))
+    a = pol.next_action(snap)
+    assert a is not None and a.kind == DISPATCH and a.request_id == "q"
+    assert a.instance_ids == ("i1",)
 
 
 def test_long_context_capped_per_instance_then_queued_then_rejected_early() -> None:
@@ -219,21 +235,21 @@ def test_a_returning_conversation_goes_where_its_kv_is_lane_or_not() -> None:
     held = AdmissionSnapshot(0.0, insts, qs, cached_tokens={"i0": 20448, "i3": 4000})
     d = pol.on_arrival(turn, held)
     assert d.action == ADMIT and d.instance_ids == ("i0",)  # i3 would prefill 17k
-    # holding less than the threshold's worth of the prompt is no help
+    # holding part of it: a short prefill left there (8k tokens, 0.25 s) needs
+    # no lane slot either, a long one (16k, 0.55 s) does
     part = AdmissionSnapshot(0.0, insts, qs, cached_tokens={"i0": 21000 - 8192})
-    assert pol.on_arrival(turn, part).action == QUEUE
-    # interactive: off the lane, unless a lane instance holds most of the prompt
-    # and is not busy with a long prefill itself
+    d = pol.on_arrival(turn, part)
+    assert d.action == ADMIT and d.instance_ids == ("i0",)
+    less = AdmissionSnapshot(0.0, insts, qs, cached_tokens={"i0": 21000 - 16000})
+    assert pol.on_arrival(turn, less).action == QUEUE
+    # interactive: what the instance holds shortens its predicted TTFT; one
+    # prefilling a long prompt stays out whatever it holds
     insts = instances(4)
     book(insts[2], req("L2", 40000, tier="long_context"), prefilling=False)  # decoding
     book(insts[3], req("L3", 40000, tier="long_context"))  # prefilling
     chat = req("chat", 4000, tier="interactive")
-    d = pol.on_arrival(chat, AdmissionSnapshot(0.0, insts, qs, cached_tokens={"i2": 1000}))
-    assert d.action == ADMIT and set(d.instance_ids or ()) == {"i0", "i1"}
-    d = pol.on_arrival(chat, AdmissionSnapshot(0.0, insts, qs, cached_tokens={"i2": 3900}))
-    assert d.action == ADMIT and set(d.instance_ids or ()) == {"i0", "i1", "i2"}
     d = pol.on_arrival(chat, AdmissionSnapshot(0.0, insts, qs, cached_tokens={"i3": 3900}))
-    assert d.action == ADMIT and set(d.instance_ids or ()) == {"i0", "i1"}
+    assert d.action == ADMIT and set(d.instance_ids or ()) == {"i0", "i1", "i2"}
 
 
 def test_retry_after_is_honest_about_the_predicted_wait() -> None:
