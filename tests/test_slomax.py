@@ -126,19 +126,26 @@ def test_classification_threshold_is_configurable() -> None:
 
 
 # -- 2. admission decisions on hand-built snapshots ---------------------------------------
-def test_interactive_goes_by_predicted_ttft_lane_or_not() -> None:
-    """The lane keeps long prefills off the other instances, not interactive
-    work off the lane: a lane instance with no long prefill is as good as any,
-    one prefilling a long prompt is out by its predicted TTFT."""
+def test_interactive_prefers_off_the_lane_unless_it_holds_part_of_the_prompt() -> None:
+    """While long work is about, an interactive prompt goes off the lane or to
+    a lane instance holding part of it (a lane instance holding nothing would
+    only evict the long prompts' prefixes); a lane instance holding nothing
+    is taken when nothing else is well inside the limit, one prefilling a
+    long prompt is out by its predicted TTFT. With no long work about, every
+    instance is as good (an idle lane held back saturates the rest)."""
     pol = SLOMaxAdmission(slo=SLO, adaptive=False)  # lane: the last 2 of 4 instances
     insts = instances(4)
-    snap = AdmissionSnapshot(0.0, insts, queues())
+    qs = queues()
+    snap = AdmissionSnapshot(0.0, insts, qs)
     d = pol.on_arrival(req("x", 800, tier="interactive"), snap)
     assert d.action == ADMIT and set(d.instance_ids or ()) == {"i0", "i1", "i2", "i3"}
     book(insts[3], req("L", 40000, tier="long_context"))
     d = pol.on_arrival(req("y", 800, tier="interactive"), snap)
+    assert d.action == ADMIT and set(d.instance_ids or ()) == {"i0", "i1"}
+    held = AdmissionSnapshot(0.0, insts, qs, cached_tokens={"i2": 256, "i3": 256})
+    d = pol.on_arrival(req("y2", 800, tier="interactive"), held)
     assert d.action == ADMIT and set(d.instance_ids or ()) == {"i0", "i1", "i2"}
-    # the others backed up past the TTFT limit: the one lane instance left
+    # the others backed up past the TTFT limit: the lane instance not prefilling
     for inst in insts[:2]:
         book(inst, req(f"big{inst.instance_id}", 60000, tier="interactive"))
     d = pol.on_arrival(req("z", 800, tier="interactive"), snap)
@@ -242,14 +249,18 @@ def test_a_returning_conversation_goes_where_its_kv_is_lane_or_not() -> None:
     assert d.action == ADMIT and d.instance_ids == ("i0",)
     less = AdmissionSnapshot(0.0, insts, qs, cached_tokens={"i0": 21000 - 16000})
     assert pol.on_arrival(turn, less).action == QUEUE
-    # interactive: what the instance holds shortens its predicted TTFT; one
-    # prefilling a long prompt stays out whatever it holds
+    # interactive: a lane instance holding part of the prompt is as good as
+    # off the lane; one prefilling a long prompt stays out whatever it holds
     insts = instances(4)
     book(insts[2], req("L2", 40000, tier="long_context"), prefilling=False)  # decoding
     book(insts[3], req("L3", 40000, tier="long_context"))  # prefilling
     chat = req("chat", 4000, tier="interactive")
-    d = pol.on_arrival(chat, AdmissionSnapshot(0.0, insts, qs, cached_tokens={"i3": 3900}))
+    d = pol.on_arrival(chat, AdmissionSnapshot(0.0, insts, qs))
+    assert d.action == ADMIT and set(d.instance_ids or ()) == {"i0", "i1"}
+    d = pol.on_arrival(chat, AdmissionSnapshot(0.0, insts, qs, cached_tokens={"i2": 1000}))
     assert d.action == ADMIT and set(d.instance_ids or ()) == {"i0", "i1", "i2"}
+    d = pol.on_arrival(chat, AdmissionSnapshot(0.0, insts, qs, cached_tokens={"i3": 3900}))
+    assert d.action == ADMIT and set(d.instance_ids or ()) == {"i0", "i1"}
 
 
 def test_retry_after_is_honest_about_the_predicted_wait() -> None:

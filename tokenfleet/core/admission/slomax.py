@@ -17,8 +17,8 @@ long-context lane
     stays within that budget.
 interactive
     dispatched at once, to instances whose predicted TTFT is well inside the
-    limit, else within it (lane instances included: the prediction counts a
-    long prefill queued there); rejected at arrival only when no instance
+    limit (while long work is about, off the lane or holding part of the
+    prompt first), else within it; rejected at arrival only when no instance
     could plausibly meet the limit.
 long_context
     waits in a FIFO for a free lane slot (unless mostly held, or short, as
@@ -302,23 +302,33 @@ class SLOMaxAdmission(BaseAdmission):
     ) -> tuple[tuple[str, ...] | None, float]:
         """Allowed instances (None: no room anywhere) and the best predicted TTFT.
 
-        Preference: well inside the limit; within the limit; else the best
-        prediction. Lane or not: the lane keeps long prefills off the other
-        instances, it does not keep interactive work off the lane. The
-        prediction already counts a long prefill queued on a lane instance;
-        kept off the lane as well, interactive work crowded the other
-        instances, and returning conversations queued behind the long
-        prefills the lane sent to where they were held (docs/benchmarks.md,
-        section 19: ``mixed.yaml`` attainment 98.9% -> 99.5%, a
-        conversation slice's TTFT p95 0.256 -> 0.211 s)."""
+        Preference: well inside the limit, off the lane or holding part of
+        the prompt; well inside the limit anywhere; within the limit; else
+        the best prediction. While long work is about, a lane instance that
+        holds nothing of the prompt is taken only when nothing else is well
+        inside the limit: there the prompt would only evict the long prompts'
+        prefixes the lane keeps together. Kept off the lane more strictly
+        (until 2026-12-05: unless the instance held half the prompt, and
+        before a lane instance within the limit), interactive work crowded
+        the other instances and queued behind their prefills
+        (docs/benchmarks.md, section 19)."""
         room = [i for i in snap.instances if self._room(i, req)]
         if not room:
             return None, math.inf
         pred = self._predicted(req, room, snap.cached_tokens)
         limit = self._limit(req) - waited_s
+        lane = self._long_lane(snap) if self._lane_in_use(snap) else set()
+        held = snap.cached_tokens or {}
         best = min(pred.values())
+        clean = self.clean_fraction * limit
         tiers = (
-            [i for i in room if pred[i.instance_id] <= self.clean_fraction * limit],
+            [
+                i
+                for i in room
+                if pred[i.instance_id] <= clean
+                and (i.instance_id not in lane or held.get(i.instance_id, 0) > 0)
+            ],
+            [i for i in room if pred[i.instance_id] <= clean],
             [i for i in room if pred[i.instance_id] <= limit],
         )
         pick = next((t for t in tiers if t), None)
@@ -341,6 +351,18 @@ class SLOMaxAdmission(BaseAdmission):
         )
         n = max(1, round(self.long_share * len(ready)))
         return {i.instance_id for i in ready[len(ready) - n :]}
+
+    def _lane_in_use(self, snap: AdmissionSnapshot) -> bool:
+        """Long work is queued or in flight. Only then does the lane matter to
+        interactive work: an idle lane reserved on all-interactive traffic
+        takes 1/8 of the pool out of play and saturates the rest (prefill-heavy
+        scenario: TPOT p50 230 ms, docs/benchmarks.md section 13)."""
+        if snap.queued(LONG) or snap.queued(BATCH):
+            return True
+        return any(
+            i.tier(LONG).inflight or i.tier(BATCH).inflight or self._long_batch_pending(i)
+            for i in snap.instances
+        )
 
     def _long_batch_pending(self, inst: InstanceLoad) -> bool:
         tb = inst.tier(BATCH)
