@@ -405,23 +405,15 @@ class SLOMaxAdmission(BaseAdmission):
             return []
         budget = self.clean_fraction * lim
         limit = self._limit(req) - waited_s
-        kappa = self._kappa.get(LONG, 1.0)
-        cached = snap.cached_tokens
-        out = []
-        for inst in snap.instances:
-            if self._long_batch_pending(inst) or not self._room(inst, req):
-                continue
-            prof = inst.view.profile
-            held = cached.get(inst.instance_id) if cached else None
-            own = (
-                self._own_s(req, prof)
-                if held is None
-                else self._costs.prefill_s(prof, max(0, req.input_tokens - held))
-            )
-            work = kappa * (self._ahead_s(inst) + own)
-            if work <= budget and work + self._costs.decode_step_s(prof) <= limit:
-                out.append(inst)
-        return out
+        room = [i for i in snap.instances if self._room(i, req) and not self._long_batch_pending(i)]
+        pred = self._predicted(req, room, snap.cached_tokens)
+        return [
+            i
+            for i in room
+            if pred[i.instance_id] <= limit
+            # the prediction less its decode step: the prefill queued plus this one
+            and pred[i.instance_id] - self._costs.decode_step_s(i.view.profile) <= budget
+        ]
 
     def _long_wait_s(self, snap: AdmissionSnapshot, queue: TierQueue | QueueTotals | None) -> float:
         """Predicted gateway wait for a long request joining the back of the queue."""
