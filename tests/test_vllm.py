@@ -235,21 +235,27 @@ def test_an_engine_killed_mid_stream_ends_the_request_and_the_other_serves(
         for chunk in raw.parse():
             if chunk.choices and chunk.choices[0].delta.content:
                 got += 1
-            if got == 3 and not victim:
-                # the serving instance as the request's state names it (asking the
-                # engines' /metrics timed out once: two decoding vLLMs starve
-                # their API servers on 2 cores); a wrong one would leave the
-                # stream whole, which the assert below catches
+            if got == 1 and not victim:
+                # At the first token: the engine core generates on while its
+                # API server may be starved (two decoding vLLMs on 2 cores), and
+                # the later the kill, the likelier the answer is whole already
+                # (once, with the kill at the third chunk, all 2,000 tokens had
+                # reached the API before it). The serving instance as the
+                # request's state names it (asking the engines' /metrics timed
+                # out once, for the same starvation); a wrong one would leave
+                # the stream whole, which the assert below catches.
                 victim = stack.gateway.state.request_state(rid).get("instance", "")
                 engines[victim].kill()
     except openai.APIError as exc:  # the SSE error event
         error = exc
-    assert victim and got >= 3 and (error is not None or got < 2000), (victim, got, error)
+    # the stream ends with the SSE error event, not a whole answer (``got`` counts
+    # chunks, which carry several tokens each: no bound on it tells the two apart)
+    assert victim and got >= 1 and error is not None, (victim, got, error)
     survivor = next(n for n in engines if n != victim)
     deadline = time.monotonic() + 60
     while True:
         try:
-            r = client.chat.completions.create(
+            again = client.chat.completions.with_raw_response.create(
                 model="tiny", messages=[{"role": "user", "content": "still there?"}], max_tokens=4
             )
             break
@@ -257,16 +263,24 @@ def test_an_engine_killed_mid_stream_ends_the_request_and_the_other_serves(
             if time.monotonic() > deadline:
                 raise
             time.sleep(1.0)
+    r = again.parse()
     assert r.usage is not None and r.usage.completion_tokens >= 1
-    # every request gets its final row; the killed one ends failed, on the victim
+    next_rid = again.headers["x-request-id"]
+    # every request gets its final row (written in batches, so wait for both
+    # named here, not only for none in flight); the killed one ends failed on
+    # the victim, the next one is served by the survivor
     rows = stack.ledger_rows(
-        expect=lambda rows: not any(x["status"] == "in_flight" for x in rows), timeout_s=60
+        expect=lambda rows: (
+            {rid, next_rid} <= {x["request_id"] for x in rows}
+            and not any(x["status"] == "in_flight" for x in rows)
+        ),
+        timeout_s=60,
     )
     assert not [x for x in rows if x["status"] == "in_flight"], rows
     mine = [x for x in rows if x["request_id"] == rid]
     assert len(mine) == 1 and mine[0]["instance"] == victim, mine
     assert mine[0]["status"] == "failed", mine
-    assert max(rows, key=lambda x: x["id"])["instance"] == survivor
+    assert [x["instance"] for x in rows if x["request_id"] == next_rid] == [survivor]
 
 
 def test_completions_prompts_are_counted_and_hashed_as_vllm_does(stack: LiveStack) -> None:
