@@ -81,9 +81,8 @@ from tokenfleet.engine.profiles import EngineProfile
 INTERACTIVE = "interactive"
 LONG = "long_context"
 BATCH = "batch"
-#: a prompt this much of which an instance holds may go there whatever the
-#: lane split (interactive: onto the lane; long-context: without a lane slot,
-#: if what is left to prefill is short)
+#: a long-context prompt this much of which an instance holds may go there
+#: without a lane slot, if what is left to prefill is below the threshold
 HOLDER_MIN_FRACTION = 0.5
 
 
