@@ -33,6 +33,9 @@ pytestmark = pytest.mark.vllm
 VLLM_PYTHON = os.environ.get("TOKENFLEET_VLLM_PYTHON", "")
 VLLM_MODEL = os.environ.get("TOKENFLEET_VLLM_MODEL", "")
 START_TIMEOUT_S = float(os.environ.get("TOKENFLEET_VLLM_START_TIMEOUT_S", "900"))
+#: the tiny model's context: long enough that the kill test's answer takes
+#: minutes (4 KiB of KV a token: 128 MiB at this length)
+MAX_MODEL_LEN = 32768
 
 
 class VLLMServer:
@@ -60,7 +63,7 @@ class VLLMServer:
             "--enable-prefix-caching",
             "--enable-prompt-tokens-details",
             "--max-model-len",
-            "4096",
+            str(MAX_MODEL_LEN),
             "--dtype",
             "float32",
             "--enforce-eager",
@@ -220,37 +223,42 @@ def test_an_engine_killed_mid_stream_ends_the_request_and_the_other_serves(
 ) -> None:
     client = stack.client()
     system = _system(f"kill {time.time_ns()}")
+    # An answer of minutes (a few ms a token): the kill lands mid-stream even
+    # when the client sees its first chunk seconds late. With 2,000 tokens
+    # (about 7 s) the answer was whole before the kill in 4 of 25 runs: on
+    # 2 cores a starved vLLM API server (or our own reader) passed the first
+    # token on only after the engine core had generated everything.
+    max_tokens = MAX_MODEL_LEN - 4096
+    start_s = time.monotonic()
     raw = client.chat.completions.with_raw_response.create(
         model="tiny",
         messages=[system, {"role": "user", "content": "a long answer"}],
-        max_tokens=2000,
+        max_tokens=max_tokens,
         stream=True,
         extra_body={"ignore_eos": True},
     )
     rid = raw.headers["x-request-id"]
     got = 0
     victim = ""
+    kill_s = 0.0
     error: Exception | None = None
     try:
         for chunk in raw.parse():
             if chunk.choices and chunk.choices[0].delta.content:
                 got += 1
             if got == 1 and not victim:
-                # At the first token: the engine core generates on while its
-                # API server may be starved (two decoding vLLMs on 2 cores), and
-                # the later the kill, the likelier the answer is whole already
-                # (once, with the kill at the third chunk, all 2,000 tokens had
-                # reached the API before it). The serving instance as the
-                # request's state names it (asking the engines' /metrics timed
-                # out once, for the same starvation); a wrong one would leave
-                # the stream whole, which the assert below catches.
+                # the serving instance as the request's state names it (asking
+                # the engines' /metrics timed out once on a starved machine); a
+                # wrong one would leave the stream whole, which the assert catches
                 victim = stack.gateway.state.request_state(rid).get("instance", "")
+                kill_s = time.monotonic() - start_s
                 engines[victim].kill()
     except openai.APIError as exc:  # the SSE error event
         error = exc
+    end_s = time.monotonic() - start_s
     # the stream ends with the SSE error event, not a whole answer (``got`` counts
     # chunks, which carry several tokens each: no bound on it tells the two apart)
-    assert victim and got >= 1 and error is not None, (victim, got, error)
+    assert victim and got >= 1 and error is not None, (victim, got, error, kill_s, end_s)
     survivor = next(n for n in engines if n != victim)
     deadline = time.monotonic() + 60
     while True:
