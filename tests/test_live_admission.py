@@ -6,6 +6,8 @@ counters in Redis (tokenfleet/live/gateway/dispatch.py ``_broker_queues``). With
 long-context work, a new long-context request is refused with a 429 whose
 Retry-After comes from the predicted wait, while interactive work is still
 admitted; once the backlog is gone, long-context work is admitted again.
+Prefill already booked on the instances (the shared dispatch accounting, per
+tier) counts the same way, as the simulator's driver counts its own.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 import requests
 
 from tests.support.stack import API_KEY
+from tokenfleet.core.types import RequestInfo
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +69,30 @@ def test_a_long_context_backlog_in_the_broker_refuses_new_long_work_only(stack: 
             st.queued_incr(q, -n)
     time.sleep(0.1)  # the gateway re-reads depths every 25 ms
     assert post(stack, long_prompt + " after").status_code == 200
+
+
+def test_long_prefills_booked_on_the_instances_hold_new_long_work_back(stack: Any) -> None:
+    # ~30k tokens that no instance holds (the test above cached its prompt)
+    long_prompt = "consectetur adipiscing elit " * 4400
+    st = stack.gateway.state
+    # one long-context prefill pending on every instance, booked as another API
+    # replica's (no first token yet), so long that the predicted wait for a lane
+    # slot is minutes even at the emulator's speed; the gateway's admission
+    # used to see only the requests running per tier, and admitted
+    other = RequestInfo("other-replica", 0.0, 2_000_000, 16, tier="long_context")
+    booked = [
+        (i.instance_id, st.book_dispatch(i.instance_id, other, 0)[0])
+        for i in stack.gateway.instances()
+    ]
+    time.sleep(0.3)  # the gateway re-reads the accounting every 20-250 ms
+    try:
+        r = post(stack, long_prompt + " behind")
+        assert r.status_code == 429, r.text
+        err = r.json()["error"]
+        assert err["code"] == "rate_limit_exceeded" and "long_context" in err["message"]
+        assert int(r.headers["Retry-After"]) >= 60  # the booked prefill, not a guess
+    finally:
+        for iid, delta in booked:
+            st.unbook(iid, delta)
+    time.sleep(0.3)
+    assert post(stack, long_prompt + " later").status_code == 200

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -366,6 +367,28 @@ def test_a_booking_answers_with_every_writers_accounting_and_can_be_taken_back(
     assert state.accounting(["ibk"])["ibk"] == want
     state.unbook("ibk", delta)
     assert state.accounting(["ibk"])["ibk"] == before
+
+
+def test_the_shared_accounting_splits_pending_prefill_by_tier(state: LiveState) -> None:
+    """Admission prices a long prefill apart from short ones (SLOMax's lane and
+    queued-prefill terms), so the accounting every writer books keeps the
+    long-context and batch parts; a first token, or an end without one, takes
+    a request's part back."""
+    chat = replace(_req("t1", 900), tier="interactive")
+    long_ = replace(_req("t2", 20_000), tier="long_context")
+    batch = replace(_req("t3", 3_000), tier="batch")
+    for r, cached in ((chat, 100), (long_, 4_000), (batch, 0)):
+        state.book_dispatch("itier", r, cached)
+    pending = state.accounting(["itier"])["itier"].tier_prefill_pending()
+    assert pending == {
+        "interactive": (1, 800),
+        "long_context": (1, 16_000),
+        "batch": (1, 3_000),
+    }
+    state.account_first_token("itier", long_, 4_000)
+    state.account_finish("itier", batch, False, 0)  # failed before its first token
+    pending = state.accounting(["itier"])["itier"].tier_prefill_pending()
+    assert pending == {"interactive": (1, 800), "long_context": (0, 0), "batch": (0, 0)}
 
 
 def test_api_replicas_count_each_others_heartbeats(state: LiveState) -> None:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 BLOCK_SIZE_TOKENS = 16
 
 TIERS = ("interactive", "long_context", "batch")
+_INTERACTIVE, _LONG_CONTEXT, _BATCH = TIERS
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,25 +84,53 @@ class DispatchAccounting:
     inflight_input_tokens: int = 0
     inflight_max_tokens: int = 0  # sum of output budgets still reserved
     dispatched_total: int = 0
+    # the long-context and batch tiers' part of the pending prefill (the rest is
+    # interactive): admission prices a long prefill apart from short ones, and
+    # a live gateway's admission snapshot has no other source for it
+    long_prefill_pending_requests: int = 0
+    long_prefill_pending_uncached_tokens: int = 0
+    batch_prefill_pending_requests: int = 0
+    batch_prefill_pending_uncached_tokens: int = 0
 
     def on_dispatch(self, request: RequestInfo, expected_cached_tokens: int) -> None:
+        uncached = max(0, request.input_tokens - expected_cached_tokens)
         self.inflight_requests += 1
         self.prefill_pending_requests += 1
         self.prefill_pending_tokens += request.input_tokens
-        self.prefill_pending_uncached_tokens += max(
-            0, request.input_tokens - expected_cached_tokens
-        )
+        self.prefill_pending_uncached_tokens += uncached
+        self._tier_pending(request.tier, 1, uncached)
         self.inflight_input_tokens += request.input_tokens
         self.inflight_max_tokens += request.max_tokens
         self.dispatched_total += 1
 
     def on_first_token(self, request: RequestInfo, expected_cached_tokens: int) -> None:
+        uncached = max(0, request.input_tokens - expected_cached_tokens)
         self.prefill_pending_requests -= 1
         self.prefill_pending_tokens -= request.input_tokens
-        self.prefill_pending_uncached_tokens -= max(
-            0, request.input_tokens - expected_cached_tokens
-        )
+        self.prefill_pending_uncached_tokens -= uncached
+        self._tier_pending(request.tier, -1, -uncached)
         self.decoding_requests += 1
+
+    def _tier_pending(self, tier: str, requests: int, uncached_tokens: int) -> None:
+        if tier == _LONG_CONTEXT:
+            self.long_prefill_pending_requests += requests
+            self.long_prefill_pending_uncached_tokens += uncached_tokens
+        elif tier == _BATCH:
+            self.batch_prefill_pending_requests += requests
+            self.batch_prefill_pending_uncached_tokens += uncached_tokens
+
+    def tier_prefill_pending(self) -> dict[str, tuple[int, int]]:
+        """Pending prefill per tier: (requests, uncached tokens)."""
+        long_ = (self.long_prefill_pending_requests, self.long_prefill_pending_uncached_tokens)
+        batch = (self.batch_prefill_pending_requests, self.batch_prefill_pending_uncached_tokens)
+        return {
+            _INTERACTIVE: (
+                max(0, self.prefill_pending_requests - long_[0] - batch[0]),
+                max(0, self.prefill_pending_uncached_tokens - long_[1] - batch[1]),
+            ),
+            _LONG_CONTEXT: long_,
+            _BATCH: batch,
+        }
 
     def on_finish(
         self, request: RequestInfo, got_first_token: bool, expected_cached_tokens: int

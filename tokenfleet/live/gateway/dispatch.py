@@ -327,6 +327,13 @@ class Dispatcher:
             for tier in {*rbt, *(t for i, t in own if i == v.instance_id)}:
                 load.tier(tier).inflight = rbt.get(tier, 0) + own.get((v.instance_id, tier), 0)
                 load.tier(tier).reserved_kv_tokens = 0
+            # the prefill booked there and not yet done, by every API and worker
+            # (the shared dispatch accounting): the simulator's driver keeps the
+            # same per tier
+            for tier, (n, tokens) in v.accounting.tier_prefill_pending().items():
+                if n:
+                    tl = load.tier(tier)
+                    tl.prefill_pending, tl.prefill_pending_tokens = n, tokens
             loads.append(load)
         dcs = {v.dc for v in views}
         snap = AdmissionSnapshot(
