@@ -19,7 +19,9 @@ Front doors (``--fronts``):
   (``--kv-event-source``);
 * ``tokenfleet:tokenpilot``, ``tokenfleet:round_robin``: the whole live
   service (API process, one Celery worker per engine relaying its KV events,
-  Redis, PostgreSQL, beat), SLOMax admission as shipped;
+  Redis, PostgreSQL, beat), SLOMax admission and LiveConfig's timings as
+  shipped (before 2026-12-05's section 21 of docs/benchmarks.md, the test
+  suite's: scrapes every 0.25 s, control period 0.5 s);
   ``tokenfleet:tokenpilot-noadm``: the same without an admission policy (the
   router alone, as the Rust routers run), ``-pinned_noadm`` also pinned;
   ``tokenfleet:tokenpilot-pinned``: the same with late binding off (every
@@ -320,6 +322,9 @@ def one_run(
                     kv_endpoints={f"e{k}": kv for k, kv in enumerate(engines.kv)},
                     engines_in_process=False,
                     api_in_process=False,
+                    # as `tokenfleet up` runs it (0.5 s scrapes, 5 s control
+                    # period), not the test suite's faster timings
+                    test_timings=False,
                     live_overrides={
                         "fleet_policy": "off",
                         "request_timeout_s": 300.0,
@@ -443,6 +448,11 @@ def simulate(
     if policy not in ROUTERS:
         return None
     latency = path_latency(outs, logs)
+    # TokenFleet's front runs SLOMax in front of its router unless the variant
+    # turns admission off: the simulator runs the same pair
+    kind, rest = front.split(":", 1)
+    variant = rest.partition("-")[2]
+    admissions = ["slomax"] if kind == "tokenfleet" and variant not in NO_ADMISSION else []
     # The simulator's pool serves the model "default". The replay sends each
     # turn with the workload's own answer text, which no engine generated, so
     # no engine holds that answer's KV; the simulated engines are not told it
@@ -467,6 +477,7 @@ def simulate(
                 path_latency=latency,
                 seed=k,
             ),
+            admissions=admissions,
         )[0]
         for k in range(SIM_DRAWS)
     ]
@@ -477,7 +488,7 @@ def simulate(
             (dataclasses.asdict(x) for x in runs[0].records),
         )
     return {
-        "policy": policy,
+        "policy": "+".join([policy, *admissions]),
         "ttft_p50_s": statistics.fmean(float(d["ttft_p50_s"]) for d in draws),
         "ttft_p95_s": statistics.fmean(float(d["ttft_p95_s"]) for d in draws),
     }

@@ -1,9 +1,11 @@
 """The live head-to-head's slices in the simulator, with an admission policy in front.
 
-``benchmarks/live_routers.py --sim`` predicts each live run with the router
-alone; this runs the same slices (its ``load_slice``: the prefix-heavy
-conversations or the Mooncake trace's first seconds) on 4 simulated engines
-with 0.5 s scrapes, the live path's latency taken as a few milliseconds, and
+``benchmarks/live_routers.py --sim`` predicts each live run (TokenFleet's
+front with SLOMax since 2026-12-05, the router alone before), with the path
+latency measured in that run; this runs the same slices without a live run
+(its ``load_slice``: the prefix-heavy conversations or the Mooncake trace's
+first seconds) on 4 simulated engines with 0.5 s scrapes, the live path's
+latency taken as a few milliseconds, over several seeds, and
 prints TTFT p50/p95, SLO attainment and prefix hit ratio per seed and their
 mean. It is how the SLOMax change of docs/benchmarks.md section 19 was
 measured before and after::

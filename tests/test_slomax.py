@@ -857,3 +857,15 @@ def test_mixed_scenario_acceptance(tmp_path: Path) -> None:
     assert sm["admission_report"]["batch_deadline_met"] is True
     assert sm["goodput_tok_s"] > fl["goodput_tok_s"]
     assert sm["preemptions"] == 0
+
+
+def test_the_live_controller_runs_at_the_simulators_period() -> None:
+    """The controller smooths its signals and moves its knobs once per window,
+    so its dynamics depend on the period: run live at another one than the
+    simulator, it is not the policy that was simulated (at 1 s the live lane
+    swung between 1 and 4 of 4 instances from one second to the next)."""
+    from tokenfleet.live.config import LiveConfig
+    from tokenfleet.sim.runner import SimSettings
+
+    sim = SimSettings(profile=get_profile("llama3-8b-h200")).control_period_s
+    assert LiveConfig().control_period_s == sim == ControllerConfig().period_s

@@ -49,6 +49,9 @@ class LiveStack:
     router: str = "round_robin"
     admission: str = "none"
     live_overrides: dict[str, Any] = field(default_factory=dict)
+    #: the test timings below (faster scrapes, leases, control loop) on top of
+    #: LiveConfig's defaults; False runs the shipped defaults (benchmarks)
+    test_timings: bool = True
     broker_url: str | None = None  # default: the embedded Redis
     with_beat: bool = False
     #: extra create_app config (e.g. {"CHAT_QUOTAS": False})
@@ -120,20 +123,21 @@ class LiveStack:
                 pg.start()
             self.database_url = fresh_database(pg)
             self._database_name = self.database_url.rsplit("/", 1)[1]
-        overrides = {
-            "scrape_interval_s": 0.25,
-            "stale_after_s": 1.5,
-            "lease_ttl_s": 1.5,
-            "engine_stall_timeout_s": 3.0,
-            "affinity_dead_after_s": 1.0,
-            "engine_unhealthy_s": 3.0,
-            "control_period_s": 0.5,
-            "request_timeout_s": 60.0,
-            # a test's burst on a starved 2-core CI machine waits its turn at the
-            # front gate rather than being shed (the gate has tests of its own)
-            "api_front_wait_s": 10.0,
-            "router": self.router,
-        }
+        overrides: dict[str, Any] = {"router": self.router}
+        if self.test_timings:
+            overrides.update(
+                scrape_interval_s=0.25,
+                stale_after_s=1.5,
+                lease_ttl_s=1.5,
+                engine_stall_timeout_s=3.0,
+                affinity_dead_after_s=1.0,
+                engine_unhealthy_s=3.0,
+                control_period_s=0.5,
+                request_timeout_s=60.0,
+                # a test's burst on a starved 2-core CI machine waits its turn at
+                # the front gate rather than being shed (the gate has tests of its own)
+                api_front_wait_s=10.0,
+            )
         overrides.update(self.live_overrides)
         self.live = LiveConfig.load(env={}, **overrides)
         if self.engines_in_process and not self.external_engines:

@@ -151,9 +151,13 @@ class LiveConfig:
         metadata=_doc("How long the API waits for a request to finish before answering 504."),
     )
     control_period_s: float = field(
-        default=1.0,
+        # the simulator's: the controller smooths and steps per period, so at 1 s
+        # (the default until 2026-12-05) the live lane jumped between a quarter and
+        # all of the pool from one second to the next (docs/benchmarks.md, section 21)
+        default=5.0,
         metadata=_doc(
-            "Period of beat's control loop (SLOMax tier shares and admission knobs), seconds."
+            "Period of beat's control loop (SLOMax tier shares and admission knobs), "
+            "seconds; the simulator's default too, for which the controller is tuned."
         ),
     )
     fleet_period_s: float = field(
