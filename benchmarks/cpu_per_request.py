@@ -255,26 +255,6 @@ def idle_cpu_rate(stack: LiveStack, seconds: float) -> dict[str, float]:
     return {r: (after[r] - before[r]) / seconds for r in after if r in before}
 
 
-def production_periods() -> dict[str, Any]:
-    """LiveConfig's defaults for what the test stack shortens (scrape, control
-    period, leases): background work costs per second, so test periods would
-    overstate it."""
-    from tokenfleet.live.config import LiveConfig
-
-    defaults = LiveConfig()
-    keys = (
-        "scrape_interval_s",
-        "stale_after_s",
-        "lease_ttl_s",
-        "engine_stall_timeout_s",
-        "affinity_dead_after_s",
-        "engine_unhealthy_s",
-        "control_period_s",
-        "request_timeout_s",
-    )
-    return {k: getattr(defaults, k) for k in keys}
-
-
 def run_stack(args: argparse.Namespace, kv_events: bool) -> dict[str, Any]:
     from tests.support.stores import temp_data_dir
 
@@ -292,7 +272,11 @@ def run_stack(args: argparse.Namespace, kv_events: bool) -> dict[str, Any]:
             engines_in_process=False,
             api_in_process=False,
             engine_kv_events=kv_events,
-            live_overrides={**production_periods(), **dict(args.live or [])},
+            # LiveConfig's periods (scrapes, control, leases), not the test
+            # suite's shorter ones: background work costs per second, so test
+            # periods would overstate it
+            test_timings=False,
+            live_overrides=dict(args.live or []),
         )
         stack.start()
         try:
