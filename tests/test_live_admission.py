@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.support.stack import API_KEY
+from tests.support.stack import API_KEY, InstanceSpec
 from tokenfleet.core.types import RequestInfo
 
 
@@ -96,3 +96,48 @@ def test_long_prefills_booked_on_the_instances_hold_new_long_work_back(stack: An
             st.unbook(iid, delta)
     time.sleep(0.3)
     assert post(stack, long_prompt + " later").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def pair(live_stack: Any) -> Iterator[Any]:
+    """Two instances in one datacenter: admission chooses between them."""
+    with live_stack(
+        instances=[InstanceSpec("dc-a", "a0"), InstanceSpec("dc-a", "a1")],
+        router="tokenpilot",
+        admission="slomax",
+        time_scale=0.02,
+        app_config={"CHAT_QUOTAS": False},
+    ) as s:
+        yield s
+        s.app.extensions["tokenfleet.tenancy"].close()
+
+
+def _served_by(stack: Any, r: requests.Response) -> str:
+    assert r.status_code == 200, r.text
+    rid = r.headers["x-request-id"]
+    rows = stack.ledger_rows(
+        f"request_id = '{rid}'", expect=lambda rows: bool(rows and rows[0]["instance"])
+    )
+    return str(rows[0]["instance"])
+
+
+def test_an_instance_whose_kv_is_booked_full_gets_no_new_work(pair: Any) -> None:
+    """The KV every writer booked (prompt + output budget of what is in flight)
+    is in admission's snapshot, as in the simulator: a turn whose prefix one
+    instance holds goes to the other while the holder's KV is spoken for.
+    Before, the live snapshot reserved nothing and the router sent it back to
+    its prefix."""
+    prompt = f"kv {time.time_ns()} " + "Please keep the ledger tidy and the queues short. " * 220
+    holder = _served_by(pair, post(pair, prompt))
+    assert _served_by(pair, post(pair, prompt + " again")) == holder  # the prefix draws it
+    other = next(i.instance_id for i in pair.gateway.instances() if i.instance_id != holder)
+    st = pair.gateway.state
+    cap = next(i.kv_capacity_tokens for i in pair.gateway.instances() if i.instance_id == holder)
+    hog = RequestInfo("kv-hog", 0.0, cap, 0, tier="interactive")
+    st.book_dispatch(holder, hog, cap)  # all of it cached: no prefill pending...
+    st.account_first_token(holder, hog, cap)  # ...and past its first token
+    time.sleep(0.3)  # the gateway re-reads the accounting every 20-250 ms
+    try:
+        assert _served_by(pair, post(pair, prompt + " and again")) == other
+    finally:
+        st.account_finish(holder, hog, True, cap)

@@ -74,6 +74,9 @@ class InstanceLoad:
 
     view: InstanceView
     tiers: dict[str, TierLoad] = field(default_factory=lambda: {t: TierLoad() for t in TIERS})
+    #: KV reserved by in-flight work that the driver knows per instance only
+    #: (the live gateway: prompt + output budget, from the shared accounting)
+    untiered_reserved_kv_tokens: int = 0
 
     def tier(self, name: str) -> TierLoad:
         load = self.tiers.get(name)
@@ -99,7 +102,9 @@ class InstanceLoad:
 
     @property
     def reserved_kv_tokens(self) -> int:
-        return sum(t.reserved_kv_tokens for t in self.tiers.values())
+        return self.untiered_reserved_kv_tokens + sum(
+            t.reserved_kv_tokens for t in self.tiers.values()
+        )
 
     def kv_free_tokens(self, budget: float = 1.0) -> int:
         """KV capacity (times ``budget``) not yet reserved by in-flight work."""

@@ -326,14 +326,16 @@ class Dispatcher:
             rbt = infos[v.instance_id].running_by_tier if v.instance_id in infos else {}
             for tier in {*rbt, *(t for i, t in own if i == v.instance_id)}:
                 load.tier(tier).inflight = rbt.get(tier, 0) + own.get((v.instance_id, tier), 0)
-                load.tier(tier).reserved_kv_tokens = 0
-            # the prefill booked there and not yet done, by every API and worker
-            # (the shared dispatch accounting): the simulator's driver keeps the
-            # same per tier
-            for tier, (n, tokens) in v.accounting.tier_prefill_pending().items():
+            # what every API and worker booked there (the shared dispatch
+            # accounting), as the simulator's driver keeps it: the prefill not
+            # yet done, per tier, and the KV reserved for prompt + output budget
+            # (SLOMax's default reserve; a learned quantile would reserve less)
+            acc = v.accounting
+            for tier, (n, tokens) in acc.tier_prefill_pending().items():
                 if n:
                     tl = load.tier(tier)
                     tl.prefill_pending, tl.prefill_pending_tokens = n, tokens
+            load.untiered_reserved_kv_tokens = acc.inflight_input_tokens + acc.inflight_max_tokens
             loads.append(load)
         dcs = {v.dc for v in views}
         snap = AdmissionSnapshot(
