@@ -315,7 +315,7 @@ def one_run(
                         InstanceSpec("dc-a", f"e{k}", slots=64) for k in range(args.engines)
                     ],
                     router=policy,
-                    admission="none" if variant in NO_ADMISSION else "slomax",
+                    admission=front_admission(front) or "none",
                     with_beat=True,  # as `tokenfleet up`: SLOMax's knobs follow the traffic
                     external_engines=True,
                     engine_urls={f"e{k}": u for k, u in enumerate(engines.urls)},
@@ -427,6 +427,30 @@ def booking_rechecks(urls: list[str]) -> dict[str, float]:
     return out
 
 
+def front_admission(front: str) -> str:
+    """The admission policy a front door runs ("" for none): TokenFleet's runs
+    SLOMax in front of its router unless its variant turns admission off."""
+    kind, rest = front.split(":", 1)
+    variant = rest.partition("-")[2]
+    return "slomax" if kind == "tokenfleet" and variant not in NO_ADMISSION else ""
+
+
+def sim_requests(reqs: list[TraceRequest]) -> list[TraceRequest]:
+    """The replayed requests as the simulator should see them. Its pool serves
+    the model "default". The replay sends each turn with the workload's own
+    answer text, which no engine generated, so no engine holds that answer's
+    KV; the simulated engines are not told it either (``output_block_hashes``:
+    a real client sends the model's own answer back and hits it, as the
+    simulator's conversations assume, but that is not what the replay does;
+    docs/benchmarks.md section 18)."""
+    return [
+        dataclasses.replace(
+            r, info=dataclasses.replace(r.info, model="default"), output_block_hashes=()
+        )
+        for r in reqs
+    ]
+
+
 def simulate(
     front: str,
     reqs: list[TraceRequest],
@@ -448,23 +472,9 @@ def simulate(
     if policy not in ROUTERS:
         return None
     latency = path_latency(outs, logs)
-    # TokenFleet's front runs SLOMax in front of its router unless the variant
-    # turns admission off: the simulator runs the same pair
-    kind, rest = front.split(":", 1)
-    variant = rest.partition("-")[2]
-    admissions = ["slomax"] if kind == "tokenfleet" and variant not in NO_ADMISSION else []
-    # The simulator's pool serves the model "default". The replay sends each
-    # turn with the workload's own answer text, which no engine generated, so
-    # no engine holds that answer's KV; the simulated engines are not told it
-    # either (``output_block_hashes``: a real client sends the model's own
-    # answer back and hits it, as the simulator's conversations assume, but
-    # that is not what this run did; docs/benchmarks.md section 18).
-    sim_reqs = [
-        dataclasses.replace(
-            r, info=dataclasses.replace(r.info, model="default"), output_block_hashes=()
-        )
-        for r in reqs
-    ]
+    adm = front_admission(front)  # the simulator runs the same pair
+    admissions = [adm] if adm else []
+    sim_reqs = sim_requests(reqs)
     runs = [
         run_policies(
             sim_reqs,

@@ -17,7 +17,6 @@ measured before and after::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -59,13 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             duration=duration,
             seed=seed,
         )
-        reqs = [
-            # as live_routers.simulate: the replay's engines never hold an answer's KV
-            dataclasses.replace(
-                r, info=dataclasses.replace(r.info, model="default"), output_block_hashes=()
-            )
-            for r in live_routers.load_slice(sl, "default")
-        ]
+        reqs = live_routers.sim_requests(live_routers.load_slice(sl, "default"))
         settings = SimSettings(
             profile=get_profile(live_routers.PROFILE),
             instances=args.engines,
