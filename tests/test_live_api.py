@@ -8,6 +8,8 @@ Celery worker processes, the API on a real socket); nothing is mocked.
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -220,6 +222,66 @@ def test_bad_requests_get_openai_shaped_errors(
     if code is not None:
         assert err["code"] == code
     assert err["message"]
+
+
+def test_a_stream_the_engine_refuses_gets_the_engines_status_not_a_200(
+    stack: LiveStack, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A streamed response is returned to the server before its first token
+    (web.chat._deferred_sse); when the engine refuses the request instead,
+    the client still gets that status, an OpenAI error body, its request id
+    and a keep-alive connection that serves the next request."""
+    body = {
+        "model": stack.model,
+        "messages": [{"role": "user", "content": "refused"}],
+        "stream": True,
+        "max_tokens": 5,
+        "vllm_xargs": {"output_tokens": 0},  # the emulator's 400, as vLLM's own validation
+    }
+    caplog.set_level(logging.INFO, logger="tokenfleet.access")
+    errors_before = _http_errors(stack, "400")
+    with requests.Session() as s:
+        s.headers["Authorization"] = f"Bearer {API_KEY}"
+        r = s.post(stack.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400, r.text
+        assert r.headers["Content-Type"] == "application/json"
+        rid = r.headers.get("X-Request-Id")
+        assert rid
+        err = r.json()["error"]
+        assert "output_tokens" in err["message"] and err["type"] == "invalid_request_error"
+        ok = s.post(
+            stack.url + "/v1/chat/completions",
+            json={**body, "vllm_xargs": {"output_tokens": 3}},
+            timeout=30,
+            stream=True,
+        )
+        assert ok.status_code == 200 and ok.headers["Content-Type"].startswith("text/event-stream")
+        text = ok.content.decode()
+        assert text.rstrip().endswith("data: [DONE]")
+    assert _http_errors(stack, "400") == errors_before + 1
+
+    def access_line() -> dict[str, Any] | None:
+        mine = [
+            x for x in caplog.records if x.name == "tokenfleet.access" and rid in x.getMessage()
+        ]
+        return mine[0].fields if mine else None  # type: ignore[attr-defined]
+
+    deadline = time.monotonic() + 10
+    while access_line() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    line = access_line()
+    assert line is not None and line["status"] == 400, line  # the status sent, not the 200 returned
+    gw = stack.gateway
+    deadline = time.monotonic() + 10
+    while gw.inflight.inflight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gw.inflight.inflight == 0, "the refused stream kept its place in the in-flight bound"
+
+
+def _http_errors(stack: LiveStack, status: str) -> float:
+    text = requests.get(stack.url + "/metrics", timeout=10).text
+    line = f'tokenfleet_http_errors_total{{status="{status}"}} '
+    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
 
 
 def test_malformed_json_is_a_400(stack: LiveStack) -> None:

@@ -64,22 +64,24 @@ def test_token_hashes_are_chained_and_cover_only_full_blocks() -> None:
     assert tail_changed == h  # the partial block never gets a hash
 
 
-def test_prompt_block_hashes_are_chained_blake2b_of_each_block_as_emulators_cache_them() -> None:
+def test_prompt_block_hashes_are_chained_xxh3_of_each_block_as_emulators_cache_them() -> None:
     """The byte tokenizer's block hash is part of the emulator's wire format
-    (KV events, cache hits): BLAKE2b-64 over the parent digest and the
-    block's 64 bytes, read little-endian. Pinned here so a faster
-    implementation cannot change it."""
-    import hashlib
+    (KV events, cache hits): XXH3-64 of the block's 64 bytes seeded with the
+    parent's hash (0 for the first block). Pinned here, with a golden value,
+    so a faster implementation cannot change it unnoticed."""
+    import xxhash
 
     from tokenfleet.tokenizer import block_hashes, encode_text
 
     stream = encode_text("def f(x):\n    return x * 2  # " * 40)
-    prev, want = (0).to_bytes(8, "little"), []
+    prev, want = 0, []
     for j in range(len(stream) // 64):
-        prev = hashlib.blake2b(prev + stream[j * 64 : (j + 1) * 64], digest_size=8).digest()
-        want.append(int.from_bytes(prev, "little"))
+        prev = xxhash.xxh3_64_intdigest(stream[j * 64 : (j + 1) * 64], seed=prev)
+        want.append(prev)
     assert block_hashes(stream) == want and len(want) == 18
-    assert want[0] == 0xA8DE5EBCC7DC3AA6  # the first block's digest, as emulators cache it
+    assert want[0] == 0xAC513869C7DE9031  # the first block's hash, as emulators cache it
+    # a parent continues the chain: the tail hashed from block 9's hash is the same tail
+    assert block_hashes(stream[9 * 64 :], parent=want[8]) == want[9:]
 
 
 def test_segment_hasher_shares_exactly_the_common_full_blocks() -> None:

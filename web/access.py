@@ -17,6 +17,8 @@ from typing import Any
 
 from flask import Flask, Response, g, request
 
+from web.server import STATUS_KEY
+
 log = logging.getLogger("tokenfleet.access")
 
 
@@ -39,7 +41,8 @@ def init_app(app: Flask) -> None:
         }
         start_s = g.get("tf_start_s") or time.time()
         d = g.get("tf_dispatched")
-        resp.call_on_close(lambda: _emit(base, d, start_s))
+        environ = request.environ  # a stream's head may change before it is sent
+        resp.call_on_close(lambda: _emit(base, d, start_s, environ))
         return resp
 
 
@@ -73,8 +76,11 @@ def format_line(f: dict[str, Any]) -> str:
     return " ".join(f"{k}={'-' if v is None else v}" for k, v in f.items())
 
 
-def _emit(base: dict[str, Any], d: Any, start_s: float) -> None:
+def _emit(base: dict[str, Any], d: Any, start_s: float, environ: dict[str, Any]) -> None:
     try:
+        status = environ.get(STATUS_KEY)  # the head a deferred stream sent instead
+        if status is not None:
+            base = {**base, "status": status}
         f = access_fields(base, d, start_s, time.time())
         log.info("%s", format_line(f), extra={"fields": f})
     except Exception:

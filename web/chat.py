@@ -41,7 +41,7 @@ from tokenfleet.live.relay import RelayEvent
 from web.errors import ApiError
 from web.limits import read_json
 from web.quota import ChatQuota
-from web.server import client_gone, pump_sink
+from web.server import Restart, client_gone, pump_sink, response_restarter
 
 #: the status logged for a request whose client left before its answer (nginx's)
 CLIENT_CLOSED = 499
@@ -210,6 +210,16 @@ def _serve_held(gw: Gateway, principal: Any, shape: _Shape, tier_hint: str) -> R
         d.sink = pump_sink(request.environ, frame)
     try:
         events = gw.events(d, client_gone=gone)
+        restart = response_restarter(request.environ) if req.stream else None
+        if restart is not None:
+            # returned before the first token: the response is set up while the
+            # engine prefills, and an error before any token still gets its
+            # own status (_deferred_sse replaces the head)
+            return _stream_response(
+                req,
+                _deferred_sse(shape, gw, d, events, quota, restart, principal.tenant),
+                lambda: _never_ran(gw, d, events, quota),
+            )
         if not req.stream:
             try:
                 resp, usage = _complete(shape, d, events)
@@ -238,8 +248,16 @@ def _serve_held(gw: Gateway, principal: Any, shape: _Shape, tier_hint: str) -> R
     except BaseException:
         quota.refund()
         raise
+    return _stream_response(
+        req, _sse(shape, gw, d, first, events, quota), lambda: _never_ran(gw, d, events, quota)
+    )
+
+
+def _stream_response(
+    req: ChatRequest, body: Generator[bytes, None, None], never_ran: Callable[[], None]
+) -> Response:
     return Response(
-        _Stream(_sse(shape, gw, d, first, events, quota), lambda: _never_ran(gw, d, events, quota)),
+        _Stream(body, never_ran),
         mimetype="text/event-stream",
         headers={
             "Cache-Control": "no-cache",
@@ -247,6 +265,67 @@ def _serve_held(gw: Gateway, principal: Any, shape: _Shape, tier_hint: str) -> R
             "X-Request-Id": req.info.request_id,
         },
     )
+
+
+def _deferred_sse(
+    shape: _Shape,
+    gw: Gateway,
+    d: Dispatched,
+    events: Iterator[RelayEvent],
+    quota: ChatQuota,
+    restart: Restart,
+    tenant: str,
+) -> Generator[bytes, None, None]:
+    """A streamed answer returned before its first event (the server sends the
+    head with the first body bytes): what the view would have done once the
+    first event came, here. An error first replaces the head with its own
+    status and OpenAI-shaped body; a client gone by then is cancelled."""
+    try:
+        first = next((ev for ev in events if ev.kind in ("d", "end", "err", "gone")), None)
+    except BaseException:
+        try:
+            _close_events(events)
+            quota.refund()
+        finally:
+            gw.inflight.leave()
+        raise
+    if first is not None and first.kind != "err" and first.kind != "gone":
+        yield from _sse(shape, gw, d, first, events, quota)
+        return
+    try:
+        _close_events(events)
+        if first is not None and first.kind == "gone":
+            d.extra["outcome"] = "cancelled"
+            _disconnect(gw, "socket_eof")
+            gw.cancel(d)
+            quota.finish(None)
+            restart(
+                CLIENT_CLOSED, {"Content-Length": "0", "X-Request-Id": d.request.info.request_id}
+            )
+            return
+        quota.refund()
+        err = _event_error(first)
+        if gw.metrics is not None:
+            gw.metrics.error(err.status, tenant=tenant, tier=d.request.info.tier)
+        body = json.dumps(err.body()).encode()
+        restart(
+            err.status,
+            {
+                "Content-Type": "application/json",
+                "Content-Length": str(len(body)),
+                "X-Request-Id": d.request.info.request_id,
+                **err.headers(),
+            },
+        )
+    finally:
+        gw.inflight.leave()
+    yield body
+
+
+def _close_events(events: Iterator[RelayEvent]) -> None:
+    close = getattr(events, "close", None)
+    if close is not None:
+        close()
 
 
 @chat_bp.after_request

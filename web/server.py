@@ -117,6 +117,47 @@ def pump_sink(environ: Mapping[str, Any], frame: Callable[[str], bytes] | None) 
     )
 
 
+#: the WSGI environ key of the status a deferred response ended with
+#: (:func:`response_restarter`), for the access log
+STATUS_KEY = "tokenfleet.status"
+
+#: (status, headers) -> whether the response's head was replaced
+Restart = Callable[[int, Mapping[str, str]], bool]
+
+
+def response_restarter(environ: dict[str, Any]) -> Restart | None:
+    """A way to replace a response's status and headers until its first body
+    bytes are written, or None under another server.
+
+    WSGI sends a response's head with its first non-empty body chunk, so a
+    streamed answer can be returned before its first token and set up
+    (Flask's response handling, werkzeug's headers, the server's
+    ``start_response``) while the engine prefills; if what comes first is an
+    error, the view replaces the head it returned. PEP 3333 has
+    ``start_response(..., exc_info)`` for that, but Flask does not hand it to
+    a response body, and cheroot's appends headers instead of replacing them,
+    so this sets cheroot's request directly (``status``, ``outheaders``)."""
+    req = environ.get(REQ_KEY)
+    if req is None or not hasattr(req, "outheaders"):
+        return None
+
+    def restart(status: int, headers: Mapping[str, str]) -> bool:
+        if req.sent_headers:
+            return False
+        try:
+            phrase = HTTPStatus(status).phrase
+        except ValueError:
+            phrase = "Client Closed Request" if status == 499 else "Error"
+        req.status = f"{status} {phrase}".encode("ISO-8859-1")
+        req.outheaders = [
+            (k.encode("ISO-8859-1"), str(v).encode("ISO-8859-1")) for k, v in headers.items()
+        ]
+        environ[STATUS_KEY] = status
+        return True
+
+    return restart
+
+
 def client_gone(environ: Mapping[str, Any]) -> Callable[[], bool] | None:
     """A check that says whether the client of this request closed its
     connection: the socket is readable and reading would return EOF (or it
