@@ -280,6 +280,8 @@ def _deferred_sse(
     head with the first body bytes): what the view would have done once the
     first event came, here. An error first replaces the head with its own
     status and OpenAI-shaped body; a client gone by then is cancelled."""
+    # the role chunk that leaves with the first token, built while the engine prefills
+    head = shape.chunk(d, None, role=True) if shape.chat else b""
     try:
         first = next((ev for ev in events if ev.kind in ("d", "end", "err", "gone")), None)
     except BaseException:
@@ -290,7 +292,7 @@ def _deferred_sse(
             gw.inflight.leave()
         raise
     if first is not None and first.kind != "err" and first.kind != "gone":
-        yield from _sse(shape, gw, d, first, events, quota)
+        yield from _sse(shape, gw, d, first, events, quota, head)
         return
     try:
         _close_events(events)
@@ -412,12 +414,14 @@ def _sse(
     first: RelayEvent,
     events: Iterator[RelayEvent],
     quota: ChatQuota,
+    head: bytes | None = None,
 ) -> Generator[bytes, None, None]:
     r = d.request
     finished = False
     usage: dict[str, Any] | None = None
     try:
-        head = shape.chunk(d, None, role=True) if shape.chat else b""
+        if head is None:
+            head = shape.chunk(d, None, role=True) if shape.chat else b""
         if first.kind == "d" and first.text:
             # the role chunk and the first token leave in one write
             yield head + shape.text_chunk(d, first.text)
