@@ -850,6 +850,59 @@ def test_pool_queues_pause_while_an_api_prefills_on_the_engine(state: LiveState)
     assert rt.desired_queues() == worker_queues("dcx", "x1")
 
 
+def test_a_booking_that_moves_the_prefill_wakes_the_instances_gate(state: LiveState) -> None:
+    """The tier gate no longer polls the shared accounting every 50 ms: a
+    booking that changes the instance's pending prefill publishes on its gate
+    channel in the same round trip, and the worker's listener wakes the gate.
+    Bookings that leave the prefill alone (a fully cached prompt) publish
+    nothing."""
+    from tokenfleet.core.types import RequestInfo
+    from workers.runtime import GATE_IDLE_S, GATE_POLL_S
+
+    info = InstanceInfo("g1", "dcg", "m", "http://127.0.0.1:1", "llama3-8b-h200", 4096, 1, 8)
+    rt = WorkerRuntime(LiveConfig.load(env={}), state, info)
+    rt.broker_orders_queues = True
+    assert rt._gate_period_s() == GATE_POLL_S  # not subscribed yet: it polls
+    listener = threading.Thread(target=rt._gate_listen_loop, daemon=True)
+    listener.start()
+    spy = state.r.pubsub(ignore_subscribe_messages=True)
+    spy.subscribe(state.gate_channel("g1"))
+    try:
+        deadline = time.monotonic() + 5
+        while not rt._gate_listening and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rt._gate_period_s() == GATE_IDLE_S
+        rt.broker_orders_queues = False  # RabbitMQ: the gate needs the queue depths
+        assert rt._gate_period_s() == GATE_POLL_S
+        while spy.get_message(timeout=0.05) is not None:
+            pass
+        rt.gate_kick.clear()
+
+        cached = RequestInfo(
+            request_id="c", arrival_s=0.0, tenant="t", input_tokens=64, max_tokens=4
+        )
+        with state.batch() as b:
+            b.account("g1", "on_dispatch", cached, 64)  # all of it cached: no prefill
+        assert spy.get_message(timeout=0.3) is None
+        long = RequestInfo(
+            request_id="l", arrival_s=0.0, tenant="t", input_tokens=9000, max_tokens=4
+        )
+        with state.batch() as b:  # an API's express dispatch onto g1
+            b.account("g1", "on_dispatch", long, 0)
+        assert rt.gate_kick.wait(5.0), "the gate was not woken by the booking"
+        assert spy.get_message(timeout=1.0) is not None
+        rt.gate_kick.clear()
+        state.account_first_token("g1", long, 0)  # its prefill done: the pool may reopen
+        assert rt.gate_kick.wait(5.0)
+        rt.read_shared_prefill()
+        assert rt.shared_prefill_tokens == 0
+    finally:
+        rt._stop.set()
+        listener.join(5)
+        spy.close()
+    assert not listener.is_alive()
+
+
 def test_up_engine_option_names_dc_url_and_optional_kv_and_tokenizer() -> None:
     """``tokenfleet up --engine`` serves engines it did not start (real vLLM)."""
     from tokenfleet.cli.commands.up import ExternalEngine, parse_engine

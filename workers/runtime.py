@@ -19,6 +19,7 @@ shared prefix-index stream in Redis.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -49,6 +50,11 @@ log = logging.getLogger("tokenfleet.worker")
 #: trip per tick while requests run, so 10 a second at 0.1 s for a reaction the
 #: client does not see (on the direct path the API closes the engine call itself)
 WATCHDOG_TICK_S = 0.25
+#: the tier gate's pass while it polls (no gate channel, or RabbitMQ's queue depths)
+GATE_POLL_S = 0.05
+#: the tier gate's pass when every change it decides by wakes it
+#: (:meth:`WorkerRuntime._gate_period_s`)
+GATE_IDLE_S = 0.5
 
 
 class Abortable(Protocol):
@@ -133,6 +139,8 @@ class WorkerRuntime:
         self.reserved_prefill: dict[str, int | None] = {}
         #: wakes the tier gate at once (a first token or a finish may reopen queues)
         self.gate_kick = threading.Event()
+        #: the gate's channel is subscribed (:meth:`_gate_listen_loop`)
+        self._gate_listening = False
         self.exact_kv_events = False
         self._outcome_hub: RelayHub | None = None
         self._api_watch: ApiWatch | None = None
@@ -170,6 +178,7 @@ class WorkerRuntime:
             (self._scrape_loop, "scraper"),
             (self._watchdog_loop, "watchdog"),
             (self._gate_loop, "tier-gate"),
+            (self._gate_listen_loop, "gate-listen"),
         ):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
@@ -331,6 +340,7 @@ class WorkerRuntime:
         self.consecutive_failures += 1
         if self.consecutive_failures >= self.live.engine_fail_threshold:
             self.unhealthy_until = time.time() + self.live.engine_unhealthy_s
+            self.gate_kick.set()  # stop taking work for it now
             log.warning(
                 "instance %s marked unhealthy for %.1fs: %s",
                 self.info.instance_id,
@@ -356,8 +366,10 @@ class WorkerRuntime:
         if was and not res.metrics.healthy:
             log.warning("engine %s unhealthy: %s", self.info.url, res.error)
             self._abort_unstarted(f"engine unhealthy: {res.error}")
+            self.gate_kick.set()
         elif not was and res.metrics.healthy:
             log.info("engine %s healthy again", self.info.url)
+            self.gate_kick.set()
         try:
             self.state.publish_snapshot(
                 self.info.instance_id, res.metrics, self.running_by_tier(), info=self.info
@@ -485,9 +497,48 @@ class WorkerRuntime:
                 higher_waiting = True
         return out
 
+    def _gate_period_s(self) -> float:
+        """How long the gate sleeps between passes when nothing wakes it.
+
+        Everything the gate decides by wakes it when it changes: this worker's
+        flights and reservations (``gate_kick``), the engine's health, and the
+        prefill other processes book on the instance (a message on its
+        :meth:`~tokenfleet.live.state.LiveState.gate_channel`, read by
+        :meth:`_gate_listen_loop`). The pass then only catches what has no
+        wake-up (beat's shares, an unhealthy mark expiring): twice a second.
+        Polling the accounting every 50 ms instead was a third of an idle
+        worker's CPU (docs/benchmarks.md, section 24). Without the channel
+        (not subscribed yet, Redis away) or where the gate needs the queue
+        depths (a broker that does not order queues: RabbitMQ) it polls."""
+        if self.broker_orders_queues and self._gate_listening:
+            return GATE_IDLE_S
+        return GATE_POLL_S
+
+    def _gate_listen_loop(self) -> None:
+        """Wake the gate when someone's booking moves this instance's prefill."""
+        if self.info.role == "prefill":
+            return  # it consumes no pool queues: nothing to gate by the prefill
+        channel = self.state.gate_channel(self.info.instance_id)
+        while not self._stop.is_set():
+            pubsub = self.state.r.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(channel)
+                self._gate_listening = True
+                self.gate_kick.set()  # what changed while not subscribed
+                while not self._stop.is_set():
+                    if pubsub.get_message(timeout=1.0) is not None:
+                        self.gate_kick.set()
+            except Exception:  # Redis away: the gate polls meanwhile
+                log.debug("gate channel lost; polling", exc_info=True)
+                self._stop.wait(1.0)
+            finally:
+                self._gate_listening = False
+                with contextlib.suppress(Exception):
+                    pubsub.close()
+
     def _gate_loop(self) -> None:
         while not self._stop.is_set():
-            self.gate_kick.wait(0.05)
+            self.gate_kick.wait(self._gate_period_s())
             self.gate_kick.clear()
             c = self._consumer
             if c is None or getattr(c, "task_consumer", None) is None:

@@ -35,6 +35,9 @@ from tokenfleet.engine.profiles import EngineProfile, get_profile
 
 #: DispatchAccounting fields kept in Redis, in dataclass order
 ACCOUNTING_FIELDS = tuple(DispatchAccounting.__slots__)
+#: the accounting field a worker's tier gate reads (its pool opens while it is under
+#: budget); a booking that moves it publishes on the instance's :meth:`LiveState.gate_channel`
+GATED_FIELD = "prefill_pending_uncached_tokens"
 
 # -- Lua: request state transitions -------------------------------------------------
 _CLAIM = """
@@ -413,7 +416,7 @@ class LiveState:
     def prefill_pending_uncached(self, instance_id: str) -> int:
         """One field of the instance's accounting: the uncached prompt tokens
         booked there and not prefilled yet, by every API and worker."""
-        raw = self.r.hget(self.k("acct", instance_id), "prefill_pending_uncached_tokens")
+        raw = self.r.hget(self.k("acct", instance_id), GATED_FIELD)
         return int(raw) if raw else 0
 
     def book_dispatch(
@@ -428,6 +431,7 @@ class LiveState:
         with self.r.pipeline(transaction=True) as pipe:
             for name, d in delta.items():
                 pipe.hincrby(key, name, d)
+            self._nudge_gate(pipe, instance_id, delta)
             pipe.hgetall(key)
             raw = pipe.execute()[-1]
         return delta, _accounting(raw, less=delta)
@@ -477,6 +481,8 @@ class LiveState:
                     return False
                 pipe.multi()
                 pipe.delete(key)
+                if int(now.get(GATED_FIELD.encode(), 0) or 0):
+                    pipe.publish(self.gate_channel(instance_id), 1)
                 total = now.get(b"dispatched_total")
                 if total is not None and int(total) > 0:
                     pipe.hset(key, "dispatched_total", int(total))
@@ -491,7 +497,20 @@ class LiveState:
             for name, d in delta.items():
                 if d:
                     pipe.hincrby(key, name, d)
+            self._nudge_gate(pipe, instance_id, delta)
             pipe.execute()
+
+    def gate_channel(self, instance_id: str) -> str:
+        """Pub/sub channel that says the instance's booked prefill changed: its
+        worker's tier gate re-reads it then (:class:`workers.runtime.WorkerRuntime`)
+        instead of polling the accounting 20 times a second."""
+        return self.k("gate", instance_id)
+
+    def _nudge_gate(self, pipe: Any, instance_id: str, delta: Mapping[str, int]) -> None:
+        """In the same round trip as a booking: wake the instance's gate when
+        the booking moves the prefill it gates pool work by."""
+        if delta.get(GATED_FIELD):
+            pipe.publish(self.gate_channel(instance_id), 1)
 
     @staticmethod
     def _delta(fn_name: str, req: RequestInfo, cached: int, **kw: Any) -> dict[str, int]:
@@ -812,10 +831,13 @@ class Batch:
         key = self.state.k("acct", instance_id)
         delta = {name: d for name, d in LiveState._delta(fn, req, cached, **kw).items() if d}
         before = already or {}
+        written: dict[str, int] = {}
         for name in delta.keys() | before.keys():
             d = delta.get(name, 0) - before.get(name, 0)
             if d:
                 self.pipe.hincrby(key, name, d)
+                written[name] = d
+        self.state._nudge_gate(self.pipe, instance_id, written)
         return delta
 
     def queued(self, queue: str, n: int) -> None:
