@@ -1107,8 +1107,8 @@ def test_a_requests_prefetch_reads_accounting_and_depths_before_its_dispatch(
 ) -> None:
     """At low load the refresh thread stops polling, so a request's dispatch
     would read the dispatch accounting and the queue depths inline, two round
-    trips on its time to first token. ``prefetch`` at arrival has the refresh
-    thread read both at once; the dispatch then reads neither."""
+    trips on its time to first token. ``prefetch`` at arrival writes both
+    reads to Redis; the dispatch reads their replies, no round trip of its own."""
     from tokenfleet.live.gateway import refresh
 
     # copies stay fresh for seconds: a slow machine cannot age them mid-test
@@ -1142,21 +1142,29 @@ def test_a_requests_prefetch_reads_accounting_and_depths_before_its_dispatch(
 
         view.accounting._read = spy  # type: ignore[method-assign]
 
-        def landed(after: float) -> bool:  # a read that began after ``after``
-            deadline = time.monotonic() + 5.0
-            while view.accounting._read_at <= after and time.monotonic() < deadline:
-                time.sleep(0.005)
-            return view.accounting._read_at > after
-
-        view.prefetch()  # nothing read yet: the refresh thread reads now
-        assert landed(float("-inf"))
-        view.await_prefetch()
+        pool = state.r.connection_pool
+        view.prefetch()  # nothing read yet: both reads are written to Redis now
+        assert view._pending is not None and view.accounting._read_at == float("-inf")
+        view.await_prefetch()  # their replies read, no other round trip
         got = view.accounting.get(["pf1"])["pf1"]
         assert inline == [], "the dispatch read the accounting itself"
         assert got.dispatched_total >= 1 and got.prefill_pending_tokens >= 900
         assert view._depths.get("dcp.interactive") == 3
         view.prefetch()  # both copies fresh: nothing to read
-        assert view._prefetch_done is None
+        assert view._pending is None
+
+        # a request refused while parsing never dispatches: the refresh
+        # thread reads its prefetch, and the connection goes back to the pool
+        free = pool.pool.qsize()  # type: ignore[attr-defined]  # a BlockingConnectionPool
+        view.accounting._read_at, view._depths_at = float("-inf"), -1.0
+        monkeypatch.setattr(refresh, "ABANDONED_PREFETCH_S", 0.0)
+        view.prefetch()
+        view._kick.set()
+        deadline = time.monotonic() + 5.0
+        while view._pending is not None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert view._pending is None and view.accounting._read_at > float("-inf")
+        assert pool.pool.qsize() == free  # type: ignore[attr-defined]
     finally:
         view.close()
         state.deregister_instance("pf1")

@@ -48,11 +48,14 @@ class AccountingView:
         self,
         instance_ids: Iterable[str],
         read: Callable[[list[str]], dict[str, DispatchAccounting]] | None = None,
+        began: float | None = None,
     ) -> None:
         """Read Redis now (with ``read``: a read that fetches more in the same
-        round trip, :meth:`LiveView.prefetch`)."""
+        round trip; with ``began``, the time a read ``read`` returns the
+        result of was sent, :meth:`LiveView.prefetch`)."""
         ids = list(instance_ids)
-        began = self._clock()
+        if began is None:
+            began = self._clock()
         got = (read or self._read)(ids)
         with self._lock:
             if began < self._read_at:

@@ -20,11 +20,11 @@ from typing import Any
 import redis
 
 from tokenfleet.core.prefix_index import PrefixIndex
-from tokenfleet.core.types import DispatchAccounting, KVEvent
+from tokenfleet.core.types import KVEvent
 from tokenfleet.live.accounting import AccountingView
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.queues import DEFAULT_SHARES
-from tokenfleet.live.state import InstanceInfo, LiveState
+from tokenfleet.live.state import InstanceInfo, LiveState, PendingRead
 
 log = logging.getLogger("tokenfleet.api")
 
@@ -48,8 +48,8 @@ POLL_WHILE_USED_PERIODS = 2
 #: a request's prefetch (:meth:`LiveView.prefetch`) reads when a copy would be
 #: this close to its age limit: dispatch comes a few ms after arrival
 PREFETCH_MARGIN_S = 0.01
-#: dispatch waits at most this long for a prefetch under way, then reads inline
-PREFETCH_WAIT_S = 0.01
+#: a prefetch nobody read after this long is read by the refresh thread
+ABANDONED_PREFETCH_S = 1.0
 
 
 class LiveView:
@@ -86,8 +86,8 @@ class LiveView:
         #: wakes the refresh thread early (a prefetch, or close)
         self._kick = threading.Event()
         self._prefetch_lock = threading.Lock()
-        #: set when the prefetch under way has landed (None: none under way)
-        self._prefetch_done: threading.Event | None = None
+        #: the reads a request's prefetch wrote, not read yet (None: none)
+        self._pending: PendingRead | None = None
         self._kv_thread = threading.Thread(target=self._kv_loop, name="kv-index", daemon=True)
         self._kv_thread.start()
         self._refresh_thread = threading.Thread(
@@ -171,8 +171,7 @@ class LiveView:
             if self._stop.is_set():
                 return
             self._kick.clear()
-            if self._prefetch_done is not None:
-                self._prefetch_now()
+            self._land_abandoned()
             now = time.monotonic()
             try:
                 if now >= due["instances"]:
@@ -209,46 +208,55 @@ class LiveView:
     def prefetch(self) -> None:
         """A request arrived: if its dispatch would read the accounting or the
         queue depths inline (the refresh thread stops polling them while
-        requests are rare, :data:`POLL_WHILE_USED_PERIODS`), the refresh thread
-        reads both now, in one round trip, while this request is parsed and
-        tokenized. At low load those two inline reads were about 1 ms of the
-        request's time to first token (docs/benchmarks.md, section 12)."""
+        requests are rare, :data:`POLL_WHILE_USED_PERIODS`), write both reads
+        to Redis now, on this thread, and let the dispatch read the replies
+        (:meth:`await_prefetch`): Redis answers while this request is parsed,
+        tokenized and hashed. At low load those two inline reads were about
+        1 ms of the request's time to first token (docs/benchmarks.md,
+        section 12); handing the read to the refresh thread still left a
+        wait of a thread hand-off and the GIL (section 25)."""
         depths_left_s = QUEUE_DEPTHS_MAX_AGE_S - (time.monotonic() - self._depths_at)
         if min(self.accounting.fresh_for_s(), depths_left_s) > PREFETCH_MARGIN_S:
             return
         with self._prefetch_lock:
-            if self._prefetch_done is not None:
-                return  # one is under way
-            self._prefetch_done = threading.Event()
-        self._kick.set()
+            pending = self._pending
+            if pending is not None and time.monotonic() - pending.sent_at <= PREFETCH_MARGIN_S:
+                return  # one is under way, and recent
+            try:
+                self._pending = self.state.send_accounting_and_queued(
+                    i.instance_id for i in self.instances()
+                )
+            except redis.RedisError:
+                self._pending = None  # the dispatch reads inline, and sees the outage
+        if pending is not None:
+            self._land(pending)  # an older one nobody read: its connection goes back
 
     def await_prefetch(self) -> None:
-        """Dispatch: let a prefetch under way land instead of reading again."""
-        done = self._prefetch_done
-        if done is not None:
-            done.wait(PREFETCH_WAIT_S)
+        """Dispatch: read the replies of the reads :meth:`prefetch` wrote (if
+        another request's are still unread, those: they are as recent)."""
+        with self._prefetch_lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            self._land(pending)
 
-    def _prefetch_now(self) -> None:
-        began = time.monotonic()
-        queued: dict[str, int] = {}
-
-        def read(ids: list[str]) -> dict[str, DispatchAccounting]:
-            accts, depths = self.state.accounting_and_queued(ids)
-            queued.update(depths)
-            return accts
-
+    def _land(self, pending: PendingRead) -> None:
         try:
-            self.accounting.refresh([i.instance_id for i in self.instances()], read=read)
-            self._depths_copy, self._depths_at = queued, began
+            accts, queued = pending.result()
         except redis.RedisError:
-            pass  # the dispatch reads inline, and sees the outage itself
-        except Exception:
-            log.exception("prefetch failed")
-        finally:
-            with self._prefetch_lock:
-                done, self._prefetch_done = self._prefetch_done, None
-            if done is not None:
-                done.set()
+            return  # the dispatch reads inline, and sees the outage itself
+        self.accounting.refresh(pending.ids, read=lambda _ids: accts, began=pending.sent_at)
+        if pending.sent_at >= self._depths_at:
+            self._depths_copy, self._depths_at = queued, pending.sent_at
+
+    def _land_abandoned(self) -> None:
+        """The refresh thread: a prefetch whose request never dispatched (refused
+        while parsing) still holds a pooled connection; read it."""
+        with self._prefetch_lock:
+            pending = self._pending
+            if pending is None or time.monotonic() - pending.sent_at < ABANDONED_PREFETCH_S:
+                return
+            self._pending = None
+        self._land(pending)
 
     def redis_failed(self) -> None:
         """A Redis call of this process failed: ``/health`` stops trusting the
