@@ -244,6 +244,9 @@ class LiveView:
             accts, queued = pending.result()
         except redis.RedisError:
             return  # the dispatch reads inline, and sees the outage itself
+        except Exception:
+            log.exception("prefetch failed")  # the dispatch reads inline
+            return
         self.accounting.refresh(pending.ids, read=lambda _ids: accts, began=pending.sent_at)
         if pending.sent_at >= self._depths_at:
             self._depths_copy, self._depths_at = queued, pending.sent_at
