@@ -1123,6 +1123,7 @@ def test_a_requests_prefetch_reads_accounting_and_depths_before_its_dispatch(
             # its KV-event thread hands the module's earlier events to a router
             self.router = SimpleNamespace(on_kv_event=lambda ev: None)
             self.router_lock = threading.Lock()
+            self.tier_shares = {}
             self._start_view()
 
     info = InstanceInfo("pf1", "dcp", "m", "http://127.0.0.1:1", "llama3-8b-h200", 4096, 1, 8)
@@ -1142,7 +1143,6 @@ def test_a_requests_prefetch_reads_accounting_and_depths_before_its_dispatch(
 
         view.accounting._read = spy  # type: ignore[method-assign]
 
-        pool = state.r.connection_pool
         view.prefetch()  # nothing read yet: both reads are written to Redis now
         assert view._pending is not None and view.accounting._read_at == float("-inf")
         view.await_prefetch()  # their replies read, no other round trip
@@ -1155,16 +1155,21 @@ def test_a_requests_prefetch_reads_accounting_and_depths_before_its_dispatch(
 
         # a request refused while parsing never dispatches: the refresh
         # thread reads its prefetch, and the connection goes back to the pool
-        free = pool.pool.qsize()  # type: ignore[attr-defined]  # a BlockingConnectionPool
         view.accounting._read_at, view._depths_at = float("-inf"), -1.0
         monkeypatch.setattr(refresh, "ABANDONED_PREFETCH_S", 0.0)
         view.prefetch()
+        abandoned = view._pending
+        assert abandoned is not None and abandoned._conn is not None
         view._kick.set()
         deadline = time.monotonic() + 5.0
-        while view._pending is not None and time.monotonic() < deadline:
+
+        def landed() -> bool:
+            return abandoned._conn is None and view.accounting._read_at > float("-inf")
+
+        while not landed() and time.monotonic() < deadline:
             time.sleep(0.005)
-        assert view._pending is None and view.accounting._read_at > float("-inf")
-        assert pool.pool.qsize() == free  # type: ignore[attr-defined]
+        assert view._pending is None
+        assert landed(), "the refresh thread did not read it (its connection stays out)"
     finally:
         view.close()
         state.deregister_instance("pf1")

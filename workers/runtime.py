@@ -523,8 +523,8 @@ class WorkerRuntime:
             pubsub = self.state.r.pubsub(ignore_subscribe_messages=True)
             try:
                 pubsub.subscribe(channel)
-                self._gate_listening = True
                 self.gate_kick.set()  # what changed while not subscribed
+                self._gate_listening = True
                 while not self._stop.is_set():
                     if pubsub.get_message(timeout=1.0) is not None:
                         self.gate_kick.set()
