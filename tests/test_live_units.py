@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import requests
@@ -1174,3 +1175,51 @@ def test_a_requests_prefetch_reads_accounting_and_depths_before_its_dispatch(
         view.close()
         state.deregister_instance("pf1")
         state.queued_incr("dcp.interactive", -3)
+
+
+def test_a_datacenter_dropped_from_the_views_is_not_chosen_from_a_stale_fleet_view() -> None:
+    """FleetMind's per-DC view is re-aggregated at most every 0.1 s. A DC whose
+    broker was just marked down leaves the request's views, and a choice from
+    the copy made before would pick it and leave the router no instance (a
+    503 "check the deployment"; the flaky multi-DC broker test). The copy is
+    refreshed whenever the set of DCs in the views changes."""
+    from tokenfleet.live.gateway.dispatch import Dispatcher
+
+    class Selector:
+        """Prefers dc-b (the tenant's home) when its view has it."""
+
+        def __init__(self) -> None:
+            self.views: dict[str, Any] = {}
+            self.snap = SimpleNamespace(now_s=0.0)
+
+        def refresh(self, views: list[Any], now: float) -> None:
+            self.views = {v.dc: v for v in views}
+
+        def select(self, info: Any, tenant: Any) -> tuple[Any, str]:
+            dc = "dc-b" if "dc-b" in self.views else "dc-a"
+            return SimpleNamespace(dc=dc, reason="home" if dc == "dc-b" else "spill"), "dc-b"
+
+        def compliant_dcs(self, info: Any, tenant: Any) -> set[str]:
+            return set(self.views)
+
+    a0, b0 = (
+        SimpleNamespace(dc="dc-a", instance_id="a0"),
+        SimpleNamespace(dc="dc-b", instance_id="b0"),
+    )
+    gw = SimpleNamespace(
+        dc_selector=Selector(),
+        _refresh_fleet_plan=lambda: None,
+        _tenant=lambda t: None,
+        router_lock=threading.Lock(),
+        _dc_views_at=-1.0,
+        _dc_views_dcs=frozenset(),
+        metrics=None,
+    )
+    req = SimpleNamespace(info=_req("dc-stale"))
+    chosen, _, _ = Dispatcher._pick_dc(gw, req, [a0, b0], 100.0)  # type: ignore[arg-type]
+    assert chosen == [b0]
+    # dc-b's broker is marked down 10 ms later: its instances leave the views
+    chosen, (decision, _home), _ = Dispatcher._pick_dc(gw, req, [a0], 100.01)  # type: ignore[arg-type, misc]
+    assert chosen == [a0] and decision.dc == "dc-a"
+    chosen, _, _ = Dispatcher._pick_dc(gw, req, [a0, b0], 100.02)  # type: ignore[arg-type]
+    assert chosen == [b0], "back up: home again at once"

@@ -113,6 +113,7 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
                 live.fleet_policy, topology=topo, slo=self.slo, entry_dc=live.entry_dc
             )
         self._dc_views_at = -1.0
+        self._dc_views_dcs: frozenset[str] = frozenset()
         self._mean_tokens: dict[str, tuple[float, float]] = {}
         #: the slot shares beat gives each tier (the workers' tier gates apply them)
         self.tier_shares: dict[str, float] = dict(DEFAULT_SHARES)

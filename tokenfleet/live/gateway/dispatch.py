@@ -143,6 +143,7 @@ class Dispatcher:
     direct_calls: DirectCalls
     wait_predictor: Any
     _dc_views_at: float
+    _dc_views_dcs: frozenset[str]
     _depths: dict[str, int]
     _depths_at: float
     _mean_tokens: dict[str, tuple[float, float]]
@@ -480,10 +481,18 @@ class Dispatcher:
         info = req.info
         self._refresh_fleet_plan()
         tenant = self._tenant(info.tenant)
+        # the datacenters the views span: one whose broker went down (or came
+        # back) since the last refresh must not be chosen from a stale copy
+        # (its requests would find no instance: a 503 "check the deployment")
+        dcs = frozenset(v.dc for v in views)
         with self.router_lock:
-            if now - self._dc_views_at >= DC_VIEWS_REFRESH_S or now < self._dc_views_at:
+            if (
+                now - self._dc_views_at >= DC_VIEWS_REFRESH_S
+                or now < self._dc_views_at
+                or dcs != self._dc_views_dcs
+            ):
                 self.dc_selector.refresh(views, now)
-                self._dc_views_at = now
+                self._dc_views_at, self._dc_views_dcs = now, dcs
             self.dc_selector.snap.now_s = now
             why = ""
             try:
