@@ -234,13 +234,9 @@ def _serve_held(gw: Gateway, principal: Any, shape: _Shape, tier_hint: str) -> R
             return resp
         # Hold the response until the first real event so an error before any
         # token still gets its proper HTTP status; after that, errors are events.
-        first = next((ev for ev in events if ev.kind in ("d", "end", "err", "gone")), None)
+        first = _first_event(events)
         if first is not None and first.kind == "gone":
-            d.extra["outcome"] = "cancelled"
-            _disconnect(gw, "socket_eof")
-            events.close()
-            gw.cancel(d)
-            quota.finish(None)
+            _cancel_gone(gw, d, events, quota)
             gw.inflight.leave()
             return Response(b"", status=CLIENT_CLOSED)
         if first is None or first.kind == "err":
@@ -283,7 +279,7 @@ def _deferred_sse(
     # the role chunk that leaves with the first token, built while the engine prefills
     head = shape.chunk(d, None, role=True) if shape.chat else b""
     try:
-        first = next((ev for ev in events if ev.kind in ("d", "end", "err", "gone")), None)
+        first = _first_event(events)
     except BaseException:
         try:
             _close_events(events)
@@ -295,16 +291,13 @@ def _deferred_sse(
         yield from _sse(shape, gw, d, first, events, quota, head)
         return
     try:
-        _close_events(events)
         if first is not None and first.kind == "gone":
-            d.extra["outcome"] = "cancelled"
-            _disconnect(gw, "socket_eof")
-            gw.cancel(d)
-            quota.finish(None)
+            _cancel_gone(gw, d, events, quota)
             restart(
                 CLIENT_CLOSED, {"Content-Length": "0", "X-Request-Id": d.request.info.request_id}
             )
             return
+        _close_events(events)
         quota.refund()
         err = _event_error(first)
         if gw.metrics is not None:
@@ -322,6 +315,23 @@ def _deferred_sse(
     finally:
         gw.inflight.leave()
     yield body
+
+
+def _first_event(events: Iterator[RelayEvent]) -> RelayEvent | None:
+    """The first event that decides the response: a token, the end, an error,
+    or the client gone (None: the events ended without one)."""
+    return next((ev for ev in events if ev.kind in ("d", "end", "err", "gone")), None)
+
+
+def _cancel_gone(
+    gw: Gateway, d: Dispatched, events: Iterator[RelayEvent], quota: ChatQuota
+) -> None:
+    """The client left before the first token: cancel the request."""
+    d.extra["outcome"] = "cancelled"
+    _disconnect(gw, "socket_eof")
+    _close_events(events)
+    gw.cancel(d)
+    quota.finish(None)
 
 
 def _close_events(events: Iterator[RelayEvent]) -> None:
@@ -397,9 +407,7 @@ class _Stream:
 
 def _never_ran(gw: Gateway, d: Dispatched, events: Iterator[RelayEvent], quota: ChatQuota) -> None:
     try:
-        close = getattr(events, "close", None)
-        if close is not None:
-            close()
+        _close_events(events)
         d.extra["outcome"] = "cancelled"
         gw.cancel(d)
         quota.finish(None)

@@ -468,23 +468,10 @@ class LiveState:
             raws = pipe.execute()
         return {iid: _accounting(raw) for iid, raw in zip(ids, raws, strict=True)}
 
-    def accounting_and_queued(
-        self, instance_ids: Iterable[str]
-    ) -> tuple[dict[str, DispatchAccounting], dict[str, int]]:
-        """:meth:`accounting` and :meth:`queued` in one round trip."""
-        ids = list(instance_ids)
-        with self.r.pipeline(transaction=False) as pipe:
-            for i in ids:
-                pipe.hgetall(self.k("acct", i))
-            pipe.hgetall(self.k("queued"))
-            raws = pipe.execute()
-        accts = {iid: _accounting(raw) for iid, raw in zip(ids, raws, strict=False)}
-        queued = {k.decode(): max(0, int(v)) for k, v in raws[-1].items()}
-        return accts, queued
-
     def send_accounting_and_queued(self, instance_ids: Iterable[str]) -> PendingRead:
-        """:meth:`accounting_and_queued`, sent now and read later
-        (:meth:`PendingRead.result`): Redis answers while the caller works."""
+        """Every instance's accounting and the broker queue depths, sent now and
+        read later (:meth:`PendingRead.result`): Redis answers while the caller
+        works."""
         ids = list(instance_ids)
         keys = [self.k("acct", i) for i in ids] + [self.k("queued")]
         return PendingRead(self, ids, [("HGETALL", k) for k in keys])
