@@ -64,6 +64,13 @@ def test_prefill_on_one_emulator_decode_on_another(caplog: pytest.LogCaptureFixt
         dm = scrape(d.url)
         assert dm["tokenfleet:kv_transfer_received_tokens_total"] >= prompt_tokens - 16
         assert dm["tokenfleet:kv_transfer_received_seconds_total"] > 0
+        # a connector's hit, as vLLM counts NIXL's: queried and not hit by the
+        # GPU prefix cache, served by the connector (a router reading admitted
+        # prefill from the scrape must not count it as computed)
+        received = dm["tokenfleet:kv_transfer_received_tokens_total"]
+        assert dm["vllm:external_prefix_cache_hits_total"] == received
+        gpu_missed = dm["vllm:prefix_cache_queries_total"] - dm["vllm:prefix_cache_hits_total"]
+        assert gpu_missed >= received
         # the decode side computed (almost) none of the prompt itself
         assert dm["vllm:prompt_tokens_total"] == prompt_tokens  # counted, as vLLM does
         assert d.engine.counters.prompt_tokens_computed < 32

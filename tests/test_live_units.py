@@ -67,6 +67,8 @@ def test_parse_vllm_metrics_sums_engines_and_averages_kv() -> None:
             'vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.9',
             'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0',
             'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 250.0',
+            'vllm:external_prefix_cache_queries_total{engine="0",model_name="m"} 750.0',
+            'vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 600.0',
             'vllm:time_to_first_token_seconds_bucket{le="0.1"} 7.0',
         ]
     )

@@ -907,6 +907,35 @@ def test_a_host_hit_loses_to_a_shorter_queue_once_the_queue_costs_more() -> None
     assert decide(int(1.4 * saved / per_filler) + 1) == "i1"
 
 
+def test_kv_the_host_tier_loaded_is_not_read_from_the_scrape_as_prefill_work() -> None:
+    """vLLM counts a connector's hit as queried and not hit by the GPU prefix
+    cache; it comes back in ``vllm:external_prefix_cache_hits``. Read as
+    computed, a returning conversation's 64k-token host hit made its instance
+    look ~3 s busy, and the next turn left the instance holding its prefix
+    (docs/benchmarks.md, section 27)."""
+    shared = prompt(1000)  # 16k tokens, on i0's GPU
+
+    def decide(external_hits: int) -> RouteDecision:
+        router = TokenPilotRouter()
+        pool = hosted_views(2, router)
+        router.on_kv_event(KVEvent("i0", "stored", shared))
+        # the next scrape: i0 admitted a 64k-token prompt since the last one
+        pool[0].metrics = ScrapedMetrics(
+            scraped_at_s=1.0,
+            num_running=1,
+            prefix_queries_total=64_000,
+            external_hits_total=external_hits,
+        )
+        return router.route(req(shared + prompt(8), arrival_s=1.0), PoolSnapshot(1.0, pool))
+
+    loaded = decide(external_hits=64_000)
+    assert loaded.instance_id == "i0"
+    assert loaded.predicted_ttft_s is not None and loaded.predicted_ttft_s < 0.1
+    computed = decide(external_hits=0)  # the same prompt prefilled: i0 is busy
+    assert computed.instance_id == "i1"
+    assert computed.predicted_ttft_s is not None and computed.predicted_ttft_s > 0.3
+
+
 def test_without_events_the_host_tier_is_believed_from_own_prefills() -> None:
     """Write-through: what the router saw prefilled on an instance is in its host
     tier, and stays believed there after the GPU's copy is reported evicted."""

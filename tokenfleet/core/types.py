@@ -64,6 +64,9 @@ class ScrapedMetrics:
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc, 0..1
     prefix_queries_total: int = 0  # vllm:prefix_cache_queries_total (tokens)
     prefix_hits_total: int = 0  # vllm:prefix_cache_hits_total (tokens)
+    #: vllm:external_prefix_cache_hits_total (tokens): KV a connector loaded
+    #: (the CPU offloading tier), counted as queried but not hit above
+    external_hits_total: int = 0
     healthy: bool = True  # scrape succeeded and /health answered
 
 

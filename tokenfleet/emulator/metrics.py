@@ -233,9 +233,9 @@ class _StateCollector:
             "Prefix cache hits, in terms of number of cached tokens.",
             s.prefix_hits_tokens,
         )
-        if s.num_cpu_blocks:
-            # vLLM counts what KV connectors (here the OffloadingConnector) are
-            # asked for and serve: tokens past the local (GPU) prefix hit
+        if s.num_cpu_blocks or s.external_queries_tokens:
+            # vLLM counts what KV connectors (the OffloadingConnector, a P/D
+            # transfer) are asked for and serve: tokens past the local (GPU) hit
             yield counter(
                 "vllm:external_prefix_cache_queries",
                 "External prefix cache queries from KV connector cross-instance cache "
@@ -248,6 +248,7 @@ class _StateCollector:
                 "sharing, in terms of number of cached tokens.",
                 s.external_hits_tokens,
             )
+        if s.num_cpu_blocks:
             # not a vLLM series: the host tier's occupancy, for dashboards and tests
             yield gauge(
                 "tokenfleet:kv_offload_cpu_usage_perc",

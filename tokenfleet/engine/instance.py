@@ -122,6 +122,19 @@ class EngineCounters:
     kv_transfer_out_tokens: int = 0  # prefill side: KV read by a decode instance
     kv_held_peak_blocks: int = 0  # prefill side: most blocks held for transfers at once
 
+    @property
+    def external_hits_tokens(self) -> int:
+        """vLLM's ``external_prefix_cache_hits``: prompt KV a connector supplied
+        (loaded from the host tier, or received from a prefill instance), which
+        the GPU prefix cache's counters count as queried and not hit."""
+        return self.host_hits_tokens + self.kv_transfer_in_tokens
+
+    @property
+    def external_queries_tokens(self) -> int:
+        """vLLM's ``external_prefix_cache_queries``: what connectors were asked
+        for, past the GPU hit (a received prompt's KV counted as asked for)."""
+        return self.host_queries_tokens + self.kv_transfer_in_tokens
+
 
 #: While only host loads are in flight, the engine polls for their completion
 #: this often (vLLM's scheduler checks finished transfers every step).

@@ -4,14 +4,17 @@ Metric names as vLLM V1 exports them (``vllm/v1/metrics/loggers.py``):
 ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:kv_cache_usage_perc`` (older releases: ``vllm:gpu_cache_usage_perc``),
 ``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits_total``
-(tokens). With several engines behind one server (data parallel) gauges of
-counts and counters are summed and KV usage is averaged. The text format is
+(tokens), and ``vllm:external_prefix_cache_hits_total`` (tokens a KV
+connector such as the CPU offloading tier loaded). With several engines
+behind one server (data parallel) gauges of counts and counters are summed
+and KV usage is averaged. The text format is
 parsed line by line: the scrape runs every few hundred milliseconds per
 instance and needs nothing of the full exposition grammar.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import time
 from dataclasses import dataclass
@@ -24,6 +27,7 @@ _SUMMED = {
     "vllm:num_requests_waiting": "num_waiting",
     "vllm:prefix_cache_queries_total": "prefix_queries_total",
     "vllm:prefix_cache_hits_total": "prefix_hits_total",
+    "vllm:external_prefix_cache_hits_total": "external_hits_total",
 }
 _KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
@@ -66,6 +70,7 @@ def parse_metrics(text: str, now_s: float) -> ScrapedMetrics:
         kv_usage=sum(usage) / len(usage) if usage else 0.0,
         prefix_queries_total=int(sums.get("prefix_queries_total", 0)),
         prefix_hits_total=int(sums.get("prefix_hits_total", 0)),
+        external_hits_total=int(sums.get("external_hits_total", 0)),
         healthy=True,
     )
 
@@ -146,17 +151,7 @@ class Scraper:
 
     def _unhealthy(self, now: float, why: str) -> ScrapeResult:
         self._ok_before = False
-        m = self.last
-        bad = ScrapedMetrics(
-            scraped_at_s=now,
-            num_running=m.num_running,
-            num_waiting=m.num_waiting,
-            kv_usage=m.kv_usage,
-            prefix_queries_total=m.prefix_queries_total,
-            prefix_hits_total=m.prefix_hits_total,
-            healthy=False,
-        )
-        return ScrapeResult(bad, why)
+        return ScrapeResult(dataclasses.replace(self.last, scraped_at_s=now, healthy=False), why)
 
     def close(self) -> None:
         if self._conn is not None:

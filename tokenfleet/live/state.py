@@ -342,6 +342,7 @@ class LiveState:
             "kv_usage": m.kv_usage,
             "prefix_queries_total": m.prefix_queries_total,
             "prefix_hits_total": m.prefix_hits_total,
+            "external_hits_total": m.external_hits_total,
             "healthy": int(m.healthy),
             "heartbeat_at": time.time(),
         }
@@ -387,6 +388,7 @@ class LiveState:
                 kv_usage=_f(raw, "kv_usage"),
                 prefix_queries_total=_i(raw, "prefix_queries_total"),
                 prefix_hits_total=_i(raw, "prefix_hits_total"),
+                external_hits_total=_i(raw, "external_hits_total"),
                 healthy=_i(raw, "healthy", 1) == 1,
             )
             rbt = _s(raw, "running_by_tier")

@@ -588,6 +588,7 @@ class PoolSim:
             m.kv_usage = eng.kv_usage
             m.prefix_queries_total = eng.counters.prefix_queries_tokens
             m.prefix_hits_total = eng.counters.prefix_hits_tokens
+            m.external_hits_total = eng.counters.external_hits_tokens
 
     # -- summaries ----------------------------------------------------------------
     def busy_s(self) -> list[float]:

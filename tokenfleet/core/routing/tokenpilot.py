@@ -156,6 +156,7 @@ class _InstState:
         "eng_busy_until_s",
         "last_queries",
         "last_hits",
+        "last_external_hits",
         "scraped_load",
         "free_kv_tokens",
         "cap_tokens",
@@ -203,6 +204,7 @@ class _InstState:
         self.eng_busy_until_s = float("-inf")
         self.last_queries = -1
         self.last_hits = 0
+        self.last_external_hits = 0
         self.scraped_load = 0  # running + waiting at the last scrape
         # uncached prompt tokens of our requests with no first token yet: what
         # our share of the dispatch accounting's prefill_pending_uncached_tokens is
@@ -342,7 +344,15 @@ class TokenPilotRouter(BaseRouter):
         kappa = st.kappa.value
         queries = m.prefix_queries_total
         if queries != st.last_queries and st.last_queries >= 0 and queries > st.last_queries:
-            du = (queries - st.last_queries) - (m.prefix_hits_total - st.last_hits)
+            # prompt tokens the engine admitted less what it did not compute:
+            # GPU prefix hits and KV a connector loaded (the host tier), which
+            # vLLM counts as queried but not hit; without the latter a
+            # returning conversation's host hit looked like its whole prefill
+            du = (
+                (queries - st.last_queries)
+                - (m.prefix_hits_total - st.last_hits)
+                - (m.external_hits_total - st.last_external_hits)
+            )
             if du > 0:
                 pm = st.prefill
                 base = du * (
@@ -355,6 +365,7 @@ class TokenPilotRouter(BaseRouter):
                 st.eng_busy_until_s = start + kappa * base
         st.last_queries = m.prefix_queries_total
         st.last_hits = m.prefix_hits_total
+        st.last_external_hits = m.external_hits_total
         st.scrape_prev_s = at
         start = st.eng_busy_until_s if st.eng_busy_until_s > at else at
         st.scraped_done_at_s = start + m.num_waiting * st.mean_work_base_s * kappa
