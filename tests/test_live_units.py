@@ -76,6 +76,7 @@ def test_parse_vllm_metrics_sums_engines_and_averages_kv() -> None:
     assert (m.num_running, m.num_waiting) == (5, 4)
     assert m.kv_usage == pytest.approx(0.375)  # the new name wins over the deprecated one
     assert (m.prefix_queries_total, m.prefix_hits_total) == (1000, 250)
+    assert m.external_hits_total == 600  # the host tier's loads (the CPU offloading connector)
     assert m.scraped_at_s == 12.5 and m.healthy
 
 
@@ -969,8 +970,9 @@ def test_relay_flush_interval_is_a_live_setting() -> None:
 
 
 def test_refresh_thread_polls_queue_depths_only_while_requests_read_them() -> None:
-    """An API without requests does not read the queue depths 40 times a second;
-    once the dispatch reads them (``_depths``), the thread keeps them fresh."""
+    """An API without requests does not read the queue depths 40 times a second
+    (nor wake up to find them unused); while dispatches keep reading them
+    (``_depths``), the thread keeps them fresh."""
     from tokenfleet.live.gateway.refresh import LiveView
 
     polled = threading.Event()
@@ -1001,10 +1003,16 @@ def test_refresh_thread_polls_queue_depths_only_while_requests_read_them() -> No
     view.dc_selector = None
     view._start_view()
     try:
-        time.sleep(0.2)  # several depth periods (25 ms) with nobody reading them
+        time.sleep(0.3)  # many depth periods (25 ms) with nobody reading them
         assert not polled.is_set()
-        assert view._depths == {}  # a dispatch reads them: the thread polls again
-        assert polled.wait(5.0)
+        assert view._depths == {}
+        # dispatches read them, 100 a second: the thread polls again within its
+        # idle period (0.25 s), and the dispatches meanwhile saw the old copy
+        deadline = time.monotonic() + 5.0
+        while not polled.is_set() and time.monotonic() < deadline:
+            assert view._depths in ({}, {"dc-a.interactive": 2})
+            time.sleep(0.01)
+        assert polled.is_set()
         deadline = time.monotonic() + 5.0
         while view._depths_copy != {"dc-a.interactive": 2} and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -63,12 +63,14 @@ class AccountingView:
             self._base, self._ids, self._read_at = got, frozenset(ids), began
             self._pending = [p for p in self._pending if p[0] >= began]
 
-    def refresh_if_used(self, instance_ids: Iterable[str], within_s: float = 1.0) -> None:
+    def refresh_if_used(self, instance_ids: Iterable[str], within_s: float = 1.0) -> bool:
         """The refresh thread's read: skipped while no request has looked for
         ``within_s`` (an idle API does not poll Redis 50 times a second; its
-        next request reads inline)."""
+        next request reads inline). True if it read."""
         if self._clock() - self._used_at <= within_s:
             self.refresh(instance_ids)
+            return True
+        return False
 
     def fresh_for_s(self) -> float:
         """How much longer :meth:`get` answers without reading inline (<= 0: it would read)."""

@@ -177,17 +177,25 @@ class LiveView:
                 if now >= due["instances"]:
                     due["instances"] = now + INSTANCES_REFRESH_S
                     self._refresh_instances()
+                # Unused, the accounting and the depths are looked at again only
+                # with the instances: waking every 20-25 ms to find them unused
+                # was 90 wake-ups a second, most of an idle API's CPU
+                # (docs/benchmarks.md, section 28). A request meanwhile reads
+                # them itself (prefetch) and polling resumes at the next look.
                 if now >= due["accounting"]:
-                    due["accounting"] = now + ACCOUNTING_REFRESH_S
-                    self.accounting.refresh_if_used(
+                    used = self.accounting.refresh_if_used(
                         [i.instance_id for i in self.instances()],
                         within_s=POLL_WHILE_USED_PERIODS * ACCOUNTING_REFRESH_S,
                     )
+                    due["accounting"] = now + (
+                        ACCOUNTING_REFRESH_S if used else INSTANCES_REFRESH_S
+                    )
                 if now >= due["depths"]:
-                    due["depths"] = now + depths_period_s
                     # read by admission, and by the pinning and express checks
-                    if now - self._depths_used_at <= POLL_WHILE_USED_PERIODS * depths_period_s:
+                    used = now - self._depths_used_at <= POLL_WHILE_USED_PERIODS * depths_period_s
+                    if used:
                         self._refresh_depths()
+                    due["depths"] = now + (depths_period_s if used else INSTANCES_REFRESH_S)
                 if now >= due["knobs"]:
                     due["knobs"] = now + KNOBS_REFRESH_S / 2
                     self._refresh_admission_knobs(max_age_s=0.0)
