@@ -373,6 +373,11 @@ def test_decode_growth_past_kv_preempts_and_recomputes() -> None:
     assert sorted(tr.firsts_seen) == ["a", "b"]
     assert a.generated_tokens == 60 and b.generated_tokens == 60
     assert eng.counters.generation_tokens == 120
+    # as vLLM exports them, the prefix-cache counters hold each request's first
+    # admission only (a readmission is recorded apart): a router reading admitted
+    # prefill from them does not see the recompute, as it would not against vLLM
+    assert eng.counters.prefix_queries_tokens == 80 + 80
+    assert eng.counters.prompt_tokens_computed > 160
     assert tr.finish_s["b"] > tr.finish_s["a"]
     assert eng.used_blocks == 0
 

@@ -112,6 +112,7 @@ class EngineCounters:
     # host tier (vLLM's external prefix cache counters: tokens past the GPU hit)
     host_queries_tokens: int = 0
     host_hits_tokens: int = 0
+    host_hits_preempted_tokens: int = 0  # of host_hits_tokens, readmitted after preemption
     host_stored_blocks: int = 0
     host_evicted_blocks: int = 0
     host_load_s: float = 0.0  # link time spent loading (host -> GPU)
@@ -127,7 +128,7 @@ class EngineCounters:
         """vLLM's ``external_prefix_cache_hits``: prompt KV a connector supplied
         (loaded from the host tier, or received from a prefill instance), which
         the GPU prefix cache's counters count as queried and not hit."""
-        return self.host_hits_tokens + self.kv_transfer_in_tokens
+        return self.host_hits_tokens - self.host_hits_preempted_tokens + self.kv_transfer_in_tokens
 
     @property
     def external_queries_tokens(self) -> int:
@@ -544,6 +545,8 @@ class EngineInstance:
         if req.preemptions == 0:
             req.cached_tokens = req.computed_tokens
             req.host_hit_tokens = tokens
+        else:  # vLLM's connector stats count a readmitted request's load apart
+            c.host_hits_preempted_tokens += tokens
 
     def _start_remote_load(self, req: EngineRequest, hit: int, got: int) -> None:
         """Take GPU blocks for ``got`` blocks of prompt KV and start receiving them
@@ -628,12 +631,18 @@ class EngineInstance:
         return n, revived
 
     def _count_query(self, req: EngineRequest, hit: int) -> None:
-        self.counters.prefix_queries_tokens += req.prompt_tokens
-        self.counters.prefix_hits_tokens += hit * self.block
+        """vLLM's prefix-cache stats. A request readmitted after a preemption
+        is recorded apart (``PrefixCacheStats.record(..., preempted=True)``)
+        and left out of the exported counters, so its recompute is not
+        visible there to a router either."""
+        if req.preemptions:
+            return
+        c = self.counters
+        c.prefix_queries_tokens += req.prompt_tokens
+        c.prefix_hits_tokens += hit * self.block
         if self._host is not None:  # what the host tier is asked for: past the GPU hit
-            self.counters.host_queries_tokens += req.prompt_tokens - hit * self.block
-        if req.preemptions == 0:
-            req.cached_tokens = hit * self.block
+            c.host_queries_tokens += req.prompt_tokens - hit * self.block
+        req.cached_tokens = hit * self.block
 
     def _acquire(self, req: EngineRequest, hit: int, start: int) -> None:
         cache = self._cache
