@@ -776,6 +776,46 @@ def test_cli_submit_wait_shows_progress_and_saves_the_output(
     assert rc == 2 and "cannot reach the API" in capsys.readouterr().err
 
 
+def test_an_idle_runner_keeps_house_at_the_idle_period_and_a_wake_runs_it_now(env: Env) -> None:
+    """Housekeeping (four statements a round) runs every ``housekeeping_s`` while
+    a batch is in progress or its last round found work, else every
+    ``idle_housekeeping_s``; a batch created or cancelled here wakes it."""
+    r = BatchRunner(
+        env.svc.engine,
+        env.svc.files,
+        None,
+        config=RunnerConfig(
+            poll_s=0.01, idle_poll_s=0.01, housekeeping_s=0.01, idle_housekeeping_s=30.0
+        ),
+    )
+    rounds: list[bool] = []
+    keep = r.housekeeping
+
+    def counted() -> bool:
+        rounds.append(keep())
+        return rounds[-1]
+
+    r.housekeeping = counted  # type: ignore[method-assign]
+    r._busy = False
+    for _ in range(5):
+        r.tick()
+        time.sleep(0.02)
+    assert rounds == [False]  # nothing to do, nothing in progress: next round in 30 s
+    r.wake()
+    r.tick()
+    assert rounds == [False, False]
+    r._busy = True  # a batch in progress (as the last release round saw it)
+    r.wake()
+    r.tick()  # ...so the next round is housekeeping_s away; this tick's release clears it
+    time.sleep(0.02)
+    r.tick()
+    assert len(rounds) == 4
+    for _ in range(3):
+        time.sleep(0.02)
+        r.tick()
+    assert len(rounds) == 4
+
+
 def test_an_idle_runner_polls_the_database_less_often(env: Env) -> None:
     """No batch in progress and no line running: poll at the housekeeping period
     (bounded by ``idle_poll_s``), not every ``poll_s``; busy again once a round

@@ -75,6 +75,11 @@ class RunnerConfig:
     #: them at 0.2 s; a new batch of this process wakes the runner at once
     idle_poll_s: float = 1.0
     housekeeping_s: float = 1.0
+    #: housekeeping's period while no batch is in progress here, no line runs and
+    #: its last round found nothing: a round is four PostgreSQL statements, most
+    #: of an idle API process's batch-runner CPU at 1 s (docs/benchmarks.md,
+    #: section 29); a batch created or cancelled through this process wakes it
+    idle_housekeeping_s: float = 5.0
     max_attempts: int = 5
     #: results written per transaction
     flush_lines: int = 500
@@ -212,7 +217,9 @@ class BatchRunner:
         return max(self.cfg.poll_s, min(self.cfg.idle_poll_s, self.cfg.housekeeping_s))
 
     def wake(self) -> None:
-        """Run a scheduling round now (a batch was just created in this process)."""
+        """Run a scheduling round and housekeeping now (a batch was just created
+        or cancelled in this process)."""
+        self._next_housekeeping = 0.0
         self._wake.set()
 
     def inflight(self) -> int:
@@ -228,7 +235,10 @@ class BatchRunner:
         self.flush()
         if now >= self._next_housekeeping:
             self._next_housekeeping = now + self.cfg.housekeeping_s
-            self.housekeeping()
+            if not (self.housekeeping() or self._busy or self.inflight()):
+                self._next_housekeeping = now + max(
+                    self.cfg.housekeeping_s, self.cfg.idle_housekeeping_s
+                )
         if not self._stop.is_set():
             self.release()
 
@@ -243,11 +253,12 @@ class BatchRunner:
                     .values(updated_at=sa.func.now())
                 )
 
-    def housekeeping(self) -> None:
-        self.revalidate_stuck()
-        self.reap()
-        self.wind_down()
-        self.finalize_ready()
+    def housekeeping(self) -> bool:
+        """One round; True if any step found something to do."""
+        found = self.revalidate_stuck() > 0
+        found = self.reap() > 0 or found
+        found = self.wind_down() > 0 or found
+        return self.finalize_ready() > 0 or found
 
     # ---- release ---------------------------------------------------------------------
     def release(self) -> int:
@@ -514,7 +525,7 @@ class BatchRunner:
         return len(batch)
 
     # ---- housekeeping ------------------------------------------------------------------
-    def revalidate_stuck(self) -> None:
+    def revalidate_stuck(self) -> int:
         cutoff = utcnow() - timedelta(seconds=self.cfg.stuck_s)
         with self.engine.connect() as conn:
             ids = [
@@ -528,6 +539,7 @@ class BatchRunner:
         for bid in ids:
             log.info("re-validating batch %s left in 'validating'", bid)
             validate_batch(self.engine, self.files, bid)
+        return len(ids)
 
     def reap(self) -> int:
         """Lines whose runner stopped renewing their lease: run again, or fail after N tries."""
@@ -584,10 +596,11 @@ class BatchRunner:
             self.stats["reaped"] += n
         return n
 
-    def wind_down(self) -> None:
-        """Cancelled and expired batches: their pending lines end with an error line."""
+    def wind_down(self) -> int:
+        """Cancelled and expired batches: their pending lines end with an error
+        line; how many lines."""
         with self.engine.begin() as conn:
-            conn.execute(
+            cancelled = conn.execute(
                 sa.update(L)
                 .where(
                     L.c.status == PENDING,
@@ -605,7 +618,7 @@ class BatchRunner:
                     ),
                 )
             )
-            conn.execute(
+            expired = conn.execute(
                 sa.update(L)
                 .where(
                     L.c.status == PENDING,
@@ -626,6 +639,7 @@ class BatchRunner:
                     ),
                 )
             )
+        return int(cancelled.rowcount or 0) + int(expired.rowcount or 0)
 
     def finalize_ready(self) -> int:
         unfinished = sa.exists().where(L.c.batch_id == B.c.id, L.c.status.in_([PENDING, RUNNING]))

@@ -297,8 +297,13 @@ def retrieve_batch(batch_id: str) -> Response:
 @batch_bp.post("/batches/<batch_id>/cancel")
 def cancel_batch(batch_id: str) -> Response:
     who = tenant()
-    b = jobs.cancel_batch(services().engine, who.id, batch_id)
-    return _json(jobs.batch_object(b)) if b is not None else not_found("Batch", batch_id)
+    svc = services()
+    b = jobs.cancel_batch(svc.engine, who.id, batch_id)
+    if b is None:
+        return not_found("Batch", batch_id)
+    if svc.runner is not None:  # wind its pending lines down now, not at the idle period
+        svc.runner.wake()
+    return _json(jobs.batch_object(b))
 
 
 # ---- usage ---------------------------------------------------------------------------
