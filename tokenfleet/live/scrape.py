@@ -14,10 +14,9 @@ instance and needs nothing of the full exposition grammar.
 
 from __future__ import annotations
 
-import dataclasses
 import http.client
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
 from tokenfleet.core.types import ScrapedMetrics
@@ -151,7 +150,7 @@ class Scraper:
 
     def _unhealthy(self, now: float, why: str) -> ScrapeResult:
         self._ok_before = False
-        return ScrapeResult(dataclasses.replace(self.last, scraped_at_s=now, healthy=False), why)
+        return ScrapeResult(replace(self.last, scraped_at_s=now, healthy=False), why)
 
     def close(self) -> None:
         if self._conn is not None:
