@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 from tokenfleet.engine.instance import EngineInstance, EngineRequest
@@ -921,6 +922,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--extra-profile", help="profile for --extra rows (default: by device)")
     args = ap.parse_args(argv)
+    if args.json:  # before the run: a missing folder must not lose its results
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     _SET.update(_parse_set(args.set))
     _VARIANT = args.variant
     rows = list(MEASUREMENTS)

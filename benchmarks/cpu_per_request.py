@@ -355,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", default=None, help="also write the report here")
     args = p.parse_args(argv)
+    if args.json:  # before the run: a missing folder must not lose its results
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     args.stream_modes = {"both": [False, True], "yes": [True], "no": [False]}[args.stream]
     kv_modes = {"both": [False, True], "on": [True], "off": [False]}[args.kv_events]
     report: dict[str, Any] = {

@@ -29,6 +29,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 FORMAT = "tokenfleet-gpu-step-times/1"
@@ -96,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # before the run, not after
     import torch  # type: ignore[import-not-found]
     import torch.nn.functional as F  # type: ignore[import-not-found]
 

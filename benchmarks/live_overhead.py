@@ -359,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         "(LiveConfig.api_linger_s; 0 hands connections straight back)",
     )
     args = p.parse_args(argv)
+    if args.json:  # before the run: a missing folder must not lose its results
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     from tests.support.stores import temp_data_dir
 
     report: dict[str, Any] = {}

@@ -595,6 +595,8 @@ def main() -> int:
     )
     ap.add_argument("--out", default=None, help="write the JSON here too")
     args = ap.parse_args()
+    if args.out:  # before the run: a missing folder must not lose its results
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
 
     out: dict[str, Any] = {"src": args.src, "args": vars(args)}
     host = "127.0.0.1"
