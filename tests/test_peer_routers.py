@@ -596,6 +596,29 @@ def test_vllm_router_kv_aware_scores_the_longest_prefix_with_tier_penalties() ->
     assert router.route(req(prompt), pool).instance_id == "i0"
 
 
+def test_vllm_router_kv_aware_credits_tiers_as_the_shipped_router() -> None:
+    """vllm-router 0.1.17's defaults: a host copy scores 0.8 of a block, an
+    external (shared-pool) copy 0.6; so 10 GPU blocks beat 12 host ones
+    (9.6) and lose to 13 (10.4), and 17 external ones (10.2) beat them too."""
+    from tokenfleet.core.routing.vllm_router_kv_aware import VllmRouterKvAware
+
+    insts = make_instances(3)
+    pool = PoolSnapshot(now_s=0.0, instances=insts)
+    prompt = chain((1, 24))
+
+    def winner(host_blocks: int, external_blocks: int) -> str:
+        router = VllmRouterKvAware(enable_speculative=False)
+        router.on_kv_event(KVEvent("i0", "stored", prompt[:10]))
+        router.on_kv_event(KVEvent("i1", "stored", prompt[:host_blocks], medium="CPU"))
+        router.on_kv_event(KVEvent("i2", "stored", prompt[:external_blocks], medium="LMCACHE"))
+        return router.route(req(prompt), pool).instance_id
+
+    assert winner(12, 0) == "i0"
+    assert winner(13, 0) == "i1"
+    assert winner(0, 16) == "i0"  # 9.6
+    assert winner(0, 17) == "i2"  # 10.2
+
+
 def test_vllm_router_kv_aware_falls_back_to_least_load_and_speculates() -> None:
     from tokenfleet.core.routing.vllm_router_kv_aware import VllmRouterKvAware
 

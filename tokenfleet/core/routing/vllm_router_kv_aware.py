@@ -20,11 +20,21 @@ first minimum; so do we, in pool order.
 Tiers. The subscriber files every event under a ``StorageTier`` derived from
 the event's ``medium`` ("GPU" -> device; vLLM's offloading connector reports
 its host tier as "CPU") or, for shared-pool copies, ``External``. A block
-then scores ``1 - penalty`` of its tier: ``host_penalty`` for host-memory
-copies (default 0.2; the ``kv_aware.rs`` we could read does not state the
-values, so this is our assumption, llm-d's default CPU weight of 0.8), the
-device tier 0. A worker's run continues while any tier holds the next block;
-each block scores its best tier there.
+scores its tier's credit: 1 on the device, and the router's
+``--kv-penalty-host`` / ``--kv-penalty-external`` ("KV transfer credit
+(0.0-1.0)", defaults 0.8 and 0.6 in the vllm-router 0.1.17 wheel the live
+head-to-head installs: its ``--help`` and ``vllm_router/router_args.py``;
+the ``kv_aware.rs`` snapshots we could read state no values; its
+``--kv-penalty-disk``, 0.3, has no tier here: no engine of ours has a disk).
+A worker's run continues while any tier holds the next block; each block
+scores its best tier there.
+
+Not reproduced: the 0.1.17 wheel's ``kv_aware`` also has a cost model (its
+``--router-temperature``: "0 selects minimum cost", a softmax over costs
+otherwise; symbols ``PrefillWorkEstimate``, ``SlotCounters``) that the
+stored source predates; this peer follows the stored source. On the live
+head-to-head's slices the simulated peer stays within 15% of the real
+router's TTFT p50 and p95 (docs/benchmarks.md, sections 26 and 30).
 """
 
 from __future__ import annotations
@@ -41,6 +51,10 @@ from tokenfleet.core.types import (
     RequestInfo,
     RouteDecision,
 )
+
+#: vllm-router 0.1.17's ``--kv-penalty-host`` / ``--kv-penalty-external``
+#: defaults: what a block held in that tier scores (a device copy scores 1)
+HOST_CREDIT, EXTERNAL_CREDIT = 0.8, 0.6
 
 
 class _TieredBlockIndex:
@@ -111,7 +125,8 @@ class _TieredBlockIndex:
 
 
 def storage_tier(medium: str) -> str:
-    """``StorageTier::from_medium``: GPU (or none) is the device, CPU the host."""
+    """``StorageTier::from_medium`` of the stored source: GPU (or none) is the
+    device, CPU the host, anything else external."""
     m = medium.upper()
     if m in ("", "GPU"):
         return "device"
@@ -134,8 +149,8 @@ class VllmRouterKvAware(BaseRouter):
         *,
         enable_speculative: bool = True,
         speculative_ttl_s: float = 2.0,
-        host_penalty: float = 0.2,
-        external_penalty: float = 0.5,
+        host_credit: float = HOST_CREDIT,
+        external_credit: float = EXTERNAL_CREDIT,
         seed: int = 0,
         **_shared: object,
     ) -> None:
@@ -143,8 +158,8 @@ class VllmRouterKvAware(BaseRouter):
         self.speculative_ttl_s = speculative_ttl_s
         self.weights = {
             "device": 1.0,
-            "host": 1.0 - host_penalty,
-            "external": 1.0 - external_penalty,
+            "host": host_credit,
+            "external": external_credit,
         }
         self.index = _TieredBlockIndex()
 
