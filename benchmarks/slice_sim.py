@@ -7,8 +7,9 @@ latency measured in that run; this runs the same slices without a live run
 first seconds) on 4 simulated engines with 0.5 s scrapes, the live path's
 latency taken as a few milliseconds, over several seeds, and
 prints TTFT p50/p95, SLO attainment and prefix hit ratio per seed and their
-mean. It is how the SLOMax change of docs/benchmarks.md section 19 was
-measured before and after::
+mean (``--no-path-latency``: the engines' time alone, to tell what placement
+wins from what the path costs). It is how the SLOMax change of
+docs/benchmarks.md section 19 was measured before and after::
 
     .venv/bin/python benchmarks/slice_sim.py --slice prefix-heavy --admission slomax
     .venv/bin/python benchmarks/slice_sim.py --slice mooncake --admission slomax
@@ -45,7 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate-scale", type=float, default=0.5, help="mooncake slice")
     ap.add_argument("--engines", type=int, default=4)
     ap.add_argument("--duration", type=float, default=None, help="seconds of the slice")
+    ap.add_argument(
+        "--no-path-latency",
+        action="store_true",
+        help="no time between client and engine: what the policies' placement alone gives",
+    )
     args = ap.parse_args(argv)
+    path = PathLatency(0.0, 0.0, 0.0, 0.0) if args.no_path_latency else PATH
     duration = args.duration or (160.0 if args.slice == "mooncake" else 120.0)
     admissions = [] if args.admission == "none" else [args.admission]
     rows = []
@@ -64,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             instances=args.engines,
             scrape_interval_s=0.5,
             kv_events=True,
-            path_latency=PATH,
+            path_latency=path,
             seed=k,
         )
         s = run_policies(reqs, [args.policy], settings, admissions=admissions)[0].summary
@@ -77,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     mean = [statistics.fmean(r[i] for r in rows) for i in range(4)]
     label = args.policy + ("" if args.admission == "none" else "+" + args.admission)
+    label += ", no path latency" if args.no_path_latency else ""
     print(
         f"{args.slice} {label}, mean of {len(rows)}: TTFT p50 {mean[0]:.4f} s, "
         f"p95 {mean[1]:.4f} s, SLO {mean[2]:.1%}, hit {mean[3]:.1%}"
