@@ -110,7 +110,7 @@ def test_llmd_threshold_zero_always_disaggregates() -> None:
 
 def test_tokenpilot_pd_splits_long_prompts_off_a_busy_decoder() -> None:
     r = ROUTERS.create("tokenpilot_pd")
-    views = [_view(0, MIXED), _view(1, MIXED)]
+    views = [_view(0, MIXED), _view(1, DECODE)]  # a split pool: the per-request choice
     # instance 1 decodes 50 streams and has 30k prompt tokens queued
     views[1].accounting.decoding_requests = 50
     views[1].accounting.prefill_pending_uncached_tokens = 30000
@@ -119,6 +119,30 @@ def test_tokenpilot_pd_splits_long_prompts_off_a_busy_decoder() -> None:
     d = r.route_pd(RequestInfo("x", 0.0, 3000, 64, tier="interactive"), snap)  # type: ignore[attr-defined]
     assert d.prefill_instance_id == "i0"
     assert d.predicted_ttft_s is not None and d.predicted_tpot_s is not None
+
+
+def test_tokenpilot_pd_routes_an_all_mixed_pool_as_tokenpilot() -> None:
+    """An unsplit pool is an aggregated one: the P/D router takes exactly
+    TokenPilot's choices there (its own scoring, blind to SLOMax's lane, lost
+    0.5 points on mixed.yaml), and still logs the prefill work its role
+    planner sizes the pools from."""
+    r = ROUTERS.create("tokenpilot_pd")
+    tp = ROUTERS.create("tokenpilot")
+    views = [_view(k, MIXED) for k in range(3)]
+    views[0].accounting.prefill_pending_uncached_tokens = 20000
+    views[0].accounting.prefill_pending_requests = 4
+    views[2].accounting.decoding_requests = 30
+    for k in range(6):
+        req = RequestInfo(f"r{k}", 0.01 * k, 2000 + 500 * k, 64, tier="interactive")
+        snap = PoolSnapshot(0.01 * k, views)
+        d = r.route_pd(req, snap)  # type: ignore[attr-defined]
+        want = tp.route(req, snap)
+        assert not d.disaggregated
+        assert (d.prefill_instance_id, d.expected_cached_tokens) == (
+            want.instance_id,
+            want.expected_cached_tokens,
+        )
+    assert len(r._long_log) + len(r._short_log) == 6  # type: ignore[attr-defined]
 
 
 def test_tokenpilot_pd_split_leaves_the_decode_side_room_for_short_prompts() -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenfleet.core.routing import ROUTERS
-from tokenfleet.core.routing.pd_base import PDRouter
+from tokenfleet.core.routing.pd_base import PDRouter, split
 from tokenfleet.core.tiers import SLOConfig
 from tokenfleet.core.types import PoolSnapshot, RequestInfo, RouteDecision
 from tokenfleet.engine.instance import EngineRequest, StepResult
@@ -126,10 +126,11 @@ class PDPoolSim(PoolSim):
         if not isinstance(router, PDRouter):
             super()._route_and_dispatch(trace, info, record, replica, snap)
             return
-        # An admission layer's instance subset (SLOMax's per-tier capacity split)
-        # is not applied: the P/D router's pools replace it; admission still
-        # decides when a request is dispatched.
-        snap = PoolSnapshot(snap.now_s, self.views[replica], replica)
+        # Once the pool is split, an admission layer's instance subset (SLOMax's
+        # per-tier capacity split) is not applied: the P/D router's pools
+        # replace it; admission still decides when a request is dispatched.
+        if split(self.views[replica]):
+            snap = PoolSnapshot(snap.now_s, self.views[replica], replica)
         if not self._planning:
             self._planning = True
             self.env.schedule(self.role_period_s, self._plan)

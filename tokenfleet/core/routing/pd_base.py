@@ -56,6 +56,14 @@ def with_role(instances: Sequence[InstanceView], *roles: str) -> list[InstanceVi
     return [i for i in instances if i.role in roles]
 
 
+def split(instances: Sequence[InstanceView]) -> bool:
+    """The pool has prefill or decode instances (it is not all mixed). Only a
+    split pool's roles replace an admission layer's instance subset (SLOMax's
+    lane and per-tier split): an all-mixed pool has no prefill pool for the
+    subset to hide."""
+    return any(i.role != MIXED for i in instances)
+
+
 class PDRouter(BaseRouter):
     """Base of disaggregating routers: ``route_pd`` decides both phases."""
 

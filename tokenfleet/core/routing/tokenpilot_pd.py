@@ -16,10 +16,15 @@ requests with a TPOT limit, spread over every instance as an aggregated pool
 would run them, give each instance a share ``u`` of its time in chunk steps;
 a decode's mean step is then ``1 / (u / t_chunk + (1 - u) / t_decode)``, and
 while that is within the decode budget (``decode_budget_frac`` x the
-tightest TPOT limit seen) every instance stays mixed (aggregated, or
-disaggregated per request between mixed instances when that predicts
-better); a split pool goes back to mixed only once that step is within half
-the budget. Otherwise a split only takes options away: a medium prompt
+tightest TPOT limit seen) every instance stays mixed; a split pool goes
+back to mixed only once that step is within half the budget. While the pool
+is all mixed, requests are routed exactly as TokenPilot routes them (its
+cost model, under the admission layer's instance subset, SLOMax's lane
+included): an unsplit pool is an aggregated one, and the P/D router must
+not serve it worse than the aggregated router (it did: on mixed.yaml its
+own scoring, blind to SLOMax's lane, lost 0.5 points to TokenPilot,
+docs/benchmarks.md section 31). The per-request choice above applies once
+the pool is split. Otherwise a split only takes options away: a medium prompt
 barred from the decode side queues (FIFO) on the prefill pool behind long
 documents whose TTFT limits are seconds or none (docs/benchmarks.md 13e:
 mixed.yaml lost 1.1 points that way). When it pays,
@@ -39,12 +44,22 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenfleet.core.routing.base import ROUTERS, eligible
-from tokenfleet.core.routing.pd_base import DECODE, MIXED, PREFILL, PDDecision, PDRouter
+from tokenfleet.core.routing.pd_base import (
+    DECODE,
+    MIXED,
+    PREFILL,
+    PDDecision,
+    PDRouter,
+    split,
+)
+from tokenfleet.core.routing.tokenpilot import TokenPilotRouter
 from tokenfleet.core.tiers import SLOConfig
 from tokenfleet.core.types import (
     BLOCK_SIZE_TOKENS,
     CompletionEvent,
+    FirstTokenEvent,
     InstanceView,
+    KVEvent,
     PoolSnapshot,
     RequestInfo,
 )
@@ -82,6 +97,8 @@ class _Prefixes:
 @ROUTERS.register("tokenpilot_pd")
 class TokenPilotPDRouter(PDRouter):
     name = "tokenpilot_pd"
+    #: its mixed pool is routed by TokenPilot, which reads the engines' KV events
+    engines_publish_kv_events = True
 
     def __init__(
         self,
@@ -111,6 +128,8 @@ class TokenPilotPDRouter(PDRouter):
         self._short_log: deque[tuple[float, float, float | None]] = deque()
         self._next_plan_s = role_period_s
         self._pending_target: int | None = None
+        #: routes while the pool is all mixed (see the module docstring)
+        self.aggregated = TokenPilotRouter(seed)
 
     # -- predictions -------------------------------------------------------------
     def _expected_out(self, request: RequestInfo) -> float:
@@ -139,6 +158,8 @@ class TokenPilotPDRouter(PDRouter):
 
     # -- routing -----------------------------------------------------------------
     def route_pd(self, request: RequestInfo, pool: PoolSnapshot) -> PDDecision:
+        if not split(pool.instances):
+            return self._route_mixed(request, pool)
         insts = eligible(request, pool)
         tier_slo = self.slo.slo_for(request.tier)
         ttft_lim = tier_slo.ttft_limit_s(request.input_tokens) or 10.0
@@ -199,24 +220,58 @@ class TokenPilotPDRouter(PDRouter):
             c = min(hit[i.instance_id], request.input_tokens - 1)
             best = (0.0, 0.0, PDDecision(i.instance_id, None, c, reason="aggregated: fallback"))
         decision = best[2]
-        limit = tier_slo.ttft_limit_s(request.input_tokens)
+        self._shed(request, decision.predicted_ttft_s)
+        self._taken(request, pool, decision)
+        return decision
+
+    def _shed(self, request: RequestInfo, predicted_ttft_s: float | None) -> None:
+        limit = self.slo.slo_for(request.tier).ttft_limit_s(request.input_tokens)
         if (
             self.shed_ttft_factor is not None
             and limit is not None
-            and decision.predicted_ttft_s is not None
-            and decision.predicted_ttft_s > self.shed_ttft_factor * limit
+            and predicted_ttft_s is not None
+            and predicted_ttft_s > self.shed_ttft_factor * limit
         ):
             raise NoCandidateError(
-                f"predicted TTFT {decision.predicted_ttft_s:.2f}s > "
+                f"predicted TTFT {predicted_ttft_s:.2f}s > "
                 f"{self.shed_ttft_factor:g} x {limit:.2f}s on every instance; retry later"
             )
+
+    def _taken(self, request: RequestInfo, pool: PoolSnapshot, decision: PDDecision) -> None:
+        """What the role planner and the split pool's choices learn from a dispatch."""
+        hashes = request.block_hashes
         self._prefixes.add(decision.prefill_instance_id, hashes)
         if decision.disaggregated:
             self._prefixes.add(str(decision.decode_instance_id), hashes)
+        prof = pool.instances[0].profile
+        tpot_lim = self.slo.slo_for(request.tier).tpot_s
+        budget_s = self.decode_budget_frac * (tpot_lim or 0.5)
         own_step = prof.prefill_time_s(min(request.input_tokens, prof.max_num_batched_tokens))
         log = self._long_log if own_step > budget_s else self._short_log
-        log.append((pool.now_s, prof.prefill_time_s(request.input_tokens), tier_slo.tpot_s))
+        log.append((pool.now_s, prof.prefill_time_s(request.input_tokens), tpot_lim))
+
+    def _route_mixed(self, request: RequestInfo, pool: PoolSnapshot) -> PDDecision:
+        """An all-mixed pool: TokenPilot's own choice (proposed, shed on its
+        predicted TTFT like a split pool's, then taken)."""
+        proposal = self.aggregated.propose(request, pool)
+        self._shed(request, proposal.predicted_ttft_s)
+        d = self.aggregated.commit(request)
+        decision = PDDecision(
+            d.instance_id,
+            None,
+            d.expected_cached_tokens,
+            d.predicted_ttft_s,
+            None,
+            f"aggregated (mixed pool): {d.reason}",
+        )
+        self._taken(request, pool, decision)
         return decision
+
+    def on_first_token(self, event: FirstTokenEvent) -> None:
+        self.aggregated.on_first_token(event)
+
+    def on_kv_event(self, event: KVEvent) -> None:
+        self.aggregated.on_kv_event(event)
 
     # -- pools -------------------------------------------------------------------
     def initial_roles(self, n_instances: int) -> list[str]:
@@ -295,6 +350,7 @@ class TokenPilotPDRouter(PDRouter):
         return 1.0 / (u / t_c + (1.0 - u) / t_d)
 
     def on_complete(self, event: CompletionEvent) -> None:
+        self.aggregated.on_complete(event)
         if event.status != "completed":
             return
         tier = event.request.tier

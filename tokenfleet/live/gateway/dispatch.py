@@ -24,7 +24,7 @@ import redis
 from kombu.exceptions import KombuError
 
 from tokenfleet.core.routing.base import TwoPhaseRouter
-from tokenfleet.core.routing.pd_base import PDRouter
+from tokenfleet.core.routing.pd_base import PDRouter, split
 from tokenfleet.core.tiers import SLOConfig
 from tokenfleet.core.types import (
     BLOCK_SIZE_TOKENS,
@@ -174,9 +174,10 @@ class Dispatcher:
             views, dc_choice, allowed_dcs = self._pick_dc(req, views, now)
             held = self._cached_by_instance(info)  # one walk of the index per request
             allowed = self._admit(req, views, now, held)
-            # a P/D router places both phases by role; SLOMax's per-tier instance
-            # split would hide the prefill pool (as in the simulator's P/D pool)
-            if allowed is not None and not isinstance(self.router, PDRouter):
+            # a P/D router places both phases by role once the pool is split;
+            # SLOMax's per-tier instance split would hide the prefill pool (as
+            # in the simulator's P/D pool)
+            if allowed is not None and not (isinstance(self.router, PDRouter) and split(views)):
                 views = [v for v in views if v.instance_id in allowed] or views
             for i, v in enumerate(views):
                 v.index = i
