@@ -17,15 +17,9 @@ would run them, give each instance a share ``u`` of its time in chunk steps;
 a decode's mean step is then ``1 / (u / t_chunk + (1 - u) / t_decode)``, and
 while that is within the decode budget (``decode_budget_frac`` x the
 tightest TPOT limit seen) every instance stays mixed; a split pool goes
-back to mixed only once that step is within half the budget. While the pool
-is all mixed, requests are routed exactly as TokenPilot routes them (its
-cost model, under the admission layer's instance subset, SLOMax's lane
-included): an unsplit pool is an aggregated one, and the P/D router must
-not serve it worse than the aggregated router (it did: on mixed.yaml its
-own scoring, blind to SLOMax's lane, lost 0.5 points to TokenPilot,
-docs/benchmarks.md section 31). The per-request choice above applies once
-the pool is split. Otherwise a split only takes options away: a medium prompt
-barred from the decode side queues (FIFO) on the prefill pool behind long
+back to mixed only once that step is within half the budget. Otherwise a
+split only takes options away: a medium prompt barred from the decode side
+queues (FIFO) on the prefill pool behind long
 documents whose TTFT limits are seconds or none (docs/benchmarks.md 13e:
 mixed.yaml lost 1.1 points that way). When it pays,
 it sizes the prefill pool from the prefill seconds per second the router
@@ -34,6 +28,14 @@ utilisation, leaves the decode pool enough instances for the short prompts
 it prefills locally (same utilisation), and keeps every instance mixed
 while the long demand is under half an instance. It moves one instance per
 cycle and only after two cycles agree (hysteresis), so roles do not flap.
+
+The per-request choice above applies once the pool is split. While it is
+all mixed, requests are routed exactly as TokenPilot routes them (its cost
+model, under the admission layer's instance subset, SLOMax's lane
+included): an unsplit pool is an aggregated one, and the P/D router must
+not serve it worse than the aggregated router (it did: on mixed.yaml its
+own scoring, blind to SLOMax's lane, lost 0.5 points to TokenPilot,
+docs/benchmarks.md section 31).
 """
 
 from __future__ import annotations
