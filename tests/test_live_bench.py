@@ -209,7 +209,7 @@ def test_hop_breakdown_joins_client_ledger_state_and_engine_times(tmp_path: Path
     drops the hops that need it."""
     from datetime import UTC, datetime
 
-    from tokenfleet.live.bench import HOPS, Outcome, hop_breakdown, outcome_traces
+    from tokenfleet.live.bench import EXPRESS_HOPS, HOPS, Outcome, hop_breakdown, outcome_traces
 
     def at(t: float) -> datetime:
         return datetime.fromtimestamp(t, tz=UTC)
@@ -243,14 +243,53 @@ def test_hop_breakdown_joins_client_ledger_state_and_engine_times(tmp_path: Path
             else {}
         )
         lines.append({"id": f"rid{i}-1", "received": t0 + 0.008 * k, "first": t0 + 0.027 * k})
+    # two express dispatches: the API claimed them (``api:<id>``) and called the
+    # engine itself, 1 ms after admitting; no broker, no worker hops
+    for j, i in enumerate((10, 11)):
+        t0 = 1000.0 + 10 * i
+        outs.append(
+            Outcome(
+                TraceRequest(RequestInfo(f"t{i}", 0.0, 100, 10), 5),
+                "interactive",
+                sent_s=float(i),
+                first_token_s=i + 0.020,
+                api_request_id=f"rid{i}",
+                sent_wall=t0,
+            )
+        )
+        rows.append(
+            {
+                "request_id": f"rid{i}",
+                "arrival_ts": at(t0 + 0.002),
+                "admitted_ts": at(t0 + 0.003),
+                "dispatched_ts": at(t0 + 0.003),
+                "first_token_ts": at(t0 + 0.019),
+            }
+        )
+        # the claim is written after the engine call started: later than its stamp
+        state[f"rid{i}"] = {
+            "received_at": str(t0 + 0.005),
+            "claimed_at": str(t0 + 0.005),
+            "owner": "api:a1",
+        }
+        lines.append({"id": f"rid{i}-1", "received": t0 + 0.004 + 0.001 * j, "first": t0 + 0.018})
     outs.append(_lost())  # never reached the engine: no first token, not in the table
     _write_engine_log(tmp_path, lines)
     traces = outcome_traces(outs)
-    assert [t["rid"] for t in traces] == [f"rid{i}" for i in range(10)]
+    assert [t["rid"] for t in traces] == [f"rid{i}" for i in range(12)]
     hops = hop_breakdown(traces, rows, lambda rid: state[rid], tmp_path)
-    assert list(hops) == [name for name, _, _ in HOPS]
-    assert hops["client -> API arrival"] == {"p50_ms": 2.8, "p90_ms": 3.6, "n": 10}
-    assert hops["engine: received -> first token"]["p50_ms"] == pytest.approx(26.6)
+    express = [
+        name for name, _, _ in EXPRESS_HOPS if name not in dict.fromkeys(n for n, _, _ in HOPS)
+    ]
+    assert list(hops) == [name for name, _, _ in HOPS] + express
+    # express requests take no worker hop (a claim stamped after the engine call
+    # read as a negative "claimed -> engine call" before)
+    assert hops["worker: claimed -> engine call"]["n"] == 9
+    assert hops["express: API -> engine receives"] == {"p50_ms": 1.0, "p90_ms": 2.0, "n": 2}
+    assert hops["client -> API arrival"]["n"] == 12
+    relay = hop_breakdown(traces[:10], rows, lambda rid: state[rid], tmp_path)
+    assert relay["client -> API arrival"] == {"p50_ms": 2.8, "p90_ms": 3.6, "n": 10}
+    assert relay["engine: received -> first token"]["p50_ms"] == pytest.approx(26.6)
     assert hops["worker -> client first token"]["p90_ms"] == pytest.approx(3.6)
     assert hops["publish -> worker receives"]["n"] == 9  # rid9 has no Redis stamps
-    assert hops["API: arrival -> admitted"]["n"] == 10
+    assert hops["API: arrival -> admitted"]["n"] == 12  # both paths

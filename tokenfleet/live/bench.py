@@ -293,7 +293,8 @@ def path_delays(outs: Sequence[Outcome], engine_logs: Path) -> list[tuple[int, f
     return out
 
 
-#: hops of TokenFleet's request path, in order: (name, from timestamp, to timestamp)
+#: hops of TokenFleet's request path through a worker (the broker, or a hand-over
+#: to the worker's slot), in order: (name, from timestamp, to timestamp)
 HOPS = (
     ("client -> API arrival", "sent", "arrival"),
     ("API: arrival -> admitted", "arrival", "admitted"),
@@ -305,6 +306,17 @@ HOPS = (
     ("engine -> worker first token", "engine_first", "worker_first"),
     ("worker -> client first token", "worker_first", "first"),
 )
+#: hops of an express dispatch (the API called the engine itself, claiming the
+#: request as ``api:<id>``: no broker, no worker; the ledger's dispatch stamp is
+#: the API's, and its first-token stamp the API's too)
+EXPRESS_HOPS = (
+    ("client -> API arrival", "sent", "arrival"),
+    ("API: arrival -> admitted", "arrival", "admitted"),
+    ("express: API -> engine receives", "dispatched", "engine_received"),
+    ("engine: received -> first token", "engine_received", "engine_first"),
+    ("express: engine -> API first token", "engine_first", "worker_first"),
+    ("express: API -> client first token", "worker_first", "first"),
+)
 
 
 def hop_breakdown(
@@ -313,13 +325,16 @@ def hop_breakdown(
     request_state: Callable[[str], Mapping[str, Any]],
     engine_logs: Path,
 ) -> dict[str, dict[str, float]]:
-    """Median and p90 (ms) of each of :data:`HOPS` on TokenFleet's path.
+    """Median and p90 (ms) of each hop on TokenFleet's path: :data:`HOPS` over
+    the requests a worker served, then :data:`EXPRESS_HOPS` not already named
+    there over those the API called the engine for itself (express dispatch;
+    the hops both paths share count both). Hops no request took are left out.
 
     ``traces`` are the client's wall-clock times per request (``rid``,
     ``sent``, ``first``); they are joined with the ledger (API and worker
     stamps), the request state in Redis (when the worker's consumer received
-    the message and claimed it) and the emulators' request logs. Every time
-    is a wall clock of a process on one machine."""
+    the message and claimed it, and who claimed it) and the emulators'
+    request logs. Every time is a wall clock of a process on one machine."""
     rows = {r["request_id"]: r for r in ledger_rows}
     engine: dict[str, dict[str, Any]] = {}
     for f in sorted(engine_logs.glob("*.jsonl")):
@@ -330,7 +345,7 @@ def hop_breakdown(
     def ts(x: Any) -> float | None:
         return x.timestamp() if x is not None else None
 
-    per_hop: dict[str, list[float]] = {name: [] for name, _, _ in HOPS}
+    per_hop: dict[str, list[float]] = {name: [] for name, _, _ in (*HOPS, *EXPRESS_HOPS)}
     for t in traces:
         rid = t.get("rid")
         row, e = rows.get(rid), engine.get(rid) if rid else None
@@ -348,7 +363,8 @@ def hop_breakdown(
             engine_first=e["first"],
             worker_first=ts(row["first_token_ts"]),
         )
-        for name, a, b in HOPS:
+        express = str(st.get("owner") or "").startswith("api:")
+        for name, a, b in EXPRESS_HOPS if express else HOPS:
             if point.get(a) is not None and point.get(b) is not None:
                 per_hop[name].append(point[b] - point[a])
 
@@ -363,6 +379,7 @@ def hop_breakdown(
             "n": len(xs),
         }
         for name, xs in per_hop.items()
+        if xs
     }
 
 
