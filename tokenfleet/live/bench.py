@@ -293,16 +293,21 @@ def path_delays(outs: Sequence[Outcome], engine_logs: Path) -> list[tuple[int, f
     return out
 
 
+#: hops every request takes, whichever process calls the engine
+_ARRIVAL = (
+    ("client -> API arrival", "sent", "arrival"),
+    ("API: arrival -> admitted", "arrival", "admitted"),
+)
+_ENGINE = ("engine: received -> first token", "engine_received", "engine_first")
 #: hops of TokenFleet's request path through a worker (the broker, or a hand-over
 #: to the worker's slot), in order: (name, from timestamp, to timestamp)
 HOPS = (
-    ("client -> API arrival", "sent", "arrival"),
-    ("API: arrival -> admitted", "arrival", "admitted"),
+    *_ARRIVAL,
     ("publish -> worker receives", "admitted", "received"),
     ("worker: received -> claimed", "received", "claimed"),
     ("worker: claimed -> engine call", "claimed", "dispatched"),
     ("worker -> engine receives", "dispatched", "engine_received"),
-    ("engine: received -> first token", "engine_received", "engine_first"),
+    _ENGINE,
     ("engine -> worker first token", "engine_first", "worker_first"),
     ("worker -> client first token", "worker_first", "first"),
 )
@@ -310,10 +315,9 @@ HOPS = (
 #: request as ``api:<id>``: no broker, no worker; the ledger's dispatch stamp is
 #: the API's, and its first-token stamp the API's too)
 EXPRESS_HOPS = (
-    ("client -> API arrival", "sent", "arrival"),
-    ("API: arrival -> admitted", "arrival", "admitted"),
+    *_ARRIVAL,
     ("express: API -> engine receives", "dispatched", "engine_received"),
-    ("engine: received -> first token", "engine_received", "engine_first"),
+    _ENGINE,
     ("express: engine -> API first token", "engine_first", "worker_first"),
     ("express: API -> client first token", "worker_first", "first"),
 )

@@ -61,7 +61,7 @@ def split(instances: Sequence[InstanceView]) -> bool:
     split pool's roles replace an admission layer's instance subset (SLOMax's
     lane and per-tier split): an all-mixed pool has no prefill pool for the
     subset to hide."""
-    return any(i.role != MIXED for i in instances)
+    return bool(with_role(instances, PREFILL, DECODE))
 
 
 class PDRouter(BaseRouter):

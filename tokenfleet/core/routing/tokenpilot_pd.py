@@ -96,6 +96,10 @@ class _Prefixes:
             held.popitem(last=False)
 
 
+#: the TPOT limit assumed for a tier that sets none (seconds)
+DEFAULT_TPOT_S = 0.5
+
+
 @ROUTERS.register("tokenpilot_pd")
 class TokenPilotPDRouter(PDRouter):
     name = "tokenpilot_pd"
@@ -165,11 +169,11 @@ class TokenPilotPDRouter(PDRouter):
         insts = eligible(request, pool)
         tier_slo = self.slo.slo_for(request.tier)
         ttft_lim = tier_slo.ttft_limit_s(request.input_tokens) or 10.0
-        tpot_lim = tier_slo.tpot_s or 0.5
+        tpot_lim = tier_slo.tpot_s or DEFAULT_TPOT_S
         out = self._expected_out(request)
         hashes = request.block_hashes
         prof = insts[0].profile
-        budget_s = self.decode_budget_frac * tpot_lim
+        budget_s = self._decode_budget_s(tpot_lim)
         best: tuple[float, float, PDDecision] | None = None
 
         hit = {i.instance_id: self._prefixes.hit_tokens(i.instance_id, hashes) for i in insts}
@@ -226,6 +230,11 @@ class TokenPilotPDRouter(PDRouter):
         self._taken(request, pool, decision)
         return decision
 
+    def _decode_budget_s(self, tpot_limit_s: float) -> float:
+        """The chunk step a decode may ride with under ``tpot_limit_s``: a prompt
+        whose own chunk step is longer is "long" (prefilled off the decode side)."""
+        return self.decode_budget_frac * tpot_limit_s
+
     def _shed(self, request: RequestInfo, predicted_ttft_s: float | None) -> None:
         limit = self.slo.slo_for(request.tier).ttft_limit_s(request.input_tokens)
         if (
@@ -247,7 +256,7 @@ class TokenPilotPDRouter(PDRouter):
             self._prefixes.add(str(decision.decode_instance_id), hashes)
         prof = pool.instances[0].profile
         tpot_lim = self.slo.slo_for(request.tier).tpot_s
-        budget_s = self.decode_budget_frac * (tpot_lim or 0.5)
+        budget_s = self._decode_budget_s(tpot_lim or DEFAULT_TPOT_S)
         own_step = prof.prefill_time_s(min(request.input_tokens, prof.max_num_batched_tokens))
         log = self._long_log if own_step > budget_s else self._short_log
         log.append((pool.now_s, prof.prefill_time_s(request.input_tokens), tpot_lim))
