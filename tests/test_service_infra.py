@@ -319,6 +319,7 @@ def test_writer_writes_all_rows_and_goodput_aggregates(engine: sa.Engine, tmp_pa
 
 def test_same_request_id_is_one_row_merged(engine: sa.Engine, tmp_path: Path) -> None:
     with _writer(engine, tmp_path / "spill") as writer:
+        assert writer._pg_direct  # the writer's own psycopg connection (_upsert_pg)
         writer.record(_row(1, status="in_flight", finished_ts=None, completion_tokens=0))
         assert writer.flush(10)
         # a retry in one batch: in-flight then completed, attempts 2
@@ -339,6 +340,35 @@ def test_same_request_id_is_one_row_merged(engine: sa.Engine, tmp_path: Path) ->
     status, attempts, tokens, instance, finished = rows[0]
     assert (status, attempts, tokens, instance) == ("completed", 2, 42, "i-7")
     assert finished is not None
+
+
+def test_a_writer_on_another_driver_merges_through_sqlalchemy(tmp_path: Path) -> None:
+    """PostgreSQL over psycopg gets the writer's own connection; any other
+    engine (here SQLite) keeps SQLAlchemy's upsert, with the same merge rule."""
+    from tokenfleet.service.ledger import Base
+
+    eng = sa.create_engine(f"sqlite:///{tmp_path / 'ledger.db'}")
+    Base.metadata.create_all(eng)
+    try:
+        with _writer(eng, tmp_path / "spill") as writer:
+            assert not writer._pg_direct
+            writer.record(_row(1, status="in_flight", finished_ts=None, completion_tokens=0))
+            assert writer.flush(10)
+            writer.record(_row(1, status="completed", attempts=2, completion_tokens=42))
+            writer.record(_row(2, status="in_flight", finished_ts=None))
+            assert writer.flush(10)
+            writer.record(_row(1, status="in_flight", attempts=1, completion_tokens=0))
+            assert writer.flush(10)
+        with eng.connect() as conn:
+            rows = conn.execute(
+                sa.text("SELECT request_id, status, attempts, completion_tokens FROM requests")
+            ).all()
+    finally:
+        eng.dispose()
+    assert sorted(tuple(r) for r in rows) == [
+        ("req-1", "completed", 2, 42),
+        ("req-2", "in_flight", 1, 20),
+    ]
 
 
 def test_two_writers_upserting_the_same_rows_in_opposite_orders_do_not_deadlock(

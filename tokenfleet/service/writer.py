@@ -3,7 +3,9 @@
 The token path calls :meth:`LedgerWriter.record`, which only appends to an
 in-memory deque (no I/O in the common case). A background thread flushes
 batches of up to ``batch_size`` rows, or whatever is there every
-``flush_interval_s``, as one ``INSERT .. ON CONFLICT (request_id) DO UPDATE``.
+``flush_interval_s``, as ``INSERT .. ON CONFLICT (request_id) DO UPDATE``
+(on PostgreSQL over the thread's own autocommit psycopg connection, a row
+per statement in one pipeline; elsewhere through SQLAlchemy, one transaction).
 
 Delivery is at-least-once and the upsert is idempotent, which together give
 exactly one row per ``request_id``:
@@ -61,6 +63,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
@@ -204,8 +207,12 @@ _TRANSIENT = (
     sa.exc.TimeoutError,
     sa.exc.ProgrammingError,
     sa.exc.DisconnectionError,
+    # the PostgreSQL path's own connection (:meth:`LedgerWriter._upsert_pg`)
+    psycopg.OperationalError,
+    psycopg.InterfaceError,
+    psycopg.ProgrammingError,
 )
-_ROW_ERRORS = (sa.exc.IntegrityError, sa.exc.DataError)
+_ROW_ERRORS = (sa.exc.IntegrityError, sa.exc.DataError, psycopg.IntegrityError, psycopg.DataError)
 
 
 class _SpillReplay:
@@ -279,6 +286,11 @@ class LedgerWriter:
         self._replay: _SpillReplay | None = None
         self._next_spill_scan = 0.0  # scan at start: pick up leftovers of earlier runs
         self._closed = False
+        #: the writer thread's own PostgreSQL connection (:meth:`_upsert_pg`)
+        self._pg: psycopg.Connection[Any] | None = None
+        self._pg_direct = self.engine.dialect.name == "postgresql" and (
+            self.engine.dialect.driver == "psycopg"
+        )
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -535,6 +547,12 @@ class LedgerWriter:
             self._cond.wait(min(wait, self.spill_scan_interval_s) or 0.001)
 
     def _run(self) -> None:
+        try:
+            self._run_batches()
+        finally:
+            self._close_pg()
+
+    def _run_batches(self) -> None:
         backoff = 0.0
         while True:
             with self._cond:
@@ -636,8 +654,65 @@ class LedgerWriter:
         # two writers (the API and a worker) taking the same rows in their own
         # orders deadlocked; one order for everyone cannot
         values = [{**merged[rid], "updated_at": now} for rid in sorted(merged)]
+        if self._pg_direct:
+            self._upsert_pg(values)
+            return
         with self.engine.begin() as conn:
             conn.execute(upsert_statement(conn.dialect.name), values)
+
+    def _upsert_pg(self, values: list[dict[str, Any]]) -> None:
+        """The upsert on the thread's own psycopg connection, in autocommit.
+
+        Why not the engine: a flush of the one or two rows a request makes
+        cost 0.5-0.8 ms of the API's CPU through SQLAlchemy (pool checkout
+        with its ping, the compiled-statement lookup, bind processing, BEGIN
+        and COMMIT) and 0.12-0.19 ms here, measured standalone; at a flush
+        every 0.25 s per process that was most of the writer thread
+        (docs/benchmarks.md, section 32). Each row commits on its own: the
+        upsert is idempotent and delivery at-least-once anyway, a failed
+        batch is retried or bisected whole, and no transaction holds one
+        row's lock while it waits for another's (what ordering the rows
+        guards against when a batch is one transaction)."""
+        conn = self._pg
+        if conn is None or conn.closed:
+            url = self.engine.url.set(drivername="postgresql")
+            conn = self._pg = psycopg.connect(
+                url.render_as_string(hide_password=False),
+                autocommit=True,
+                connect_timeout=3,
+                application_name="tokenfleet-ledger",
+            )
+        params = [{name: row.get(name) for name in _PG_COLUMNS} for row in values]
+        try:
+            if len(params) == 1:
+                conn.execute(pg_upsert_sql(), params[0])
+            else:
+                with conn.cursor() as cur:
+                    cur.executemany(pg_upsert_sql(), params)
+        except (psycopg.OperationalError, psycopg.InterfaceError):
+            self._close_pg()  # a new connection for the retry
+            raise
+
+    def _close_pg(self) -> None:
+        conn, self._pg = self._pg, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+
+_PG_COLUMNS = (*RECORD_FIELDS, "updated_at")
+
+
+@functools.cache
+def pg_upsert_sql() -> str:
+    """:func:`upsert_statement` as psycopg's SQL text, every column bound by name."""
+    from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
+
+    compiled = upsert_statement("postgresql").compile(
+        dialect=pg_psycopg.dialect(),  # type: ignore[no-untyped-call]
+        column_keys=list(_PG_COLUMNS),
+    )
+    return str(compiled)
 
 
 @functools.cache
