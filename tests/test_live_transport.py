@@ -433,3 +433,62 @@ def test_requeue_inside_the_callback_puts_the_message_back(
     _consume(celery_app, queue, lambda body, msg: msg.requeue(), want=1)
     assert _queued(r, queue) == 1  # back in its queue, not lost
     assert _unacked(r) == 0
+
+
+# ---- command packing (tokenfleet.live.redis_pack) ---------------------------------
+_PACK_CASES: list[tuple[Any, ...]] = [
+    ("HINCRBY", "tf:acct:i0", "prefill_tokens", -8192),
+    ("HSET", "tf:req:x", "created", 1733450000.123456, "queue", "q", "attempt", 1),
+    ("SET", "tf:lease:x", "api:1", "PX", 30000),
+    ("XADD", b"tf:kv", "MAXLEN", "~", 200000, "*", "h", b"\x00\xff\r\n"),
+    ("PUBLISH", "tf:gate:i0", 0.1),
+    ("CLIENT SETNAME", "tokenfleet-api"),
+    ("SET", "k", "é ü", "EX", 2**40),
+    ("SET", "k", 1e-05),
+    ("SET", "k", memoryview(b"view")),
+    ("SET", "k", bytearray(b"array")),
+]
+
+
+@pytest.mark.parametrize("args", _PACK_CASES, ids=[str(c[0]) for c in _PACK_CASES])
+def test_hiredis_packing_writes_redis_pys_bytes(args: tuple[Any, ...]) -> None:
+    from tokenfleet.live.redis_pack import HiredisPacker
+
+    conn = redis.Connection()
+    theirs = b"".join(conn._command_packer.pack(*args))
+    ours = b"".join(HiredisPacker(conn._command_packer).pack(*args))
+    assert ours == theirs
+
+
+def test_hiredis_packing_refuses_what_redis_py_refuses() -> None:
+    from tokenfleet.live.redis_pack import HiredisPacker
+
+    packer = HiredisPacker(redis.Connection()._command_packer)
+    for bad in (True, None):
+        with pytest.raises(redis.DataError):
+            packer.pack("SET", "k", bad)
+
+
+def test_live_state_connections_pack_with_hiredis(redis_server: Any) -> None:
+    """The live state's pool (and the pools copied from it) pack with hiredis;
+    values written through it read back as redis-py wrote them."""
+    from tokenfleet.live.redis_pack import HiredisPacker
+    from tokenfleet.live.state import LiveState
+
+    state = LiveState.from_url(redis_server.url, prefix="pack-test")
+    try:
+        now = time.time()
+        with state.r.pipeline(transaction=False) as pipe:
+            pipe.hset("pack-test:h", mapping={"created": now, "n": 3, "s": "ü"})
+            pipe.hincrby("pack-test:h", "n", 2)
+            pipe.execute()
+        got = state.r.hgetall("pack-test:h")
+        assert got == {b"created": repr(now).encode(), b"n": b"5", b"s": "ü".encode()}
+        conn = state.r.connection_pool.get_connection()
+        try:
+            assert isinstance(conn._command_packer, HiredisPacker)
+        finally:
+            state.r.connection_pool.release(conn)
+    finally:
+        state.r.delete("pack-test:h")
+        state.r.close()

@@ -33,6 +33,7 @@ from tokenfleet.core.types import (
     ScrapedMetrics,
 )
 from tokenfleet.engine.profiles import EngineProfile, get_profile
+from tokenfleet.live.redis_pack import use_hiredis_packing
 
 #: DispatchAccounting fields kept in Redis, in dataclass order
 ACCOUNTING_FIELDS = tuple(DispatchAccounting.__slots__)
@@ -308,6 +309,7 @@ class LiveState:
         }
         opts.update(kwargs)
         pool = redis.BlockingConnectionPool.from_url(url, timeout=5.0, **opts)
+        use_hiredis_packing(pool)
         return cls(redis.Redis(connection_pool=pool), prefix)
 
     # -- key names ----------------------------------------------------------------
