@@ -607,12 +607,14 @@ def test_engine_call_streams_and_reports_usage(emulator: EmulatorServer) -> None
 def test_dechunker_decodes_chunked_framing_split_anywhere() -> None:
     """The direct path reads chunked bytes as they arrive (several chunks, or
     part of one, per read): every split of the same body gives the same payload."""
-    payloads = [b'data: {"a": 1}\n\n', b"x" * 300, b"data: [DONE]\n\n"]
-    body = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in payloads) + b"0\r\n\r\n"
-    for step in (1, 2, 7, 64, len(body)):
-        dec = _Dechunker()
-        out = b"".join(dec.feed(body[i : i + step]) for i in range(0, len(body), step))
-        assert out == b"".join(payloads) and dec.done and dec.rest == b""
+    payloads = [b'data: {"a": 1}\n\n', b"x" * 300, b"\r\n" * 9, b"data: [DONE]\n\n"]
+    for ext in (b"", b";ext=1", b" "):  # the whole-chunk pass, and the state machine
+        body = b"".join(b"%x%s\r\n%s\r\n" % (len(p), ext, p) for p in payloads)
+        body += b"0\r\nX-Trailer: 1\r\n\r\n"
+        for step in (1, 2, 7, 64, 330, len(body)):
+            dec = _Dechunker()
+            out = b"".join(dec.feed(body[i : i + step]) for i in range(0, len(body), step))
+            assert out == b"".join(payloads) and dec.done and dec.rest == b""
     with pytest.raises(ValueError):
         _Dechunker().feed(b"zz\r\n")
 
