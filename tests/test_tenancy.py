@@ -285,6 +285,56 @@ def test_quota_change_and_disable_reach_warm_caches_within_one_second(
     assert warm.authenticate(key) is None
 
 
+def test_entries_past_half_their_freshness_are_read_again_off_the_request_path(
+    engine: sa.Engine, rc: Any
+) -> None:
+    """A request finding its key and tenant past half their local freshness is
+    answered from memory while one background thread reads them again: under
+    steady traffic no request waits for Redis, and no entry is served older
+    than ``local_ttl_s``."""
+    import threading
+
+    now = [1000.0]
+    reads: list[str] = []
+
+    class CountingRedis:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(rc, name)
+
+        def get(self, name: str) -> Any:
+            reads.append(threading.current_thread().name)
+            return rc.get(name)
+
+    warm = TenantDirectory(engine, CountingRedis(), prefix="ahead", clock=lambda: now[0])
+    admin_cache = TenantDirectory(engine, rc, prefix="ahead")
+    admin.create_tenant(engine, "ahead", actor="test")
+    key, _ = admin.create_key(engine, "ahead", actor="test")
+    ctx = warm.authenticate(key)
+    assert ctx is not None and ctx.quotas.interactive.requests_per_minute is None
+    on_path = reads.count(threading.current_thread().name)
+    assert on_path == 2  # the key and its tenant, read by the request
+    admin.set_quota(
+        engine, "ahead", "interactive", {"requests_per_minute": 7}, actor="test", cache=admin_cache
+    )
+
+    now[0] += 0.3 * warm.local_ttl_s  # still fresh: from memory, nothing read again
+    assert warm.authenticate(key) is not None and not warm._refreshing
+    now[0] += 0.3 * warm.local_ttl_s  # past half: from memory, read again behind it
+    ctx = warm.authenticate(key)
+    assert ctx is not None and ctx.quotas.interactive.requests_per_minute is None
+    deadline = time.monotonic() + 10
+    while warm._refreshing or reads.count("tenancy-refresh") < 2:
+        assert time.monotonic() < deadline, "the background read did not happen"
+        time.sleep(0.01)
+    ctx = warm.authenticate(key)  # the new quota, from memory
+    assert ctx is not None and ctx.quotas.interactive.requests_per_minute == 7
+    assert reads.count(threading.current_thread().name) == on_path
+
+    now[0] += 2 * warm.local_ttl_s  # unused past its freshness: read on the request path
+    assert warm.authenticate(key) is not None
+    assert reads.count(threading.current_thread().name) == on_path + 2
+
+
 def test_auth_cache_is_bounded_unknown_keys_included(engine: sa.Engine, rc: Any) -> None:
     directory = TenantDirectory(engine, rc, prefix="bound", max_entries=20)
     admin.create_tenant(engine, "bounded", actor="test")

@@ -10,6 +10,14 @@ within half a second without any cross-process messaging.
 Only SHA-256 digests of keys are used as cache keys; plaintext keys never
 reach Redis or the database.
 
+A local entry past half its freshness is read again in the background
+the next time it is used (one refresher thread, one read per entry at a
+time), while the request is answered from memory: under steady traffic no
+request waits for Redis, and nothing is ever served older than
+``local_ttl_s`` (the entry keeps the time its read began). A process whose
+keys go unused for longer than ``local_ttl_s`` reads on the request path as
+before.
+
 The local memory is bounded (``max_entries`` keys and as many tenants,
 least recently used out first), unknown keys included, so a client sending
 random keys cannot grow an API process. It also keeps each answer as the
@@ -71,6 +79,11 @@ class _Memo(Generic[V]):
             return False, False, None
         self._d.move_to_end(key)
         return True, now < fresh_until, value
+
+    def fresh_until(self, key: str) -> float:
+        """When ``key``'s entry stops being fresh (-inf: no entry)."""
+        hit = self._d.get(key)
+        return hit[0] if hit is not None else float("-inf")
 
     def put(self, key: str, value: V, fresh_until: float, stale_until: float) -> None:
         self._d[key] = (fresh_until, stale_until, value)
@@ -225,6 +238,10 @@ class TenantDirectory:
         self._used: dict[str, float] = {}
         self._used_flushed_s = time.monotonic()
         self._flushing = False
+        #: entries being read again ahead of their expiry ("key"/"tenant", id)
+        self._refreshing: dict[tuple[str, str], None] = {}
+        self._refresh_kick = threading.Condition(self._lock)
+        self._refresher: threading.Thread | None = None
 
     # ---- cache keys --------------------------------------------------------
     def _key_entry(self, digest: str) -> str:
@@ -297,6 +314,40 @@ class TenantDirectory:
             with self._lock:
                 self._flushing = False
 
+    # ---- reading entries again ahead of their expiry --------------------------------
+    def _maybe_refresh_locked(self, memo: _Memo[Any], kind: str, key: str, now: float) -> None:
+        """Queue a background read of an entry past half its freshness (lock held)."""
+        if memo.fresh_until(key) - now >= self.local_ttl_s / 2:
+            return
+        item = (kind, key)
+        if item in self._refreshing:
+            return
+        self._refreshing[item] = None
+        if self._refresher is None:
+            self._refresher = threading.Thread(
+                target=self._refresh_loop, name="tenancy-refresh", daemon=True
+            )
+            self._refresher.start()
+        self._refresh_kick.notify()
+
+    def _refresh_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._refreshing:
+                    self._refresh_kick.wait()
+                kind, key = next(iter(self._refreshing))
+            try:
+                now = self.clock()  # before the read: the entry's age counts from here
+                if kind == "key":
+                    self._load_key(key, now)
+                else:
+                    self._load_tenant(key, now)
+            except Exception:  # the request path reads it itself once it expires
+                log.debug("background read of %s %s failed", kind, key, exc_info=True)
+            finally:
+                with self._lock:
+                    self._refreshing.pop((kind, key), None)
+
     def _remember(self, memo: _Memo[Any], key: str, value: Any, now: float) -> None:
         with self._lock:
             memo.put(key, value, now + self.local_ttl_s, now + max(self.stale_s, 0.0))
@@ -322,8 +373,13 @@ class TenantDirectory:
         now = self.clock()
         with self._lock:
             found, fresh, key = self._keys.get(digest, now)
-        if found and fresh:
-            return key
+            if found and fresh:
+                self._maybe_refresh_locked(self._keys, "key", digest, now)
+                return key
+        return self._load_key(digest, now)
+
+    def _load_key(self, digest: str, now: float) -> _Key | None:
+        """The key from Redis, else PostgreSQL, remembered as read at ``now``."""
         raw = self.redis.get(self._key_entry(digest))
         if raw is not None:
             key = None if raw == _MISSING.encode() else _Key.from_json(raw)
@@ -360,8 +416,13 @@ class TenantDirectory:
         now = self.clock()
         with self._lock:
             found, fresh, ctx = self._tenants.get(tenant_id, now)
-        if found and fresh:
-            return ctx
+            if found and fresh:
+                self._maybe_refresh_locked(self._tenants, "tenant", tenant_id, now)
+                return ctx
+        return self._load_tenant(tenant_id, now)
+
+    def _load_tenant(self, tenant_id: str, now: float) -> TenantContext | None:
+        """The tenant from Redis, else PostgreSQL, remembered as read at ``now``."""
         raw = self.redis.get(self._tenant_entry(tenant_id))
         if raw is not None:
             ctx = None if raw == _MISSING.encode() else TenantContext.from_json(raw)
