@@ -4,9 +4,9 @@ redis-py (8.x) packs a command by running its encoder over every argument in
 Python (a memoryview scan, then four type checks and an ``encode`` per
 argument) and only then hands the tuple to ``hiredis.pack_command``, which
 takes ``str``, ``bytes``, ``int`` and ``float`` itself. The live path sends
-50-80 commands per request, mostly in pipelines, so that loop was about a
-tenth of the API's CPU (a ``yappi`` profile of the API under
-``benchmarks/cpu_per_request.py``; docs/benchmarks.md, section 32). Here the
+50-80 commands per request, mostly in pipelines; a dispatch's batch of 14
+took 186-208 us of CPU, 137-140 us with this (``benchmarks/store_writes.py``;
+docs/benchmarks.md, section 32). Here the
 tuple goes to hiredis as it is; anything hiredis refuses (``bytearray``,
 and what redis-py refuses too: ``bool``, ``None``) takes redis-py's own
 packer, which converts it or raises its ``DataError``.

@@ -663,12 +663,12 @@ class LedgerWriter:
     def _upsert_pg(self, values: list[dict[str, Any]]) -> None:
         """The upsert on the thread's own psycopg connection, in autocommit.
 
-        Why not the engine: a flush of the one or two rows a request makes
-        cost 0.5-0.8 ms of the API's CPU through SQLAlchemy (pool checkout
-        with its ping, the compiled-statement lookup, bind processing, BEGIN
-        and COMMIT) and 0.12-0.19 ms here, measured standalone; at a flush
-        every 0.25 s per process that was most of the writer thread
-        (docs/benchmarks.md, section 32). Each row commits on its own: the
+        Why not the engine: a flush of one row cost 0.42-0.45 ms of CPU
+        through SQLAlchemy (pool checkout with its ping, the compiled-statement
+        lookup, bind processing, BEGIN and COMMIT) and 0.13 ms here, two rows
+        0.46-0.52 against 0.19 (``benchmarks/store_writes.py``;
+        docs/benchmarks.md, section 32). The API flushes every 0.25 s, one or
+        two rows at a time at a few requests a second. Each row commits on its own: the
         upsert is idempotent and delivery at-least-once anyway, a failed
         batch is retried or bisected whole, and no transaction holds one
         row's lock while it waits for another's (what ordering the rows
