@@ -339,9 +339,9 @@ class TenantDirectory:
             try:
                 now = self.clock()  # before the read: the entry's age counts from here
                 if kind == "key":
-                    self._load_key(key, now)
+                    self._load_key(key, now, stale_ok=False)
                 else:
-                    self._load_tenant(key, now)
+                    self._load_tenant(key, now, stale_ok=False)
             except Exception:  # the request path reads it itself once it expires
                 log.debug("background read of %s %s failed", kind, key, exc_info=True)
             finally:
@@ -378,8 +378,9 @@ class TenantDirectory:
                 return key
         return self._load_key(digest, now)
 
-    def _load_key(self, digest: str, now: float) -> _Key | None:
-        """The key from Redis, else PostgreSQL, remembered as read at ``now``."""
+    def _load_key(self, digest: str, now: float, stale_ok: bool = True) -> _Key | None:
+        """The key from Redis, else PostgreSQL, remembered as read at ``now``
+        (``stale_ok``: the last known good while PostgreSQL is unreachable)."""
         raw = self.redis.get(self._key_entry(digest))
         if raw is not None:
             key = None if raw == _MISSING.encode() else _Key.from_json(raw)
@@ -400,6 +401,8 @@ class TenantDirectory:
                         )
                     ).first()
             except _DB_DOWN as exc:
+                if not stale_ok:
+                    raise
                 stale: _Key | None = self._stale(self._keys, digest, now, exc)
                 return stale
             key = None if row is None else _Key(str(row[0]), int(row[1]), row[2], row[3])
@@ -421,8 +424,11 @@ class TenantDirectory:
                 return ctx
         return self._load_tenant(tenant_id, now)
 
-    def _load_tenant(self, tenant_id: str, now: float) -> TenantContext | None:
-        """The tenant from Redis, else PostgreSQL, remembered as read at ``now``."""
+    def _load_tenant(
+        self, tenant_id: str, now: float, stale_ok: bool = True
+    ) -> TenantContext | None:
+        """The tenant from Redis, else PostgreSQL, remembered as read at ``now``
+        (``stale_ok``: as for :meth:`_load_key`)."""
         raw = self.redis.get(self._tenant_entry(tenant_id))
         if raw is not None:
             ctx = None if raw == _MISSING.encode() else TenantContext.from_json(raw)
@@ -431,6 +437,8 @@ class TenantDirectory:
                 with session_scope(self.engine) as session:
                     ctx = load_tenant(session, tenant_id)
             except _DB_DOWN as exc:
+                if not stale_ok:
+                    raise
                 stale: TenantContext | None = self._stale(self._tenants, tenant_id, now, exc)
                 return stale
             self.redis.set(
