@@ -27,7 +27,10 @@ and this ``client`` apart, not in the sum), ``gross`` (everything the
 processes used while the requests ran, divided by the requests) and ``net``
 (less what the same processes use idle over the same time, measured first:
 scrapes, heartbeats, refresh threads). Background work costs per second, not
-per request, so ``gross`` falls as ``--rate`` rises.
+per request, so ``gross`` falls as ``--rate`` rises. Below that line, the
+API's gross CPU per request by thread role, its six largest (the API's
+``tokenfleet_api_thread_cpu_seconds_total``: ``CP Server`` is the HTTP
+server's pool, where the requests run; ``stream-pump`` carries the streams).
 """
 
 from __future__ import annotations
@@ -153,6 +156,32 @@ def redis_commands(stack: LiveStack) -> dict[str, tuple[int, int]]:
     return {k.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for k, v in stats.items()}
 
 
+def api_thread_cpu_s(url: str) -> dict[str, float]:
+    """The API's CPU seconds by thread role, from its ``/metrics``
+    (``tokenfleet_api_thread_cpu_seconds_total``); empty if it has none."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    except OSError:
+        return {}
+    finally:
+        conn.close()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "tokenfleet_api_thread_cpu_seconds":
+            for sample in fam.samples:
+                if sample.name.endswith("_total"):
+                    out[sample.labels["thread"]] = sample.value
+    return out
+
+
 def make_prompt(prompt_tokens: int, shared_fraction: float, i: int) -> list[dict[str, str]]:
     """Chat messages of about ``prompt_tokens`` byte-tokenizer tokens (4 bytes
     each); the system message, ``shared_fraction`` of it, is the same for every
@@ -207,6 +236,7 @@ def run_config(
     pids = stack_pids(stack)
     before = cpu_by_role(pids)
     cmds0 = redis_commands(stack)
+    threads0 = api_thread_cpu_s(stack.url)
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=64) as pool:
         for k, body in enumerate(bodies[3:]):
@@ -218,7 +248,13 @@ def run_config(
     window_s = time.monotonic() - t0
     after = cpu_by_role(pids)
     cmds1 = redis_commands(stack)
+    threads1 = api_thread_cpu_s(stack.url)
     used = {r: after[r] - before[r] for r in after if r in before}
+    api_threads = {
+        role: round((s - threads0.get(role, 0.0)) * 1e3 / requests, 2)
+        for role, s in sorted(threads1.items(), key=lambda kv: threads0.get(kv[0], 0.0) - kv[1])
+        if s - threads0.get(role, 0.0) > 0
+    }
     redis_per_request = {
         cmd: {
             "calls": round((calls - cmds0.get(cmd, (0, 0))[0]) / requests, 1),
@@ -243,6 +279,7 @@ def run_config(
         "gross_cpu_ms_per_request": gross,
         "net_cpu_ms_per_request": net,
         "redis_commands_per_request": redis_per_request,
+        "api_thread_cpu_ms_per_request": api_threads,
     }
 
 
@@ -306,10 +343,14 @@ def run_stack(args: argparse.Namespace, kv_events: bool) -> dict[str, Any]:
 def _line(res: dict[str, Any]) -> str:
     g, n = res["gross_cpu_ms_per_request"], res["net_cpu_ms_per_request"]
     roles = " ".join(f"{r}={g.get(r, 0):.2f}" for r in (*CONTROL_PLANE, "engines", "client"))
+    threads = " ".join(
+        f"{t}={v:.2f}" for t, v in list(res["api_thread_cpu_ms_per_request"].items())[:6]
+    )
     return (
         f"prompt={res['prompt_tokens']:>6} stream={int(res['stream'])} kv={int(res['kv_events'])} "
         f"control plane gross={g['control plane']:.2f} net={n['control plane']:.2f} ms/req | "
-        f"{roles} | errors={sum(res['errors'].values())}"
+        f"{roles} | errors={sum(res['errors'].values())}\n"
+        f"    api by thread (gross ms/req): {threads}"
     )
 
 

@@ -330,6 +330,7 @@ def test_models_health_metrics_openapi(stack: LiveStack) -> None:
     m = requests.get(stack.url + "/metrics", timeout=5).text
     assert 'tokenfleet_instance_healthy{dc="dc-a",instance="a0"} 1.0' in m
     assert "tokenfleet_requests_total" in m and "tokenfleet_ttft_seconds_bucket" in m
+    assert 'tokenfleet_api_thread_cpu_seconds_total{thread="CP Server"}' in m
     doc = requests.get(stack.url + "/openapi.json", timeout=5).json()
     assert doc["openapi"].startswith("3.")
     routes = {

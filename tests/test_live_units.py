@@ -1235,3 +1235,37 @@ def test_a_datacenter_dropped_from_the_views_is_not_chosen_from_a_stale_fleet_vi
     assert chosen == [a0] and decision.dc == "dc-a"
     chosen, _, _ = Dispatcher._pick_dc(gw, req, [a0, b0], 100.02)  # type: ignore[arg-type]
     assert chosen == [b0], "back up: home again at once"
+
+
+def test_thread_cpu_counts_a_role_and_keeps_what_exited_threads_used() -> None:
+    """``tokenfleet_api_thread_cpu_seconds_total``: a thread's CPU under its role
+    (the name without its number), still counted after the thread exits."""
+
+    from web.metrics import ThreadCpuCollector
+
+    def cpu_of(collector: ThreadCpuCollector, role: str) -> float:
+        (fam,) = list(collector.collect())
+        return next((s.value for s in fam.samples if s.labels["thread"] == role), 0.0)
+
+    collector = ThreadCpuCollector()
+    go, done = threading.Event(), threading.Event()
+
+    def burn() -> None:
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.15:
+            pass
+        go.set()
+        done.wait(10)
+
+    workers = [threading.Thread(target=burn, name=f"burner-{i}") for i in range(2)]
+    workers[0].start()
+    assert go.wait(10)
+    go.clear()
+    workers[1].start()
+    assert go.wait(10)
+    running = cpu_of(collector, "burner")
+    assert running >= 0.25  # both threads' 0.15 s, under one role
+    done.set()
+    for w in workers:
+        w.join(10)
+    assert cpu_of(collector, "burner") >= running  # gone, still counted

@@ -15,6 +15,8 @@ were never authenticated have no tenant: auth failures carry only a reason.
 
 from __future__ import annotations
 
+import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -102,6 +104,7 @@ class ApiMetrics:
             registry=self.registry,
         )
         self.registry.register(_LiveStateCollector(gateway))
+        self.registry.register(ThreadCpuCollector())
 
     def tenant_label(self, tenant: str | None) -> str:
         """The tenant's label value, bounded (see the module docstring)."""
@@ -153,6 +156,72 @@ class ApiMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+_NUMBERED = re.compile(r"[\s-]*(?:Thread-)?\d+$")
+_UNNAMED = re.compile(r"^Thread-\d+ \((.+)\)$")
+
+
+def thread_role(name: str) -> str:
+    """A thread's name without its number: ``CP Server Thread-12`` -> ``CP Server``
+    (the HTTP server's pool), ``Thread-3 (loop)`` -> ``loop``."""
+    m = _UNNAMED.match(name)
+    if m:
+        return m.group(1)
+    return _NUMBERED.sub("", name) or name
+
+
+class ThreadCpuCollector:
+    """``tokenfleet_api_thread_cpu_seconds_total{thread}``: this process's CPU by
+    thread role (user + system, from ``/proc/self/task``; Linux only).
+
+    Why: the API's CPU per request is spread over its threads (the HTTP
+    server's pool, the stream pump, the ledger writer, the refresh and relay
+    threads; docs/benchmarks.md, section 32), and an operator deciding what
+    to scale or tune needs to see which. Threads of one role are summed; a
+    thread that exited keeps what it had used at the last scrape, so the
+    counter never goes down."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[int, tuple[str, float]] = {}  # native id -> (role, seconds)
+        self._gone: dict[str, float] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        if not os.path.isdir("/proc/self/task"):
+            return
+        now: dict[int, tuple[str, float]] = {}
+        for t in threading.enumerate():
+            tid = t.native_id
+            if tid is None:
+                continue
+            try:
+                with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            now[tid] = (thread_role(t.name), (int(fields[11]) + int(fields[12])) * _TICK_S)
+        fam = CounterMetricFamily(
+            "tokenfleet_api_thread_cpu_seconds",
+            "CPU (user + system) of this API process by thread role: 'CP Server' is the "
+            "HTTP server's pool (the requests), 'stream-pump' carries streams past their "
+            "first token, 'api-ledger' writes the ledger.",
+            labels=["thread"],
+        )
+        with self._lock:
+            for tid, (role, used) in self._last.items():
+                seen = now.get(tid)
+                # gone, or its id reused by a new thread (which starts from zero)
+                if seen is None or seen[0] != role or seen[1] < used:
+                    self._gone[role] = self._gone.get(role, 0.0) + used
+            self._last = now
+            totals = dict(self._gone)
+        for role, used in now.values():
+            totals[role] = totals.get(role, 0.0) + used
+        for role, used in sorted(totals.items()):
+            fam.add_metric([role], used)
+        yield fam
 
 
 #: statuses that are rejections (not client mistakes or server faults), by default reason
