@@ -159,20 +159,15 @@ def redis_commands(stack: LiveStack) -> dict[str, tuple[int, int]]:
 def api_thread_cpu_s(url: str) -> dict[str, float]:
     """The API's CPU seconds by thread role, from its ``/metrics``
     (``tokenfleet_api_thread_cpu_seconds_total``); empty if it has none."""
-    import http.client
-    from urllib.parse import urlsplit
+    from urllib.request import urlopen
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    u = urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=10)
     try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
+        with urlopen(url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
     except OSError:
         return {}
-    finally:
-        conn.close()
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         if fam.name == "tokenfleet_api_thread_cpu_seconds":
@@ -250,10 +245,11 @@ def run_config(
     cmds1 = redis_commands(stack)
     threads1 = api_thread_cpu_s(stack.url)
     used = {r: after[r] - before[r] for r in after if r in before}
+    thread_s = {role: s - threads0.get(role, 0.0) for role, s in threads1.items()}
     api_threads = {
-        role: round((s - threads0.get(role, 0.0)) * 1e3 / requests, 2)
-        for role, s in sorted(threads1.items(), key=lambda kv: threads0.get(kv[0], 0.0) - kv[1])
-        if s - threads0.get(role, 0.0) > 0
+        role: round(s * 1e3 / requests, 2)
+        for role, s in sorted(thread_s.items(), key=lambda kv: -kv[1])
+        if s > 0
     }
     redis_per_request = {
         cmd: {

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.*, te
 from tests.support.stack import API_KEY, InstanceSpec, LiveStack
 from tokenfleet.live.bench import hop_breakdown
 from tokenfleet.live.httpclient import KeepAliveClient
+from tokenfleet.live.procstat import stat_cpu_s
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -95,12 +96,7 @@ class _Caller(KeepAliveClient):
 
 def _cpu_s(pid: int) -> float | None:
     """User + system CPU seconds of a process so far (Linux ``/proc``), or None."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return stat_cpu_s(f"/proc/{pid}/stat")
 
 
 def stack_pids(stack: LiveStack) -> dict[str, int]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import socket
 import sys
 import threading
@@ -35,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.support.pump import FakeEngineCall
 from tokenfleet.live.gateway.pump import PumpSink, StreamPump
+from tokenfleet.live.procstat import stat_cpu_s
 
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 _HEAD = {
     "id": "chatcmpl-f9a2d9cb476346b795ccaae2c2d2d2ed",
     "object": "chat.completion.chunk",
@@ -107,9 +106,9 @@ def _client(listener: socket.socket, got: Any) -> None:
 
 
 def _thread_cpu_s(tid: int) -> float:
-    with open(f"/proc/self/task/{tid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * _TICK_S
+    used = stat_cpu_s(f"/proc/self/task/{tid}/stat")
+    assert used is not None, f"no /proc stat for thread {tid}"
+    return used
 
 
 def _listener() -> socket.socket:

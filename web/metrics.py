@@ -25,6 +25,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from tokenfleet.live.procstat import stat_cpu_s
+
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 #: distinct tenant label values per process before new ones fold into "_other"
 MAX_TENANT_LABELS = 500
@@ -158,7 +160,6 @@ class ApiMetrics:
         return generate_latest(self.registry)
 
 
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 _NUMBERED = re.compile(r"[\s-]*(?:Thread-)?\d+$")
 _UNNAMED = re.compile(r"^Thread-\d+ \((.+)\)$")
 
@@ -196,14 +197,9 @@ class ThreadCpuCollector:
         now: dict[int, tuple[str, float]] = {}
         for t in threading.enumerate():
             tid = t.native_id
-            if tid is None:
-                continue
-            try:
-                with open(f"/proc/self/task/{tid}/stat", "rb") as f:
-                    fields = f.read().rsplit(b")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            now[tid] = (thread_role(t.name), (int(fields[11]) + int(fields[12])) * _TICK_S)
+            used = None if tid is None else stat_cpu_s(f"/proc/self/task/{tid}/stat")
+            if tid is not None and used is not None:
+                now[tid] = (thread_role(t.name), used)
         fam = CounterMetricFamily(
             "tokenfleet_api_thread_cpu_seconds",
             "CPU (user + system) of this API process by thread role: 'CP Server' is the "

@@ -6,14 +6,14 @@ argument) and only then hands the tuple to ``hiredis.pack_command``, which
 takes ``str``, ``bytes``, ``int`` and ``float`` itself. The live path sends
 50-80 commands per request, mostly in pipelines; a dispatch's batch of 14
 took 186-208 us of CPU, 137-140 us with this (``benchmarks/store_writes.py``;
-docs/benchmarks.md, section 32). Here the
-tuple goes to hiredis as it is; anything hiredis refuses (``bytearray``,
-and what redis-py refuses too: ``bool``, ``None``) takes redis-py's own
-packer, which converts it or raises its ``DataError``.
+docs/benchmarks.md, section 32). Here the tuple goes to hiredis as it is;
+anything hiredis refuses (``bytearray``, and what redis-py refuses too:
+``bool``, ``None``) takes redis-py's own packer, which converts it or raises
+its ``DataError``.
 
 Same bytes: hiredis writes ``str`` as UTF-8 and numbers as ``str(int)`` and
 ``repr(float)``, as redis-py's encoder does
-(``tests/test_live_state.py::test_hiredis_packing_writes_redis_pys_bytes``).
+(``tests/test_live_transport.py::test_hiredis_packing_writes_redis_pys_bytes``).
 """
 
 from __future__ import annotations

@@ -668,10 +668,10 @@ class LedgerWriter:
         lookup, bind processing, BEGIN and COMMIT) and 0.13 ms here, two rows
         0.46-0.52 against 0.19 (``benchmarks/store_writes.py``;
         docs/benchmarks.md, section 32). The API flushes every 0.25 s, one or
-        two rows at a time at a few requests a second. Each row commits on its own: the
-        upsert is idempotent and delivery at-least-once anyway, a failed
-        batch is retried or bisected whole, and no transaction holds one
-        row's lock while it waits for another's (what ordering the rows
+        two rows at a time at a few requests a second. Each row commits on
+        its own: the upsert is idempotent and delivery at-least-once anyway,
+        a failed batch is retried or bisected whole, and no transaction holds
+        one row's lock while it waits for another's (what ordering the rows
         guards against when a batch is one transaction)."""
         conn = self._pg
         if conn is None or conn.closed:
