@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -316,3 +317,42 @@ def test_a_conversation_reuses_the_previous_answer_in_the_simulator() -> None:
     # every turn after the first now also hits the previous answer's blocks
     assert with_answers["prefix_hit_ratio"] > prompt_only["prefix_hit_ratio"] + 0.05
     assert with_answers["completed"] == prompt_only["completed"] == len(reqs)
+
+
+def test_p50_floor_engines_share_every_block_and_the_oracle_starts_prefills_first() -> None:
+    """``benchmarks/p50_floor.py``'s what-if pool, through ``run_pool``'s
+    ``pool_factory``: a prompt prefilled on one instance is a hit on every
+    other (round robin spreads the prompts of a burst, yet every repeat hits),
+    and the step oracle never sends a request behind a step it could avoid."""
+    from benchmarks.p50_floor import _SharedCachePool
+
+    def factory(oracle: bool):  # type: ignore[no-untyped-def]
+        return lambda env, cfg, slo, done: _SharedCachePool(env, cfg, slo, done, oracle)
+
+    prefix = tuple(50_000 + j for j in range(100))
+    reqs = [
+        TraceRequest(
+            RequestInfo(
+                request_id=f"r{i}",
+                arrival_s=0.5 * i,
+                input_tokens=(len(prefix) + 1) * 16 + 7,
+                max_tokens=64,
+                block_hashes=(*prefix, 90_000 + i),
+            ),
+            16,
+        )
+        for i in range(8)
+    ]
+    cfg = PoolConfig(profile=PROFILE, n_instances=4, router="round_robin")
+    plain, _ = run_pool(reqs, cfg, SLOConfig())
+    shared, _ = run_pool(reqs, cfg, SLOConfig(), pool_factory=factory(False))
+    assert [r.instance_id for r in shared] == [r.instance_id for r in plain]  # the same spread
+    full = len(prefix) * 16
+    # plain engines: only the 4 requests that come back to an instance hit
+    assert sum(r.cached_tokens == full for r in plain) == 4
+    assert all(r.cached_tokens == full for r in shared[1:])  # every instance holds it
+    assert max(r.ttft_s for r in shared[1:]) < min(r.ttft_s for r in plain[:4])
+    # a burst: the oracle spreads it over idle instances before queueing any
+    burst_reqs = [replace(t, info=replace(t.info, arrival_s=0.0)) for t in reqs[:4]]
+    oracle, _ = run_pool(burst_reqs, cfg, SLOConfig(), pool_factory=factory(True))
+    assert len({r.instance_id for r in oracle}) == 4

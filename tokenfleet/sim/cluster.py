@@ -47,6 +47,10 @@ from tokenfleet.sim.records import RequestRecord
 from tokenfleet.workloads.trace import TraceRequest
 
 ProgressFn = Callable[[int, int], None]
+#: (env, config, slo, on_done) -> the pool :func:`run_pool` replays through
+PoolFactory = Callable[
+    [Environment, "PoolConfig", SLOConfig, Callable[[RequestRecord], None]], "PoolSim"
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -620,8 +624,11 @@ def run_pool(
     config: PoolConfig,
     slo: SLOConfig,
     progress: ProgressFn | None = None,
+    pool_factory: PoolFactory | None = None,
 ) -> tuple[list[RequestRecord], PoolSim]:
-    """Replay ``requests`` through one pool; return per-request records."""
+    """Replay ``requests`` through one pool; return per-request records.
+    ``pool_factory`` builds the pool instead of :func:`tokenfleet.sim.pd.make_pool`
+    (what-if engines or routers in a benchmark, e.g. ``benchmarks/p50_floor.py``)."""
     env = Environment()
     records: list[RequestRecord] = []
     total = len(requests)
@@ -632,9 +639,11 @@ def run_pool(
         if progress is not None and (len(records) % step == 0 or len(records) == total):
             progress(len(records), total)
 
-    from tokenfleet.sim.pd import make_pool
+    if pool_factory is None:
+        from tokenfleet.sim.pd import make_pool
 
-    pool = make_pool(env, config, slo, on_done=done)
+        pool_factory = make_pool
+    pool = pool_factory(env, config, slo, done)
     for tr in requests:
         env.schedule_at(tr.info.arrival_s, pool.submit, tr)
         if tr.client_timeout_s is not None:
