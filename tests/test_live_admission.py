@@ -12,6 +12,8 @@ tier) counts the same way, as the simulator's driver counts its own.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -141,3 +143,92 @@ def test_an_instance_whose_kv_is_booked_full_gets_no_new_work(pair: Any) -> None
         assert _served_by(pair, post(pair, prompt + " and again")) == other
     finally:
         st.account_finish(holder, hog, True, cap)
+
+
+@contextlib.contextmanager
+def _no_room(pair: Any) -> Iterator[dict[str, tuple[RequestInfo, int]]]:
+    """Every instance's whole KV booked as in flight past its first token, as
+    another replica's requests would be: no interactive request fits anywhere.
+    Yields the bookings (instance -> (request, tokens)); one released early is
+    popped by the caller. The bookings change a little every 50 ms, as live
+    traffic does: a worker whose engine is idle clears accounting that stays
+    the same over a few scrapes (a worker lost mid-request left it:
+    ``workers/runtime.py``, ``_repair_accounting``)."""
+    st = pair.gateway.state
+    hogs: dict[str, tuple[RequestInfo, int]] = {}
+    for inst in pair.gateway.instances():
+        cap = inst.kv_capacity_tokens
+        hog = RequestInfo(f"kv-hog-{inst.instance_id}", 0.0, cap, 0, tier="interactive")
+        st.book_dispatch(inst.instance_id, hog, cap)
+        st.account_first_token(inst.instance_id, hog, cap)
+        hogs[inst.instance_id] = (hog, cap)
+    stop = threading.Event()
+    tick = RequestInfo("traffic", 0.0, 0, 0, tier="batch")
+
+    def traffic() -> None:
+        while not stop.wait(0.05):
+            for iid in list(hogs):
+                st.unbook(iid, st.book_dispatch(iid, tick, 0)[0])
+
+    t = threading.Thread(target=traffic, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 5  # the gateway re-reads the accounting every 20-250 ms
+    while time.monotonic() < deadline:
+        seen = pair.gateway.accounting.get(list(hogs))
+        if all(seen[i].inflight_input_tokens >= cap for i, (_, cap) in hogs.items()):
+            break
+        time.sleep(0.02)
+    try:
+        yield hogs
+    finally:
+        stop.set()
+        t.join()
+        for iid, (hog, cap) in hogs.items():
+            st.account_finish(iid, hog, True, cap)
+
+
+def test_a_request_admission_queues_is_held_until_room_frees_then_served(pair: Any) -> None:
+    """SLOMax queues an interactive request no instance has room for; the API
+    holds it (as the simulator's driver does) instead of sending it on, and
+    sends it when admission releases it: to the instance whose KV freed.
+    Before, the gateway routed a queued request at once."""
+    pen = pair.gateway.holding
+    assert pen is not None
+    out: dict[str, requests.Response] = {}
+    t = threading.Thread(target=lambda: out.update(r=post(pair, f"held {time.time_ns()}")))
+    with _no_room(pair) as hogs:
+        t.start()
+        deadline = time.monotonic() + 5
+        while len(pen) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(pen) == 1, "the request was not held"
+        time.sleep(0.5)
+        assert t.is_alive() and len(pen) == 1  # still held: nothing has room
+        freed = next(iter(hogs))
+        hog, cap = hogs.pop(freed)
+        pair.gateway.state.account_finish(freed, hog, True, cap)
+        t.join(timeout=10)
+        assert not t.is_alive()
+    assert _served_by(pair, out["r"]) == freed
+    assert len(pen) == 0
+
+
+def test_a_held_request_whose_client_leaves_is_dropped_and_recorded(pair: Any) -> None:
+    pen = pair.gateway.holding
+    assert pen is not None
+    text = f"gone {time.time_ns()}"
+    with _no_room(pair), pytest.raises(requests.exceptions.ReadTimeout):
+        r = requests.post(
+            pair.url + "/v1/chat/completions",
+            timeout=0.6,  # the client gives up while the request is held
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            json={
+                "model": pair.model,
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": text}],
+            },
+        )
+        pytest.fail(f"answered while it should have been held: {r.status_code} {r.text}")
+    rows = pair.ledger_rows("status = 'cancelled'", expect=lambda rows: len(rows) >= 1)
+    assert rows and not rows[-1]["instance"]  # it never reached an engine
+    assert len(pen) == 0

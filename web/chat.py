@@ -35,7 +35,7 @@ from typing import Any
 import redis
 from flask import Blueprint, Response, current_app, g, request
 
-from tokenfleet.live.gateway import TIER_HEADER, ChatRequest, Dispatched, Gateway
+from tokenfleet.live.gateway import TIER_HEADER, ChatRequest, Dispatched, Gateway, HoldWait
 from tokenfleet.live.gateway.rows import REFUSAL_STATUSES, refusal_record
 from tokenfleet.live.relay import RelayEvent
 from web.errors import ApiError
@@ -174,6 +174,14 @@ def _serve_held(gw: Gateway, principal: Any, shape: _Shape, tier_hint: str) -> R
     except Exception as exc:
         _record_refusal(gw, principal.tenant, None, None, tier_hint, exc)
         raise
+    gate = [True]  # still in the front gate: admission may hold the request outside it
+
+    def leave_gate() -> None:
+        if gate[0]:
+            gate[0] = False
+            gw.front_gate.leave()
+
+    gone = client_gone(request.environ)
     try:
         body = read_json()
         if not shape.chat and isinstance(body, dict) and body.get("max_tokens") is None:
@@ -195,7 +203,7 @@ def _serve_held(gw: Gateway, principal: Any, shape: _Shape, tier_hint: str) -> R
             _record_refusal(gw, principal.tenant, body, req, tier_hint, exc)
             raise
         try:
-            d = gw.dispatch(req)
+            d = gw.dispatch(req, HoldWait(leave_gate, gone))
         except BaseException as exc:
             quota.refund()
             if isinstance(exc, Exception):
@@ -203,8 +211,7 @@ def _serve_held(gw: Gateway, principal: Any, shape: _Shape, tier_hint: str) -> R
             raise
         g.tf_dispatched = d
     finally:
-        gw.front_gate.leave()
-    gone = client_gone(request.environ)
+        leave_gate()
     if gw.pump is not None:
         frame = shape.text_framer(d) if req.stream else None
         d.sink = pump_sink(request.environ, frame)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tokenfleet.live.procstat import stat_cpu_s
@@ -105,6 +105,13 @@ class ApiMetrics:
             ["how"],
             registry=self.registry,
         )
+        self.held_requests = Gauge(
+            "tokenfleet_api_held_requests",
+            "Requests the admission policy queued that this API process holds until it "
+            "releases them, by tier.",
+            ["tier"],
+            registry=self.registry,
+        )
         self.registry.register(_LiveStateCollector(gateway))
         self.registry.register(ThreadCpuCollector())
 
@@ -119,6 +126,9 @@ class ApiMetrics:
                 return "_other"
             self._tenants.add(tenant)
         return tenant
+
+    def held(self, tier: str, delta: int) -> None:
+        self.held_requests.labels(tier).inc(delta)
 
     def disconnect(self, how: str) -> None:
         self.disconnects.labels(how).inc()

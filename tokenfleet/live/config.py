@@ -390,6 +390,21 @@ class LiveConfig:
         ),
     )
 
+    api_hold_queued: bool = field(
+        default=True,
+        metadata=_doc(
+            "Hold an interactive or long-context request the admission policy queued in the "
+            "API until the policy releases it, as the simulator does (false: route it at once "
+            "into its tier's pool queue, which the workers' tier gates pace)."
+        ),
+    )
+    api_hold_tick_s: float = field(
+        default=0.005,
+        metadata=_doc(
+            "How often an API process asks the admission policy whether a held request may go."
+        ),
+    )
+
     @classmethod
     def load(
         cls,

@@ -12,12 +12,13 @@ module             what it does
 ``watch``          relay events, lost workers, re-sends, timeouts, cancel
 ``feedback``       first token and completion to the router, SLOMax, FleetMind
 ``refresh``        the Redis state the request path reads, kept fresh
+``holding``        requests admission queued, held until it releases them
 ``errors``         why a request is refused, with the OpenAI status and code
 =================  ============================================================
 """
 
 from tokenfleet.live.gateway.core import Gateway
-from tokenfleet.live.gateway.dispatch import Dispatched
+from tokenfleet.live.gateway.dispatch import Dispatched, HoldWait
 from tokenfleet.live.gateway.errors import (
     AtCapacity,
     ContextLengthExceeded,
@@ -36,6 +37,7 @@ __all__ = [
     "Gateway",
     "ChatRequest",
     "Dispatched",
+    "HoldWait",
     "GatewayError",
     "InvalidRequest",
     "ContextLengthExceeded",

@@ -3,7 +3,7 @@
 One request, as the chat view drives it::
 
     req = gateway.validate(body, tenant=..., tier_hint=..., slo_class=...)  # validate.py
-    d = gateway.dispatch(req)                                             # dispatch.py
+    d = gateway.dispatch(req, hold)  # dispatch.py; holding.py while admission queues it
     for ev in gateway.events(d): ...                                      # watch.py
     gateway.cancel(d)  # only if the client went away
 
@@ -33,6 +33,7 @@ from tokenfleet.live.gateway.direct import DirectCalls
 from tokenfleet.live.gateway.dispatch import Dispatcher
 from tokenfleet.live.gateway.errors import StoreUnavailable
 from tokenfleet.live.gateway.feedback import Feedback
+from tokenfleet.live.gateway.holding import HoldingPen
 from tokenfleet.live.gateway.overload import FrontGate, InflightBound, WaitPredictor
 from tokenfleet.live.gateway.pump import StreamPump
 from tokenfleet.live.gateway.refresh import LiveView
@@ -137,8 +138,14 @@ class Gateway(LiveView, Dispatcher, Watcher, Feedback):
         self.direct_calls = DirectCalls(state, live, self.api_id)
         #: carries the direct streams past their first token, all on one thread (pump.py)
         self.pump: StreamPump | None = StreamPump() if live.api_stream_pump else None
+        #: requests admission queued, held here until it releases them (holding.py)
+        self.holding: HoldingPen | None = None
+        if self.admission is not None and live.api_hold_queued:
+            self.holding = HoldingPen(self.release_held, live.api_hold_tick_s)
 
     def close(self) -> None:
+        if self.holding is not None:
+            self.holding.close()
         if self.pump is not None:
             self.pump.close()
         self.direct_calls.close()

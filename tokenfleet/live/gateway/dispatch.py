@@ -42,10 +42,13 @@ from tokenfleet.live.engine_client import EngineCall, first_token_timeout_s
 from tokenfleet.live.gateway.direct import DirectCalls, engine_call
 from tokenfleet.live.gateway.errors import (
     AtCapacity,
+    ClientClosed,
+    HeldTooLong,
     NoCapacity,
     RegionNotAllowed,
     StoreUnavailable,
 )
+from tokenfleet.live.gateway.holding import Hold, HoldingPen
 from tokenfleet.live.gateway.pump import PumpSink
 from tokenfleet.live.gateway.validate import ChatRequest
 from tokenfleet.live.jobs import TASK_CHAT, ChatJob, send_chat_job
@@ -60,6 +63,18 @@ log = logging.getLogger("tokenfleet.api")
 DC_VIEWS_REFRESH_S = 0.1
 #: a prompt_cache_key pins its conversation to an instance this long (seconds)
 PIN_TTL_S = 600
+#: tiers whose queued requests wait in the API (holding.py); batch keeps its broker queue
+HELD_TIERS = frozenset(("interactive", "long_context"))
+
+
+@dataclass(frozen=True, slots=True)
+class HoldWait:
+    """How a caller that can wait lets admission hold its request
+    (:mod:`~tokenfleet.live.gateway.holding`): the front gate it leaves
+    meanwhile, and whether its client is still there."""
+
+    leave_gate: Callable[[], None]
+    gone: Callable[[], bool] | None = None
 
 
 @dataclass(slots=True)
@@ -150,6 +165,7 @@ class Dispatcher:
     tier_shares: dict[str, float]
     express_running: dict[tuple[str, str], int]
     express_lock: threading.Lock
+    holding: HoldingPen | None
 
     if TYPE_CHECKING:  # from LiveView
 
@@ -159,8 +175,28 @@ class Dispatcher:
         def await_prefetch(self) -> None: ...
         def _refresh_fleet_plan(self, max_age_s: float = ...) -> None: ...
 
-    def dispatch(self, req: ChatRequest) -> Dispatched:
-        """Route and publish ``req``; raises a :class:`GatewayError` when it cannot."""
+    def dispatch(self, req: ChatRequest, hold: HoldWait | None = None) -> Dispatched:
+        """Route and publish ``req``; raises a :class:`GatewayError` when it cannot.
+        With ``hold``, a request admission queues waits here until admission
+        releases it (:mod:`~tokenfleet.live.gateway.holding`); without, it is
+        routed at once into its tier's pool queue."""
+        h: Hold | None = None
+        try:
+            return self._dispatch(req, hold)
+        except _Held as held:
+            h = held.hold
+            assert hold is not None
+            return self._dispatch(req, None, self._wait_held(req, h, hold))
+        finally:
+            if h is not None:
+                h.booked.set()  # the holding thread may decide the next one
+
+    def _dispatch(
+        self,
+        req: ChatRequest,
+        hold: HoldWait | None,
+        released: tuple[str, ...] | None = None,
+    ) -> Dispatched:
         info = req.info
         self.await_prefetch()
         now = time.time()
@@ -173,7 +209,10 @@ class Dispatcher:
                 views = [v for v in views if v.dc not in down]
             views, dc_choice, allowed_dcs = self._pick_dc(req, views, now)
             held = self._cached_by_instance(info)  # one walk of the index per request
-            allowed = self._admit(req, views, now, held)
+            if released is not None:  # admission released it from the holding pen
+                allowed: tuple[str, ...] | None = released or None
+            else:
+                allowed = self._admit(req, views, now, held, hold is not None)
             # a P/D router places both phases by role once the pool is split;
             # SLOMax's per-tier instance split would hide the prefill pool (as
             # in the simulator's P/D pool)
@@ -302,21 +341,56 @@ class Dispatcher:
 
     # -- admission ----------------------------------------------------------------------
     def _admit(
-        self, req: ChatRequest, views: list[Any], now: float, held: Mapping[str, int]
+        self,
+        req: ChatRequest,
+        views: list[Any],
+        now: float,
+        held: Mapping[str, int],
+        can_hold: bool = False,
     ) -> tuple[str, ...] | None:
         """Admission policy at arrival: None = anywhere, else allowed instance ids.
-        ``held``: the prompt's tokens each instance holds (:meth:`_cached_by_instance`)."""
+        ``held``: the prompt's tokens each instance holds (:meth:`_cached_by_instance`).
+        A request it queues is held in this process (raises :class:`_Held`)
+        when ``can_hold`` and its tier waits here (:data:`HELD_TIERS`)."""
         if self.admission is None:
             return None
-        from tokenfleet.core.admission import (
-            ADMIT,
-            REJECT,
-            AdmissionSnapshot,
-            InstanceLoad,
-        )
+        from tokenfleet.core.admission import ADMIT, QUEUE, REJECT, AdmissionSnapshot
 
         self._refresh_admission_knobs()
         self._shed_late(req, views, now)
+        dcs = {v.dc for v in views}
+        queues = self._broker_queues(dcs, req.info)
+        pen = self.holding
+        if pen is not None and len(pen):
+            queues = _with_held(queues, pen.totals())
+        snap = AdmissionSnapshot(
+            now_s=now,
+            instances=self._admission_loads(views),
+            queues=queues,
+            cached_tokens=held,
+        )
+        with self.router_lock:
+            decision = self.admission.on_arrival(req.info, snap)
+        if decision.action == REJECT:
+            self._reject(
+                req, decision.reason, decision.retry_after_s, dcs.pop() if len(dcs) == 1 else None
+            )
+        if decision.action == QUEUE and can_hold and pen is not None:
+            if req.info.tier in HELD_TIERS:
+                raise _Held(pen.hold(req.info, now))
+        if decision.action == ADMIT and decision.instance_ids:
+            return tuple(decision.instance_ids)
+        return None
+
+    def _admission_loads(self, views: Sequence[Any]) -> list[Any]:
+        """Each ready instance as admission sees it: running requests per tier
+        (the workers' counts and this process's own express attempts), and what
+        every API and worker booked there (the shared dispatch accounting), as
+        the simulator's driver keeps it: the prefill not yet done, per tier,
+        and the KV reserved for prompt + output budget (SLOMax's default
+        reserve; a learned quantile would reserve less)."""
+        from tokenfleet.core.admission import InstanceLoad
+
         loads = []
         infos = {i.instance_id: i for i in self.instances()}
         with self.express_lock:  # the workers' counts lack this process's own attempts
@@ -328,10 +402,6 @@ class Dispatcher:
             rbt = infos[v.instance_id].running_by_tier if v.instance_id in infos else {}
             for tier in {*rbt, *(t for i, t in own if i == v.instance_id)}:
                 load.tier(tier).inflight = rbt.get(tier, 0) + own.get((v.instance_id, tier), 0)
-            # what every API and worker booked there (the shared dispatch
-            # accounting), as the simulator's driver keeps it: the prefill not
-            # yet done, per tier, and the KV reserved for prompt + output budget
-            # (SLOMax's default reserve; a learned quantile would reserve less)
             acc = v.accounting
             for tier, (n, tokens) in acc.tier_prefill_pending().items():
                 if n:
@@ -339,22 +409,59 @@ class Dispatcher:
                     tl.prefill_pending, tl.prefill_pending_tokens = n, tokens
             load.untiered_reserved_kv_tokens = acc.inflight_input_tokens + acc.inflight_max_tokens
             loads.append(load)
-        dcs = {v.dc for v in views}
-        snap = AdmissionSnapshot(
-            now_s=now,
-            instances=loads,
-            queues=self._broker_queues(dcs, req.info),
-            cached_tokens=held,
+        return loads
+
+    def release_held(self, queues: Mapping[str, Any], now: float) -> Any:
+        """The admission policy's next action over this process's held
+        requests (the holding thread's question), on the instances as they are now."""
+        from tokenfleet.core.admission import AdmissionSnapshot
+
+        assert self.admission is not None
+        self._refresh_admission_knobs()
+        views = self.state.instance_views(
+            now, self.live.stale_after_s, self.instances(), self.accounting.get
         )
+        if down := self.brokers.down_dcs(now):
+            views = [v for v in views if v.dc not in down]
+        snap = AdmissionSnapshot(now_s=now, instances=self._admission_loads(views), queues=queues)
+        if not snap.instances:
+            return None
         with self.router_lock:
-            decision = self.admission.on_arrival(req.info, snap)
-        if decision.action == REJECT:
-            self._reject(
-                req, decision.reason, decision.retry_after_s, dcs.pop() if len(dcs) == 1 else None
+            return self.admission.next_action(snap)
+
+    def _wait_held(self, req: ChatRequest, h: Hold, hold: HoldWait) -> tuple[str, ...]:
+        """Wait, outside the front gate, until admission releases ``req``: the
+        instances it may go to (empty: any). Raises when admission drops it
+        (429), its client leaves (499) or the request timeout passes (504);
+        each leaves its ledger row."""
+        from tokenfleet.core.admission import DISPATCH
+
+        assert self.holding is not None
+        info = req.info
+        hold.leave_gate()
+        if self.metrics is not None:
+            self.metrics.held(info.tier, 1)
+        try:
+            left_s = info.arrival_s + self.live.request_timeout_s - time.time()
+            act = self.holding.wait(h, time.monotonic() + max(0.0, left_s), hold.gone)
+        finally:
+            if self.metrics is not None:
+                self.metrics.held(info.tier, -1)
+        if act is None:
+            gone = hold.gone is not None and hold.gone()
+            status = "cancelled" if gone else "timed_out"
+            self._ledger(ledger_record(info, status, finished_ts=time.time()))
+            if self.metrics is not None:
+                self.metrics.finished(info.tier, status, tenant=info.tenant)
+            if gone:
+                raise ClientClosed("the client closed its connection while the request was held")
+            raise HeldTooLong(
+                f"held for admission until the request timeout "
+                f"({self.live.request_timeout_s:.0f}s); retry later"
             )
-        if decision.action == ADMIT and decision.instance_ids:
-            return tuple(decision.instance_ids)
-        return None
+        if act.kind != DISPATCH:
+            self._reject(req, act.reason or "dropped while held", act.retry_after_s)
+        return act.instance_ids or ()
 
     def _cached_by_instance(self, info: RequestInfo) -> dict[str, int]:
         """The prompt's tokens each instance holds, by the engines' KV events
@@ -802,3 +909,24 @@ class Dispatcher:
             self.ledger.record(row)
         except Exception:
             log.exception("ledger row not recorded")
+
+
+class _Held(Exception):
+    """Admission queued the request and this process holds it (``hold``)."""
+
+    def __init__(self, hold: Hold) -> None:
+        super().__init__(hold.info.request_id)
+        self.hold = hold
+
+
+def _with_held(queues: dict[str, Any], held: Mapping[str, tuple[int, int, int]]) -> dict[str, Any]:
+    """The broker queues' totals plus what this process holds, per tier."""
+    from tokenfleet.core.admission import QueueTotals
+
+    out = dict(queues)
+    for tier, (n, tokens, reserved) in held.items():
+        q = out.get(tier)
+        if q is not None:
+            n, tokens, reserved = n + q.n, tokens + q.input_tokens, reserved + q.reserved_tokens
+        out[tier] = QueueTotals(tier, n, tokens, reserved)
+    return out

@@ -142,3 +142,19 @@ class StoreUnavailable(GatewayError):
     status = 503
     code = "service_unavailable"
     retry_after_s = 2.0
+
+
+class ClientClosed(GatewayError):
+    """The client closed its connection while its request waited to be admitted."""
+
+    status = 499
+    code = "client_closed_request"
+    type_ = "invalid_request_error"
+
+
+class HeldTooLong(GatewayError):
+    """Admission held the request until the service's request timeout."""
+
+    status = 504
+    code = "timeout"
+    type_ = "server_error"
