@@ -118,6 +118,7 @@ SIM_POLICY: dict[str, tuple[str, bool]] = {
     "tokenfleet:tokenpilot-2api_nocheck": ("tokenpilot", True),
     "tokenfleet:tokenpilot-noadm": ("tokenpilot", True),
     "tokenfleet:tokenpilot-pinned_noadm": ("tokenpilot", True),
+    "tokenfleet:tokenpilot-nohold": ("tokenpilot", True),
     "tokenfleet:round_robin": ("round_robin", False),
 }
 #: live settings of a ``tokenfleet:`` front's variant (``POLICY-VARIANT``)
@@ -133,6 +134,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "2api_nocheck": {"booking_check": False},
     "noadm": {},  # no admission policy: the router alone, as the Rust routers run
     "pinned_noadm": {"affinity_min_cached_tokens": 0, "affinity_min_cached_fraction": 0.0},
+    # as shipped before 2026-12-06: a request admission queues is routed at once
+    "nohold": {"api_hold_queued": False},
 }
 #: variants without SLOMax in front of the router
 NO_ADMISSION = {"noadm", "pinned_noadm"}

@@ -13,6 +13,7 @@ tier) counts the same way, as the simulator's driver counts its own.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -211,6 +212,10 @@ def test_a_request_admission_queues_is_held_until_room_frees_then_served(pair: A
         assert not t.is_alive()
     assert _served_by(pair, out["r"]) == freed
     assert len(pen) == 0
+    metrics = requests.get(pair.url + "/metrics", timeout=10).text
+    holds = re.search(r'^tokenfleet_api_holds_total\{tier="interactive"\} (\S+)$', metrics, re.M)
+    assert holds is not None and float(holds.group(1)) >= 1
+    assert 'tokenfleet_api_held_requests{tier="interactive"} 0.0' in metrics
 
 
 def test_a_held_request_whose_client_leaves_is_dropped_and_recorded(pair: Any) -> None:

@@ -1269,3 +1269,45 @@ def test_thread_cpu_counts_a_role_and_keeps_what_exited_threads_used() -> None:
     for w in workers:
         w.join(10)
     assert cpu_of(collector, "burner") >= running  # gone, still counted
+
+
+def test_the_holding_pen_releases_in_the_policys_order_one_booked_dispatch_at_a_time() -> None:
+    """The pen asks the policy over its own FIFOs and hands each request the
+    action it got; a released request books its instance before the policy
+    is asked again (two are never sent into one freed slot), and one whose
+    client left, or whose time ran out, leaves the queue."""
+    from tokenfleet.core.admission import DISPATCH, Action, TierQueue
+    from tokenfleet.live.gateway.holding import HoldingPen
+
+    free_slots = [0]
+    asked: list[int] = []
+
+    def release(queues: Any, now: float) -> Action | None:
+        q: TierQueue | None = queues.get("interactive")
+        head = q.head() if q is not None else None
+        asked.append(free_slots[0])
+        if head is None or free_slots[0] <= 0:
+            return None
+        free_slots[0] -= 1  # what the booking of the released request takes
+        return Action(DISPATCH, "interactive", head.request.request_id, instance_ids=("i0",))
+
+    pen = HoldingPen(release, tick_s=0.005, book_wait_s=30.0)
+    infos = [RequestInfo(f"r{i}", 0.0, 10, 4, tier="interactive") for i in range(3)]
+    holds = [pen.hold(i, 0.0) for i in infos]
+    time.sleep(0.05)
+    assert len(pen) == 3 and not any(h.decided.is_set() for h in holds)  # no room: all held
+    free_slots[0] = 2
+    first = pen.wait(holds[0], time.monotonic() + 2, None)
+    assert first is not None and first.instance_ids == ("i0",)
+    time.sleep(0.05)
+    assert not holds[1].decided.is_set()  # the pen waits for r0's booking first
+    holds[0].booked.set()
+    assert pen.wait(holds[1], time.monotonic() + 2, None) is not None
+    holds[1].booked.set()
+    # r2: no slot left; its client leaves
+    assert pen.wait(holds[2], time.monotonic() + 2, lambda: True) is None
+    assert len(pen) == 0 and len(pen.queues["interactive"]) == 0
+    late = pen.hold(RequestInfo("r3", 0.0, 10, 4, tier="interactive"), 0.0)
+    assert pen.wait(late, time.monotonic() + 0.05, None) is None  # its time ran out
+    assert len(pen) == 0
+    pen.close()

@@ -112,6 +112,12 @@ class ApiMetrics:
             ["tier"],
             registry=self.registry,
         )
+        self.holds = Counter(
+            "tokenfleet_api_holds",
+            "Requests the admission policy queued and this API process held, by tier.",
+            ["tier"],
+            registry=self.registry,
+        )
         self.registry.register(_LiveStateCollector(gateway))
         self.registry.register(ThreadCpuCollector())
 
@@ -128,7 +134,10 @@ class ApiMetrics:
         return tenant
 
     def held(self, tier: str, delta: int) -> None:
+        """``delta`` +1 when a request starts waiting, -1 when it stops."""
         self.held_requests.labels(tier).inc(delta)
+        if delta > 0:
+            self.holds.labels(tier).inc()
 
     def disconnect(self, how: str) -> None:
         self.disconnects.labels(how).inc()

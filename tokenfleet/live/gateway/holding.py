@@ -54,9 +54,12 @@ class Hold:
 class HoldingPen:
     """Per-tier FIFOs of held requests and the thread that releases them."""
 
-    def __init__(self, release: Release, tick_s: float = 0.005) -> None:
+    def __init__(
+        self, release: Release, tick_s: float = 0.005, book_wait_s: float = BOOK_WAIT_S
+    ) -> None:
         self._release = release
         self.tick_s = tick_s
+        self.book_wait_s = book_wait_s
         self.queues: dict[str, TierQueue] = {}
         self._holds: dict[str, Hold] = {}
         self._lock = threading.Lock()
@@ -146,8 +149,8 @@ class HoldingPen:
                     q.remove(act.request_id)
             if h is None:  # the policy named a request this pen does not hold
                 log.warning("admission released %s, which is not held here", act.request_id)
-                continue
+                return
             h.action = act
             h.decided.set()
             if act.kind == DISPATCH:
-                h.booked.wait(BOOK_WAIT_S)
+                h.booked.wait(self.book_wait_s)
