@@ -44,7 +44,7 @@ from tokenfleet.core.types import PoolSnapshot, RequestInfo, RouteDecision
 from tokenfleet.engine.instance import EngineInstance, EngineRequest
 from tokenfleet.engine.profiles import EngineProfile, get_profile
 from tokenfleet.sim.cluster import PoolConfig, PoolSim, run_pool
-from tokenfleet.sim.core import URGENT, Environment
+from tokenfleet.sim.core import Environment
 from tokenfleet.sim.metrics import summarize
 from tokenfleet.sim.records import RequestRecord
 from tokenfleet.sim.runner import SimSettings
@@ -61,10 +61,15 @@ class _SharedCacheEngine(EngineInstance):
     engine of its pool has stored (``seen``, shared by the pool)."""
 
     seen: set[int]
+    planned_s = 0.0
 
     def _on_stored(self, req: EngineRequest, first_block: int, hashes: list[int]) -> None:
         self.seen.update(hashes)
         super()._on_stored(req, first_block, hashes)
+
+    def plan_step(self) -> float:
+        self.planned_s = super().plan_step()  # the step phase the oracle reads
+        return self.planned_s
 
     def _match(self, req: EngineRequest) -> tuple[int, int]:
         cache = self._cache
@@ -105,11 +110,10 @@ class _SharedCachePool(PoolSim):
 
     def _start_step(self, idx: int) -> None:
         engine = self.engines[idx]
-        if not engine.stepping:
-            dur = engine.plan_step()
-            self._step_ends[idx] = self.env.now + dur
-            if dur > 0.0:
-                self.env.schedule(dur, self._end_step, idx, priority=URGENT)
+        was_stepping = engine.stepping
+        super()._start_step(idx)
+        if not was_stepping and isinstance(engine, _SharedCacheEngine):
+            self._step_ends[idx] = self.env.now + engine.planned_s
 
     def _route_and_dispatch(
         self,
@@ -134,18 +138,10 @@ class _SharedCachePool(PoolSim):
         self._dispatch(trace, info, record, replica, decision)
 
 
-def _requests(workload: str, load: float, prof: EngineProfile, n: int) -> list[TraceRequest]:
-    from tokenfleet.workloads.mix import build_at_load, load_mix
+def _requests(mix: Any, load: float, prof: EngineProfile, n: int) -> list[TraceRequest]:
+    from tokenfleet.workloads.mix import build_at_load
 
-    reqs = build_at_load(load_mix(workload), load, prof, n)[0]
-    return sorted(reqs, key=lambda r: r.info.arrival_s)
-
-
-def _slo(workload: str) -> SLOConfig:
-    from tokenfleet.workloads.mix import load_mix
-
-    mix = load_mix(workload)
-    return SLOConfig.from_mapping(mix.slo, source="slo") if mix.slo is not None else SLOConfig()
+    return sorted(build_at_load(mix, load, prof, n)[0], key=lambda r: r.info.arrival_s)
 
 
 def _run(
@@ -203,9 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     unbounded = prof.with_overrides(
         gpu=replace(prof.gpu, hbm_bytes=prof.gpu.hbm_bytes * UNBOUNDED_HBM_X)
     )
-    slo = _slo(args.workload)
+    from tokenfleet.workloads.mix import load_mix
+
+    mix = load_mix(args.workload)
+    slo = SLOConfig.from_mapping(mix.slo, source="slo") if mix.slo is not None else SLOConfig()
     for load in args.load or [0.8, 0.9]:
-        reqs = _requests(args.workload, load, prof, args.instances)
+        reqs = _requests(mix, load, prof, args.instances)
         print(
             f"\n{Path(args.workload).name}, load {load}, {len(reqs)} requests, "
             f"{args.instances} x {prof.name}"

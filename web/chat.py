@@ -174,11 +174,12 @@ def _serve_held(gw: Gateway, principal: Any, shape: _Shape, tier_hint: str) -> R
     except Exception as exc:
         _record_refusal(gw, principal.tenant, None, None, tier_hint, exc)
         raise
-    gate = [True]  # still in the front gate: admission may hold the request outside it
+    in_gate = True  # admission may hold the request outside the gate (leave_gate)
 
     def leave_gate() -> None:
-        if gate[0]:
-            gate[0] = False
+        nonlocal in_gate
+        if in_gate:
+            in_gate = False
             gw.front_gate.leave()
 
     gone = client_gone(request.environ)

@@ -202,12 +202,7 @@ class Dispatcher:
         now = time.time()
         call: EngineCall | None = None  # express dispatch's engine call, once started
         try:
-            views = self.state.instance_views(
-                now, self.live.stale_after_s, self.instances(), self.accounting.get
-            )
-            if down := self.brokers.down_dcs(now):  # their requests spill (residency allowing)
-                views = [v for v in views if v.dc not in down]
-            views, dc_choice, allowed_dcs = self._pick_dc(req, views, now)
+            views, dc_choice, allowed_dcs = self._pick_dc(req, self._views(now), now)
             held = self._cached_by_instance(info)  # one walk of the index per request
             if released is not None:  # admission released it from the holding pen
                 allowed: tuple[str, ...] | None = released or None
@@ -339,6 +334,16 @@ class Dispatcher:
             express_call=call,
         )
 
+    def _views(self, now: float) -> list[InstanceView]:
+        """The router's views of every instance, less those of datacenters whose
+        broker is down (their requests spill, residency allowing)."""
+        views = self.state.instance_views(
+            now, self.live.stale_after_s, self.instances(), self.accounting.get
+        )
+        if down := self.brokers.down_dcs(now):
+            views = [v for v in views if v.dc not in down]
+        return views
+
     # -- admission ----------------------------------------------------------------------
     def _admit(
         self,
@@ -418,12 +423,8 @@ class Dispatcher:
 
         assert self.admission is not None
         self._refresh_admission_knobs()
-        views = self.state.instance_views(
-            now, self.live.stale_after_s, self.instances(), self.accounting.get
-        )
-        if down := self.brokers.down_dcs(now):
-            views = [v for v in views if v.dc not in down]
-        snap = AdmissionSnapshot(now_s=now, instances=self._admission_loads(views), queues=queues)
+        loads = self._admission_loads(self._views(now))
+        snap = AdmissionSnapshot(now_s=now, instances=loads, queues=queues)
         if not snap.instances:
             return None
         with self.router_lock:
