@@ -132,3 +132,6 @@ def test_the_long_context_lane_grows_with_the_long_prompt_work_it_sees(stack: Li
         before,
         st.thresholds(),
     )
+    # and says the share is measured, so the API's SLOMax stops sizing the lane
+    # from its own arrivals (as it does before beat's first window with work)
+    assert st.thresholds().get("lane_measured") == 1.0

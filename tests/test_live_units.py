@@ -971,6 +971,32 @@ def test_relay_flush_interval_is_a_live_setting() -> None:
         LiveConfig.load(env={}, relay_flush_interval_s=-1.0)
 
 
+def test_the_refresh_hands_beats_knobs_and_their_measured_flag_to_slomax() -> None:
+    """Before beat's controller has measured a window with prompt work, the
+    API's SLOMax sizes the lane from its own arrivals; the flag beat writes
+    beside the knobs ends that, and the knob's share rules from then on."""
+    from tokenfleet.core.admission.slomax import SLOMaxAdmission
+    from tokenfleet.live.gateway.refresh import LiveView
+
+    knobs: dict[str, float] = {"long_share": 0.25, "lane_measured": 0.0}
+
+    class _State:
+        def thresholds(self) -> dict[str, float]:
+            return dict(knobs)
+
+    view = LiveView()
+    view.state = _State()  # type: ignore[assignment]
+    view.admission = pol = SLOMaxAdmission()
+    view._knobs_at = 0.0  # the one field of _start_view this reads (no threads)
+    pol._cold_share = 0.875  # what a run of long prompts would have set
+    view._refresh_admission_knobs(max_age_s=0.0)
+    assert pol.long_share == 0.25 and not pol.lane_measured
+    assert pol._lane_size(4) == 3  # the arrivals' mix, one instance spared
+    knobs["lane_measured"] = 1.0
+    view._refresh_admission_knobs(max_age_s=0.0)
+    assert pol.lane_measured and pol._lane_size(4) == 1
+
+
 def test_refresh_thread_polls_queue_depths_only_while_requests_read_them() -> None:
     """An API without requests does not read the queue depths 40 times a second
     (nor wake up to find them unused); while dispatches keep reading them

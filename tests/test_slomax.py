@@ -637,6 +637,46 @@ def test_gateway_queue_cancellation_spends_nothing() -> None:
     assert r2.status == "cancelled" and r2.dispatched_s is None and r2.wasted_gpu_s == 0.0
 
 
+def test_before_its_first_window_the_lane_follows_the_arrivals_mix_and_spares_one() -> None:
+    """A run that opens with a burst of long prompts: before the controller
+    has measured a window, the lane is sized from the prompts that arrived
+    (here all long, so all but one instance) instead of the initial half of
+    the pool, so three long prefills start at once; one instance stays off
+    the lane, so the chat request behind them is served in milliseconds."""
+    longs = [
+        TraceRequest(req(f"L{i}", 30000, 64, arrival_s=0.05 * i, block_hashes=(900 + i,)), 16)
+        for i in range(3)
+    ]
+    chat = TraceRequest(req("c", 800, 64, arrival_s=0.3, block_hashes=(1,)), 16)
+    cfg = PoolConfig(profile=PROFILE, n_instances=4, router="tokenpilot")
+    recs, _, driver = run_pool_with_admission(longs + [chat], cfg, SLO, "slomax")
+    by_id = {r.request_id: r for r in recs}
+    waits = [by_id[f"L{i}"].dispatched_s - by_id[f"L{i}"].arrival_s for i in range(3)]  # type: ignore[operator]
+    assert max(waits) < 0.01, waits  # the initial half-pool lane held the third 1.1 s
+    lane = {by_id[f"L{i}"].instance_id for i in range(3)}
+    assert len(lane) == 3
+    assert by_id["c"].instance_id not in lane
+    assert by_id["c"].ttft_s is not None and by_id["c"].ttft_s < 0.1
+    assert driver.policy.lane_measured  # the run's first window measured the mix
+    # the rule alone: half the pool before any arrival, all but one after long
+    # prompts only, and the controller's share once a window has measured it
+    pol = SLOMaxAdmission(slo=SLO)
+    assert pol._lane_size(4) == 2
+    pol.on_arrival(
+        req("L", 30000, tier="long_context"), AdmissionSnapshot(0.0, instances(4), queues())
+    )
+    assert not pol.lane_measured and pol._lane_size(4) == 3
+    pol.on_window(_mix_window(long_tokens=90000, interactive_tokens=800), 5.0)
+    assert pol.lane_measured and pol._lane_size(4) == 4  # round(0.875 x 4)
+
+
+def _mix_window(long_tokens: int, interactive_tokens: int) -> WindowStats:
+    w = WindowStats(period_s=5.0)
+    w.tier("long_context").prefill_tokens = long_tokens
+    w.tier("interactive").prefill_tokens = interactive_tokens
+    return w
+
+
 # -- 7. workload mixing ---------------------------------------------------------------------------
 def _write_traces(d: Path) -> tuple[Path, Path]:
     az = d / "chat.csv"

@@ -47,12 +47,16 @@ class ControlState:
     batch_share: float
     long_share: float
     reject_factor: float
+    #: ``long_share`` comes from a measured work mix (a window saw prefill
+    #: work); until then the admission sizes the lane from its own arrivals
+    lane_measured: bool = False
 
     def as_dict(self) -> dict[str, float]:
         return {
             "batch_share": self.batch_share,
             "long_share": self.long_share,
             "reject_factor": self.reject_factor,
+            "lane_measured": float(self.lane_measured),
         }
 
 
@@ -162,9 +166,21 @@ class SLOMaxController:
         lo, hi = c.long_share_bounds
         return min(hi, max(lo, base + self.long.value))
 
+    def share_from_mix(self, lane_tokens: int, interactive_tokens: int) -> float:
+        """The lane share the first window would set for this work mix (its
+        feedforward plus the current trim), for the admission to use before
+        any window has measured one."""
+        total = lane_tokens + interactive_tokens
+        if total <= 0:
+            return self.long_share
+        lo, hi = self.cfg.long_share_bounds
+        return min(hi, max(lo, lane_tokens / total + self.long.value))
+
     @property
     def state(self) -> ControlState:
-        return ControlState(self.batch.value, self.long_share, self.reject.value)
+        return ControlState(
+            self.batch.value, self.long_share, self.reject.value, self.long_work is not None
+        )
 
     # -- the control law -----------------------------------------------------------
     def update(self, window: WindowStats, now_s: float) -> ControlState:

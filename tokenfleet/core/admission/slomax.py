@@ -189,6 +189,13 @@ class SLOMaxAdmission(BaseAdmission):
         self.batch_share = st.batch_share
         self.long_share = st.long_share
         self.reject_factor = st.reject_factor
+        # Until a window has measured the work mix (the live refresh copies
+        # this knob from beat's controller), the lane follows the mix of the
+        # prompts that arrived here: _observe_cold_mix.
+        self.lane_measured = st.lane_measured
+        self._cold_lane_tokens = 0
+        self._cold_interactive_tokens = 0
+        self._cold_share: float | None = None
         self.prefill_fraction = prefill_fraction
         self.bucket_s = 0.5  # burst allowance, seconds of prefill
         self.tpot_guard = tpot_guard
@@ -348,8 +355,40 @@ class SLOMaxAdmission(BaseAdmission):
             (i for i in snap.instances if i.view.ready and i.view.metrics.healthy),
             key=lambda i: i.view.index,
         )
-        n = max(1, round(self.long_share * len(ready)))
+        n = self._lane_size(len(ready))
         return {i.instance_id for i in ready[len(ready) - n :]}
+
+    def _lane_size(self, ready: int) -> int:
+        """Lane instances among ``ready``. Before a window has measured the
+        work mix, the share is the arrivals' mix (a few prompts' worth of
+        evidence), and one instance stays off the lane whatever it says, so
+        the first interactive request finds one without a long prefill."""
+        if self.adaptive and not self.lane_measured:
+            share = self.long_share if self._cold_share is None else self._cold_share
+            n = max(1, round(share * ready))
+            return min(n, ready - 1) if ready > 1 else n
+        return max(1, round(self.long_share * ready))
+
+    def _observe_cold_mix(self, req: RequestInfo, snap: AdmissionSnapshot) -> None:
+        """Count an arrival's prefill work into the mix that sizes the lane
+        until the controller's first measured window. The lane's initial half
+        of the pool made a trace that opens with a burst of long prompts (the
+        Mooncake slice: 7 of its first 10 requests long-context) queue them
+        for up to 1.9 s behind two lane slots while the rest of the pool
+        idled: TTFT p95 2.16 s against 1.99 s once the lane follows the mix
+        (docs/benchmarks.md, section 34)."""
+        uncached = max(0, req.input_tokens - max(snap.cached_tokens.values(), default=0))
+        if req.tier == LONG or (
+            req.tier == BATCH and req.input_tokens >= self.slo.long_context_min_input_tokens
+        ):
+            self._cold_lane_tokens += uncached
+        elif req.tier == INTERACTIVE:
+            self._cold_interactive_tokens += uncached
+        else:
+            return
+        self._cold_share = self.ctrl.share_from_mix(
+            self._cold_lane_tokens, self._cold_interactive_tokens
+        )
 
     def _lane_in_use(self, snap: AdmissionSnapshot) -> bool:
         """Long work is queued or in flight. Only then does the lane matter to
@@ -419,7 +458,7 @@ class SLOMaxAdmission(BaseAdmission):
         ready = [i for i in snap.instances if i.view.ready]
         if not ready:
             return math.inf
-        slots = max(1, round(self.long_share * len(ready))) * self.long_prefill_cap
+        slots = self._lane_size(len(ready)) * self.long_prefill_cap
         prof = ready[0].view.profile
         hit = self._hit.get(LONG, 0.0)
         kappa = self._kappa.get(LONG, 1.0)
@@ -456,6 +495,8 @@ class SLOMaxAdmission(BaseAdmission):
 
     def on_arrival(self, request: RequestInfo, snap: AdmissionSnapshot) -> AdmissionDecision:
         tier = request.tier
+        if self.adaptive and not self.lane_measured:
+            self._observe_cold_mix(request, snap)
         if self._never_fits(request, snap):
             return AdmissionDecision(REJECT, reason="larger than any instance's context or KV")
         if tier == BATCH:
@@ -757,6 +798,7 @@ class SLOMaxAdmission(BaseAdmission):
             self.batch_share = st.batch_share
             self.long_share = st.long_share
             self.reject_factor = st.reject_factor
+            self.lane_measured = st.lane_measured
         out = {
             "batch_share": self.batch_share,
             "long_share": self.long_share,

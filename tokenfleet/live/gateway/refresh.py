@@ -302,6 +302,9 @@ class LiveView:
             v = thr.get(knob)
             if v is not None and hasattr(self.admission, knob):
                 setattr(self.admission, knob, v)
+        measured = thr.get("lane_measured")
+        if measured is not None and hasattr(self.admission, "lane_measured"):
+            self.admission.lane_measured = measured > 0
 
     def _refresh_depths(self) -> None:
         now = time.monotonic()
