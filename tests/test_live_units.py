@@ -975,7 +975,7 @@ def test_the_refresh_hands_beats_knobs_and_their_measured_flag_to_slomax() -> No
     """Before beat's controller has measured a window with prompt work, the
     API's SLOMax sizes the lane from its own arrivals; the flag beat writes
     beside the knobs ends that, and the knob's share rules from then on."""
-    from tokenfleet.core.admission.slomax import SLOMaxAdmission
+    from tokenfleet.live.gateway.core import make_admission
     from tokenfleet.live.gateway.refresh import LiveView
 
     knobs: dict[str, float] = {"long_share": 0.25, "lane_measured": 0.0}
@@ -986,7 +986,8 @@ def test_the_refresh_hands_beats_knobs_and_their_measured_flag_to_slomax() -> No
 
     view = LiveView()
     view.state = _State()  # type: ignore[assignment]
-    view.admission = pol = SLOMaxAdmission()
+    view.admission = pol = make_admission("slomax")  # as the API builds it
+    assert not pol.adaptive and not pol.lane_measured  # beat adapts its knobs
     view._knobs_at = 0.0  # the one field of _start_view this reads (no threads)
     pol._cold_share = 0.875  # what a run of long prompts would have set
     view._refresh_admission_knobs(max_age_s=0.0)

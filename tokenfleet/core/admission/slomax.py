@@ -189,10 +189,12 @@ class SLOMaxAdmission(BaseAdmission):
         self.batch_share = st.batch_share
         self.long_share = st.long_share
         self.reject_factor = st.reject_factor
-        # Until a window has measured the work mix (the live refresh copies
-        # this knob from beat's controller), the lane follows the mix of the
-        # prompts that arrived here: _observe_cold_mix.
-        self.lane_measured = st.lane_measured
+        # Until a window has measured the work mix, the lane follows the mix
+        # of the prompts that arrived here (_observe_cold_mix). Frozen knobs
+        # count as measured: the lane is what was configured. The live API
+        # runs this object frozen but clears the flag, for beat's controller
+        # adapts its knobs (the refresh copies the flag beat writes).
+        self.lane_measured = st.lane_measured or not adaptive
         self._cold_lane_tokens = 0
         self._cold_interactive_tokens = 0
         self._cold_share: float | None = None
@@ -363,7 +365,7 @@ class SLOMaxAdmission(BaseAdmission):
         work mix, the share is the arrivals' mix (a few prompts' worth of
         evidence), and one instance stays off the lane whatever it says, so
         the first interactive request finds one without a long prefill."""
-        if self.adaptive and not self.lane_measured:
+        if not self.lane_measured:
             share = self.long_share if self._cold_share is None else self._cold_share
             n = max(1, round(share * ready))
             return min(n, ready - 1) if ready > 1 else n
@@ -495,7 +497,7 @@ class SLOMaxAdmission(BaseAdmission):
 
     def on_arrival(self, request: RequestInfo, snap: AdmissionSnapshot) -> AdmissionDecision:
         tier = request.tier
-        if self.adaptive and not self.lane_measured:
+        if not self.lane_measured:
             self._observe_cold_mix(request, snap)
         if self._never_fits(request, snap):
             return AdmissionDecision(REJECT, reason="larger than any instance's context or KV")

@@ -58,7 +58,11 @@ def make_admission(name: str) -> Any:
     from tokenfleet.core.admission import ADMISSION
 
     if name == "slomax":
-        return ADMISSION.create(name, adaptive=False)
+        adm = ADMISSION.create(name, adaptive=False)
+        # its knobs do adapt, in beat: until beat's controller has measured a
+        # window (the refresh copies its flag), the lane follows the arrivals
+        adm.lane_measured = False
+        return adm
     return ADMISSION.create(name)
 
 
