@@ -43,9 +43,11 @@ leave ``interactive_kv_reserve`` of each instance's KV and
 
 The knobs ``batch_share``, ``long_share`` and ``reject_factor`` move once per
 control period under ``controller.SLOMaxController`` (``adaptive=False``
-freezes them at their initial values). TTFT predictions use the engine
-profile (operator-configured, so a live gateway knows it) corrected online
-by the observed/predicted ratio per tier, and a learned prefix-hit ratio.
+freezes them at their initial values). Before a window has measured the
+work mix, the lane is sized from the prompts that arrived, one instance
+spared. TTFT predictions use the engine profile (operator-configured, so a
+live gateway knows it) corrected online by the observed/predicted ratio per
+tier, and a learned prefix-hit ratio.
 """
 
 from __future__ import annotations
