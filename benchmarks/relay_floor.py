@@ -43,8 +43,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))  # benchmarks.*, tests.support
 
 #: the end of a chunked body
 _LAST_CHUNK = b"0\r\n\r\n"
@@ -278,8 +277,8 @@ def start_bare(
 
 
 def measure(front: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    import live_routers
-    from cpu_per_request import _Caller, make_prompt, tree_cpu_s
+    from benchmarks import live_routers
+    from benchmarks.cpu_per_request import _Caller, make_prompt, tree_cpu_s
 
     engines = live_routers.Engines(args.engines, log_dir, seed=args.seed)
     proc: subprocess.Popen[bytes] | None = None
