@@ -54,7 +54,6 @@ _LAST_CHUNK = b"0\r\n\r\n"
 class _Client:
     sock: socket.socket
     buf: bytearray = field(default_factory=bytearray)
-    up: _Upstream | None = None
 
 
 @dataclass
@@ -85,7 +84,7 @@ class BareRelay:
         self.next_engine = 0
         self.timers: list[tuple[float, int, _Upstream]] = []
         self.seq = 0
-        self.stats = {"requests": 0, "engine_reads": 0, "client_sends": 0}
+        self.stats = {"requests": 0, "engine_reads": 0}
 
     def run(self, stop: threading.Event | None = None) -> None:
         """Serve until ``stop`` is set (checked at least every second)."""
@@ -159,7 +158,6 @@ class BareRelay:
         )
         up.sock.setblocking(False)
         up.client, up.tail, up.in_body = c, b"", False
-        c.up = up
         self.stats["requests"] += 1
         self.sel.register(up.sock, selectors.EVENT_READ, up)
 
@@ -188,7 +186,6 @@ class BareRelay:
                 self.sel.unregister(c.sock)
             c.sock.close()
             return
-        self.stats["client_sends"] += 1
         seen = up.tail + data
         if not up.in_body:  # a header may end in "0" (a request id): not the end
             end = seen.find(b"\r\n\r\n")
@@ -201,7 +198,7 @@ class BareRelay:
         if tail == _LAST_CHUNK:  # the answer is whole: both connections kept
             if self.sel.get_map().get(up.sock) is not None:
                 self.sel.unregister(up.sock)
-            up.client, c.up = None, None
+            up.client = None
             self.idle[up.engine].append(up)
             self.sel.register(c.sock, selectors.EVENT_READ, c)
             if c.buf:

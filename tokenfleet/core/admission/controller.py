@@ -163,8 +163,12 @@ class SLOMaxController:
     def long_share(self) -> float:
         c = self.cfg
         base = c.long_share - c.long_trim if self.long_work is None else self.long_work
-        lo, hi = c.long_share_bounds
-        return min(hi, max(lo, base + self.long.value))
+        return self._trimmed(base)
+
+    def _trimmed(self, work_share: float) -> float:
+        """The lane share for a work mix: feedforward plus trim, within bounds."""
+        lo, hi = self.cfg.long_share_bounds
+        return min(hi, max(lo, work_share + self.long.value))
 
     def share_from_mix(self, lane_tokens: int, interactive_tokens: int) -> float:
         """The lane share the first window would set for this work mix (its
@@ -173,8 +177,7 @@ class SLOMaxController:
         total = lane_tokens + interactive_tokens
         if total <= 0:
             return self.long_share
-        lo, hi = self.cfg.long_share_bounds
-        return min(hi, max(lo, lane_tokens / total + self.long.value))
+        return self._trimmed(lane_tokens / total)
 
     @property
     def state(self) -> ControlState:

@@ -150,6 +150,7 @@ class SLOMaxAdmission(BaseAdmission):
         slo: SLOConfig | None = None,
         controller: ControllerConfig | Mapping[str, Any] | None = None,
         adaptive: bool = True,
+        lane_measured: bool | None = None,
         long_prefill_per_instance: int = 1,
         long_inflight_per_instance: int = 8,
         batch_max_seats: int | None = None,
@@ -193,10 +194,12 @@ class SLOMaxAdmission(BaseAdmission):
         self.reject_factor = st.reject_factor
         # Until a window has measured the work mix, the lane follows the mix
         # of the prompts that arrived here (_observe_cold_mix). Frozen knobs
-        # count as measured: the lane is what was configured. The live API
-        # runs this object frozen but clears the flag, for beat's controller
-        # adapts its knobs (the refresh copies the flag beat writes).
-        self.lane_measured = st.lane_measured or not adaptive
+        # count as measured (None: the lane is what was configured); the live
+        # API runs this object frozen with False, for beat's controller adapts
+        # its knobs (the refresh copies the flag beat writes).
+        if lane_measured is None:
+            lane_measured = st.lane_measured or not adaptive
+        self.lane_measured = lane_measured
         self._cold_lane_tokens = 0
         self._cold_interactive_tokens = 0
         self._cold_share: float | None = None

@@ -58,13 +58,9 @@ def make_admission(name: str) -> Any:
     from tokenfleet.core.admission import ADMISSION
 
     if name == "slomax":
-        from tokenfleet.core.admission.slomax import SLOMaxAdmission
-
-        adm = SLOMaxAdmission(adaptive=False)
         # its knobs do adapt, in beat: until beat's controller has measured a
         # window (the refresh copies its flag), the lane follows the arrivals
-        adm.lane_measured = False
-        return adm
+        return ADMISSION.create(name, adaptive=False, lane_measured=False)
     return ADMISSION.create(name)
 
 
