@@ -79,11 +79,13 @@ from benchmarks.cpu_per_request import CONTROL_PLANE, cpu_by_role, stack_pids, t
 from tests.support.stack import API_KEY, InstanceSpec, LiveStack, engine_sim_argv  # noqa: E402
 from tests.support.stores import temp_data_dir  # noqa: E402
 from tokenfleet.core.tiers import SLOConfig  # noqa: E402
+from tokenfleet.live import steps  # noqa: E402
 from tokenfleet.live.bench import (  # noqa: E402
     hop_breakdown,
     outcome_traces,
     path_delays,
     replay,
+    step_breakdown,
     summary,
 )
 from tokenfleet.service.embedded import free_port  # noqa: E402
@@ -131,6 +133,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # as shipped before express dispatch: every attempt a Celery task for a worker
     "worker": {"express_dispatch": False},
     "2api": {},
+    # the API's interpreter switch interval at 0.2 ms, not 1: the path no
+    # shorter (docs/benchmarks.md, section 35)
+    "sw02": {"api_switch_interval_ms": 0.2},
     "2api_nocheck": {"booking_check": False},
     "noadm": {},  # no admission policy: the router alone, as the Rust routers run
     "pinned_noadm": {"affinity_min_cached_tokens": 0, "affinity_min_cached_fraction": 0.0},
@@ -308,6 +313,8 @@ def one_run(
         stack: LiveStack | None = None
         proc: subprocess.Popen[bytes] | None = None
         hops: dict[str, dict[str, float]] | None = None
+        step_ms: dict[str, dict[str, float]] | None = None
+        step_dir = d / "api-steps"
         try:
             hook = None
             if kind == "tokenfleet":
@@ -325,6 +332,7 @@ def one_run(
                     kv_endpoints={f"e{k}": kv for k, kv in enumerate(engines.kv)},
                     engines_in_process=False,
                     api_in_process=False,
+                    api_env={steps.ENV: str(step_dir)} if args.steps else {},
                     # as `tokenfleet up` runs it (0.5 s scrapes, 5 s control
                     # period), not the test suite's faster timings
                     test_timings=False,
@@ -334,6 +342,7 @@ def one_run(
                         **VARIANTS.get(variant, {}),
                     },
                 )
+                step_dir.mkdir()
                 stack.start()
                 urls = [stack.url]
                 if variant.startswith("2api"):
@@ -368,6 +377,8 @@ def one_run(
                     stack.gateway.state.request_state,
                     logs,
                 )
+            if stack is not None and args.steps:
+                step_ms = step_breakdown(outcome_traces(outs), steps.read_steps(step_dir), logs)
         finally:
             if stack is not None:
                 stack.stop()
@@ -396,6 +407,7 @@ def one_run(
         "sample_errors": s.get("sample_errors", []),
         "booking_rechecks": rechecks,
         "hops": hops,
+        "steps": step_ms,
         "sim": sim,
     }
 
@@ -527,6 +539,7 @@ def dump_run(out: Path, outs: Any, logs: Path, stack: LiveStack | None) -> None:
                 "input_tokens": o.request.info.input_tokens,
                 "output_tokens": o.output_tokens,
                 "sent_s": o.sent_s,
+                "sent_wall": o.sent_wall,
                 "ttft_s": None if o.first_token_s is None else o.first_token_s - o.sent_s,
                 "status": o.status,
                 "cached_tokens": o.cached_tokens,
@@ -632,6 +645,12 @@ def main() -> int:
         help="TokenFleet fronts: also the median and p90 of every hop of its path",
     )
     ap.add_argument(
+        "--steps",
+        action="store_true",
+        help="TokenFleet fronts: also the median and p90 of every step inside the API "
+        "up to the first token (tokenfleet/live/steps.py), for requests it sent the engine itself",
+    )
+    ap.add_argument(
         "--dump",
         type=Path,
         default=None,
@@ -679,6 +698,11 @@ def main() -> int:
             )
             for name, h in (r["hops"] or {}).items():
                 print(f"      {name:34} p50 {h['p50_ms']:7.2f} ms  p90 {h['p90_ms']:7.2f} ms")
+            for name, h in (r["steps"] or {}).items():
+                print(
+                    f"      {name:44} p50 {h['p50_ms']:7.3f} ms  p90 {h['p90_ms']:7.3f} ms"
+                    f"  (n={h['n']})"
+                )
     print()
     print(table(runs, fronts))
     if args.sim:

@@ -293,3 +293,50 @@ def test_hop_breakdown_joins_client_ledger_state_and_engine_times(tmp_path: Path
     assert hops["worker -> client first token"]["p90_ms"] == pytest.approx(3.6)
     assert hops["publish -> worker receives"]["n"] == 9  # rid9 has no Redis stamps
     assert hops["API: arrival -> admitted"]["n"] == 12  # both paths
+
+
+def test_step_breakdown_lines_up_client_api_and_engine_stamps(tmp_path: Path) -> None:
+    """Each step is the difference of two stamps of one request, in the order
+    the API took them; a request the API did not call the engine for (no
+    ``engine_sent``), or without an engine entry, is left out."""
+    from tokenfleet.live.bench import step_breakdown
+
+    names = ["app", "view", "dispatch", "engine_call", "engine_sent", "state_written"]
+    traces, marks, lines = [], {}, []
+    for i in range(10):
+        t0 = 2000.0 + 10 * i
+        k = 1 + i / 10  # nearest rank: k = 1.4 at p50, 1.8 at p90
+        traces.append({"rid": f"r{i}", "sent": t0, "first": t0 + 0.030 * k})
+        api = [(n, t0 + 0.001 * k * (j + 1)) for j, n in enumerate(names)]
+        api += [("first_event", t0 + 0.025 * k), ("first_written", t0 + 0.026 * k)]
+        marks[f"r{i}"] = api
+        lines.append({"id": f"r{i}-1", "received": t0 + 0.007 * k, "first": t0 + 0.024 * k})
+    # through a worker: the API stamped no engine call of its own
+    traces.append({"rid": "w", "sent": 3000.0, "first": 3000.05})
+    marks["w"] = [("app", 3000.001), ("dispatch", 3000.002), ("first_event", 3000.04)]
+    lines.append({"id": "w-1", "received": 3000.01, "first": 3000.03})
+    # no engine entry
+    traces.append({"rid": "x", "sent": 4000.0, "first": 4000.05})
+    marks["x"] = marks["r0"]
+    _write_engine_log(tmp_path, lines)
+    got = step_breakdown(traces, marks, tmp_path)
+    assert list(got) == [
+        "client sends -> API app",
+        "API: app -> view",
+        "API: view -> dispatch",
+        "API: dispatch -> engine_call",
+        "API: engine_call -> engine_sent",
+        "API engine_sent -> engine receives",
+        "engine: receives -> first token",
+        "engine first token -> API first_event",
+        "API: first_event -> first_written",
+        "API first_written -> client reads it",
+        "API steps before the engine call is sent",
+        "API steps from first_event",
+    ]
+    assert all(v["n"] == 10 for v in got.values())
+    assert got["client sends -> API app"] == {"p50_ms": 1.4, "p90_ms": 1.8, "n": 10}
+    assert got["API engine_sent -> engine receives"]["p50_ms"] == pytest.approx(2.8)
+    assert got["engine: receives -> first token"]["p90_ms"] == pytest.approx(30.6)
+    assert got["API steps before the engine call is sent"]["p50_ms"] == pytest.approx(5.6)
+    assert got["API first_written -> client reads it"]["p50_ms"] == pytest.approx(5.6)

@@ -19,6 +19,7 @@ import pytest
 import redis
 
 from tests.support.stack import InstanceSpec, LiveStack
+from tokenfleet.live import steps
 from tokenfleet.live.direct import outcome_key
 
 
@@ -221,3 +222,42 @@ def test_the_engine_starts_before_the_dispatch_writes_and_a_failed_write_aborts_
     assert at_writes == [1], "the engine had not received the request when the writes ran"
     monkeypatch.undo()
     assert _wait_for(lambda: _idle(stack)), "the engine call outlived its failed dispatch"
+
+
+def test_the_api_stamps_each_step_of_an_express_stream_in_order(
+    stack: LiveStack, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``benchmarks/live_routers.py --steps`` reads these: every step of the
+    request path, in the order the request takes them, once per request."""
+    monkeypatch.setattr(steps, "_DIR", str(tmp_path))
+    monkeypatch.setattr(steps, "ENABLED", True)
+    assert _wait_for(lambda: _idle(stack))
+    before = _express_count(stack)
+    rid, _text, usage = _chat(stack, 5, "steps")
+    assert usage is not None and _express_count(stack) == before + 1
+    got = steps.read_steps(tmp_path)
+    assert list(got) == [rid]
+    names = [n for n, _ in got[rid]]
+    assert names == [
+        "app",
+        "view",
+        "authenticated",
+        "body_read",
+        "validated",
+        "dispatch",
+        "prefetched",
+        "admitted",
+        "routed",
+        "engine_call",
+        "engine_sent",
+        "state_written",
+        "dispatched",
+        "first_event",
+        "first_written",
+    ]
+    times = [t for _, t in got[rid]]
+    assert times == sorted(times)
+    # nothing is written once the stamps are off
+    monkeypatch.setattr(steps, "ENABLED", False)
+    _chat(stack, 3, "unstamped")
+    assert list(steps.read_steps(tmp_path)) == [rid]

@@ -35,6 +35,7 @@ from typing import Any
 import redis
 from flask import Blueprint, Response, current_app, g, request
 
+from tokenfleet.live import steps
 from tokenfleet.live.gateway import TIER_HEADER, ChatRequest, Dispatched, Gateway, HoldWait
 from tokenfleet.live.gateway.rows import REFUSAL_STATUSES, refusal_record
 from tokenfleet.live.relay import RelayEvent
@@ -145,10 +146,12 @@ def completions() -> Response:
 
 
 def _serve(shape: _Shape) -> Response:
+    steps.stamp("view")
     gw: Gateway = current_app.extensions["tokenfleet"]
     principal = current_app.extensions["tokenfleet.auth"].authenticate(
         request.headers.get("Authorization")
     )
+    steps.stamp("authenticated")
     g.tf_tenant = principal.tenant  # for the metrics and the access log of a refusal
     tier_hint = request.headers.get(TIER_HEADER, "") or ""
     try:
@@ -185,6 +188,7 @@ def _serve_held(gw: Gateway, principal: Any, shape: _Shape, tier_hint: str) -> R
     gone = client_gone(request.environ)
     try:
         body = read_json()
+        steps.stamp("body_read")
         if not shape.chat and isinstance(body, dict) and body.get("max_tokens") is None:
             # the legacy API's default output budget (OpenAI's and vLLM's), not chat's
             body["max_tokens"] = LEGACY_DEFAULT_MAX_TOKENS
@@ -200,11 +204,13 @@ def _serve_held(gw: Gateway, principal: Any, shape: _Shape, tier_hint: str) -> R
             g.tf_tier = req.info.tier
             g.tf_request_id = req.info.request_id
             quota = ChatQuota.admit(current_app.extensions.get("tokenfleet.quota"), principal, req)
+            steps.stamp("validated")
         except Exception as exc:
             _record_refusal(gw, principal.tenant, body, req, tier_hint, exc)
             raise
         try:
             d = gw.dispatch(req, HoldWait(leave_gate, gone))
+            steps.stamp("dispatched")
         except BaseException as exc:
             quota.refund()
             if isinstance(exc, Exception):
@@ -243,6 +249,7 @@ def _serve_held(gw: Gateway, principal: Any, shape: _Shape, tier_hint: str) -> R
         # Hold the response until the first real event so an error before any
         # token still gets its proper HTTP status; after that, errors are events.
         first = _first_event(events)
+        steps.stamp("first_event")
         if first is not None and first.kind == "gone":
             _cancel_gone(gw, d, events, quota)
             gw.inflight.leave()
@@ -288,6 +295,7 @@ def _deferred_sse(
     head = shape.chunk(d, None, role=True) if shape.chat else b""
     try:
         first = _first_event(events)
+        steps.stamp("first_event")
     except BaseException:
         try:
             _close_events(events)
@@ -441,6 +449,8 @@ def _sse(
         if first.kind == "d" and first.text:
             # the role chunk and the first token leave in one write
             yield head + shape.text_chunk(d, first.text)
+            steps.stamp("first_written")
+            steps.flush(r.info.request_id)
         else:
             if head:
                 yield head

@@ -69,6 +69,7 @@ from cheroot.workers.threadpool import WorkerThread
 from cheroot.wsgi import Gateway_10
 from cheroot.wsgi import Server as _CherootServer
 
+from tokenfleet.live import steps
 from tokenfleet.live.gateway.pump import PumpSink
 
 log = logging.getLogger("tokenfleet.api")
@@ -445,7 +446,7 @@ class ApiServer:
             max_threads = bound + RESERVE_THREADS
         self._server = _LingeringServer(
             (host, port),
-            app,
+            steps.wrap_app(app),
             numthreads=max(1, threads),
             max=max(threads, max_threads),
             request_queue_size=1024,

@@ -68,6 +68,9 @@ class LiveStack:
     #: extra environment of engine processes (e.g. TOKENFLEET_EMULATOR_REQUEST_LOG;
     #: ``{instance}`` in a value becomes the instance id)
     engine_env: dict[str, str] = field(default_factory=dict)
+    #: extra environment of `tokenfleet api` processes (``api_in_process=False``),
+    #: e.g. ``TOKENFLEET_STEP_LOG_DIR``
+    api_env: dict[str, str] = field(default_factory=dict)
     #: engine processes publish vLLM KV events (ZeroMQ) and their workers relay
     #: them (``--kv-events``), so routers get exact cache knowledge
     engine_kv_events: bool = False
@@ -309,7 +312,7 @@ class LiveStack:
         assert self.sup is not None
         port = free_port()
         seeds = ",".join(filter(None, [f"{API_KEY}={TENANT}", self.live.seed_api_keys]))  # type: ignore[union-attr]
-        env = dict(self.env, TOKENFLEET_SEED_API_KEYS=seeds)
+        env = dict(self.env, **self.api_env, TOKENFLEET_SEED_API_KEYS=seeds)
         child = self.sup.start(
             name,
             [

@@ -265,6 +265,20 @@ def summary(
     return out
 
 
+def engine_entries(engine_logs: Path) -> dict[str, dict[str, Any]]:
+    """The emulators' request logs (``TOKENFLEET_EMULATOR_REQUEST_LOG``, one
+    ``*.jsonl`` per engine under ``engine_logs``) by request id: a front door's
+    own id as forwarded, and TokenFleet's ``<id>-<attempt>`` under ``<id>``
+    (the last attempt)."""
+    engine: dict[str, dict[str, Any]] = {}
+    for f in sorted(engine_logs.glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            e = json.loads(line)
+            engine[e["id"]] = e
+            engine[e["id"].rsplit("-", 1)[0]] = e
+    return engine
+
+
 def path_delays(outs: Sequence[Outcome], engine_logs: Path) -> list[tuple[int, float, float]]:
     """Per request (prompt tokens, ``dispatch``, ``relay``): seconds from the
     client's send to its engine taking the request, and from the engine step
@@ -272,12 +286,7 @@ def path_delays(outs: Sequence[Outcome], engine_logs: Path) -> list[tuple[int, f
     joined by request id with the emulators' request logs
     (``TOKENFLEET_EMULATOR_REQUEST_LOG``, one ``*.jsonl`` per engine under
     ``engine_logs``)."""
-    engine: dict[str, dict[str, Any]] = {}
-    for f in sorted(engine_logs.glob("*.jsonl")):
-        for line in f.read_text().splitlines():
-            e = json.loads(line)
-            engine[e["id"]] = e  # a front door's own id, forwarded as it is
-            engine[e["id"].rsplit("-", 1)[0]] = e  # TokenFleet's "<id>-<attempt>": the last
+    engine = engine_entries(engine_logs)
     out: list[tuple[int, float, float]] = []
     for o in outs:
         e = engine.get(o.api_request_id)
@@ -340,11 +349,7 @@ def hop_breakdown(
     the message and claimed it, and who claimed it) and the emulators'
     request logs. Every time is a wall clock of a process on one machine."""
     rows = {r["request_id"]: r for r in ledger_rows}
-    engine: dict[str, dict[str, Any]] = {}
-    for f in sorted(engine_logs.glob("*.jsonl")):
-        for line in f.read_text().splitlines():
-            e = json.loads(line)
-            engine[e["id"].rsplit("-", 1)[0]] = e
+    engine = engine_entries(engine_logs)
 
     def ts(x: Any) -> float | None:
         return x.timestamp() if x is not None else None
@@ -371,20 +376,73 @@ def hop_breakdown(
         for name, a, b in EXPRESS_HOPS if express else HOPS:
             if point.get(a) is not None and point.get(b) is not None:
                 per_hop[name].append(point[b] - point[a])
+    return _p50_p90_ms(per_hop, digits=2)
+
+
+def _p50_p90_ms(samples: Mapping[str, list[float]], digits: int) -> dict[str, dict[str, float]]:
+    """{name: {p50_ms, p90_ms, n}} of each non-empty list of seconds."""
 
     def pct(xs: list[float], q: float) -> float:
         xs = sorted(xs)
-        return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] if xs else float("nan")
+        return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
     return {
         name: {
-            "p50_ms": round(pct(xs, 0.5) * 1e3, 2),
-            "p90_ms": round(pct(xs, 0.9) * 1e3, 2),
+            "p50_ms": round(pct(xs, 0.5) * 1e3, digits),
+            "p90_ms": round(pct(xs, 0.9) * 1e3, digits),
             "n": len(xs),
         }
-        for name, xs in per_hop.items()
+        for name, xs in samples.items()
         if xs
     }
+
+
+def step_breakdown(
+    traces: Sequence[Mapping[str, Any]],
+    steps: Mapping[str, Sequence[tuple[str, float]]],
+    engine_logs: Path,
+) -> dict[str, dict[str, float]]:
+    """Median and p90 (ms) of each step of an express request's path to its
+    first token: the client's send to the API's app, every step the API
+    stamped (:mod:`tokenfleet.live.steps`) up to sending the engine the
+    request, the engine's receipt, its own time to the first token, and from
+    there every stamped step to the client reading the token. Then the sums:
+    the API's own steps before the engine call is sent and after the first
+    token comes back. Requests a worker called the engine for are left out
+    (their engine call is another process's).
+
+    ``traces``: the client's wall-clock times (:func:`outcome_traces`);
+    ``steps``: the API's stamps by request id
+    (:func:`tokenfleet.live.steps.read_steps`)."""
+    engine = engine_entries(engine_logs)
+    per: dict[str, list[float]] = {}
+
+    def add(name: str, a: float, b: float) -> None:
+        per.setdefault(name, []).append(b - a)
+
+    for t in traces:
+        rid = t.get("rid") or ""
+        marks, e = steps.get(rid), engine.get(rid)
+        if not marks or e is None:
+            continue
+        names = [n for n, _ in marks]
+        if "engine_sent" not in names or "first_event" not in names:
+            continue
+        at = dict(marks)
+        before = names[: names.index("engine_sent") + 1]
+        after = names[names.index("first_event") :]
+        add("client sends -> API app", t["sent"], at["app"])
+        for a, b in zip(before, before[1:], strict=False):
+            add(f"API: {a} -> {b}", at[a], at[b])
+        add("API engine_sent -> engine receives", at["engine_sent"], e["received"])
+        add("engine: receives -> first token", e["received"], e["first"])
+        add("engine first token -> API first_event", e["first"], at["first_event"])
+        for a, b in zip(after, after[1:], strict=False):
+            add(f"API: {a} -> {b}", at[a], at[b])
+        add(f"API {after[-1]} -> client reads it", at[after[-1]], t["first"])
+        add("API steps before the engine call is sent", at["app"], at["engine_sent"])
+        add("API steps from first_event", at["first_event"], at[after[-1]])
+    return _p50_p90_ms(per, digits=3)
 
 
 def _float_or_none(x: Any) -> float | None:

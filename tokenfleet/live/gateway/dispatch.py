@@ -35,6 +35,7 @@ from tokenfleet.core.types import (
     RouteDecision,
 )
 from tokenfleet.errors import NoCandidateError
+from tokenfleet.live import steps
 from tokenfleet.live.brokers import DcBrokers
 from tokenfleet.live.config import LiveConfig
 from tokenfleet.live.dc_select import DCTicket
@@ -198,7 +199,9 @@ class Dispatcher:
         released: tuple[str, ...] | None = None,
     ) -> Dispatched:
         info = req.info
+        steps.stamp("dispatch")
         self.await_prefetch()
+        steps.stamp("prefetched")
         now = time.time()
         call: EngineCall | None = None  # express dispatch's engine call, once started
         try:
@@ -208,6 +211,7 @@ class Dispatcher:
                 allowed: tuple[str, ...] | None = released or None
             else:
                 allowed = self._admit(req, views, now, held, hold is not None)
+            steps.stamp("admitted")
             # a P/D router places both phases by role once the pool is split;
             # SLOMax's per-tier instance split would hide the prefill pool (as
             # in the simulator's P/D pool)
@@ -216,6 +220,7 @@ class Dispatcher:
             for i, v in enumerate(views):
                 v.index = i
             decision, prefill, prebooked = self._route(req, views, now)
+            steps.stamp("routed")
             target = next(v for v in views if v.instance_id == decision.instance_id)
             if prefill is None:
                 target, sticky = self._sticky(req, views, target)
@@ -281,7 +286,9 @@ class Dispatcher:
                 # aborts it), so no token leaves before the state says whose it is
                 go = self._express_go(job, express)
                 call = engine_call(go.facts or {}, job, self.live)
+                steps.stamp("engine_call")
                 call.start()
+                steps.stamp("engine_sent")
             sub = self.relay_hub.subscribe(info.request_id)
             try:
                 self._dispatch_writes(
@@ -297,6 +304,7 @@ class Dispatcher:
                 if call is not None:
                     call.discard("dispatch failed")
                 raise
+            steps.stamp("state_written")
             if express is not None:
                 with self.express_lock:
                     key = (target.instance_id, info.tier)
